@@ -1,0 +1,146 @@
+"""The attention backend interface (mini-sglang's hook shape), Capabilities, and a per-instance registry.
+
+A backend is prepared once per step with `AttentionMetadata`, then called once per (loop, layer) with
+the new tokens' q, k, v and the KV slot. `select` returns a fresh instance whose Capabilities are a
+copy: a requirement switches a capability on for that instance only, never for the class or registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+
+@dataclasses.dataclass(slots=True)
+class Capabilities:
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+    head_dims: tuple[int, ...] = (32, 64, 128, 256)
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    kv_formats: tuple[str, ...] = ("paged",)
+    cuda_graphs: bool = False
+    packed_prefill: bool = False
+    # False when prefill through the packed kernel is not bitwise equal to the decode path.
+    packed_matches_decode: bool = True
+    # Max |packed - per-row| the packed kernel promises, relative to max |reference| (None: exact).
+    packed_prefill_tolerance: float | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class AttentionMetadata:
+    """One step's batch, flattened. Built once per step by the runner; shared by every (loop, layer).
+
+    Row i owns new tokens query_start_loc[i]:query_start_loc[i+1]. It attends to context_lens[i] tokens:
+    its cached prefix plus its new tokens, causally. Position p of row i lives in block
+    block_tables[i, p // block_size] at offset p % block_size, in every slot.
+    """
+
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    context_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [N] int64: block * block_size + offset of each new token
+    query_lens_cpu: list[int]
+    context_lens_cpu: list[int]
+    block_size: int
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_context_len(self) -> int:
+        return max(self.context_lens_cpu, default=0)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Stores new K/V into the paged pool and attends over each row's context."""
+
+    name: ClassVar[str]
+    default_capabilities: ClassVar[Capabilities]
+    # Capabilities a requirement may switch on for one instance.
+    optional_capabilities: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, capabilities: Capabilities) -> None:
+        self.capabilities = capabilities
+        self.meta: AttentionMetadata | None = None
+
+    def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float) -> None:
+        """key_cache / value_cache: [num_slots, num_blocks, block_size, kv_heads, head_dim]."""
+        self.key_cache = key_cache
+        self.value_cache = value_cache
+        self.scale = scale
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Called once per step, before the first forward."""
+        self.meta = meta
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
+        """q: [N, heads, D]; k, v: [N, kv_heads, D]. Stores k, v in `slot`, returns [N, heads, D]."""
+
+    def capture_begin(self, max_rows: int) -> None:
+        """Before a CUDA-graph capture: switch to graph-safe kernels and graph-owned buffers."""
+
+    def capture_end(self) -> None:
+        """After a capture: back to eager behaviour."""
+
+    def check(self, dtype: torch.dtype, head_dim: int, device: torch.device) -> None:
+        caps = self.capabilities
+        if dtype not in caps.dtypes:
+            raise ValueError(f"attention backend {self.name!r} does not support dtype {dtype}")
+        if head_dim not in caps.head_dims:
+            raise ValueError(f"attention backend {self.name!r} does not support head_dim {head_dim}")
+        if device.type not in caps.devices:
+            raise ValueError(f"attention backend {self.name!r} does not run on device {device.type!r}")
+
+
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
+
+
+def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available() -> list[str]:
+    _load_builtin_backends()
+    return sorted(_REGISTRY)
+
+
+def select(name: str, device: torch.device, requirements: dict[str, bool] | None = None) -> AttentionBackend:
+    """A new backend instance. "auto" is triton on CUDA and torch elsewhere.
+
+    `requirements` names capabilities to switch on, on the returned instance only.
+    """
+    _load_builtin_backends()
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    cls = _REGISTRY[name]
+    caps = dataclasses.replace(cls.default_capabilities)
+    for key, wanted in (requirements or {}).items():
+        if not wanted:
+            continue
+        if key not in cls.optional_capabilities:
+            raise ValueError(f"attention backend {name!r} cannot provide {key!r}")
+        setattr(caps, key, True)
+    return cls(caps)
+
+
+def _load_builtin_backends() -> None:
+    import attention.torch_backend  # noqa: F401  (registers "torch")
+    try:
+        import attention.triton_backend  # noqa: F401  (registers "triton")
+    except ImportError:  # triton missing: only the torch backend is available
+        pass

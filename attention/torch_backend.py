@@ -1,0 +1,60 @@
+"""The reference backend: gathers each row's pages and runs plain torch math. Runs on CPU and CUDA.
+
+It is slow and obviously right; every other backend is tested against it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention.base import AttentionBackend, Capabilities, register
+
+
+def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write new tokens' K/V into one slot's pages. key_cache: [num_blocks, block_size, kv_heads, D]."""
+    key_cache.view(-1, *key_cache.shape[2:])[slot_mapping] = k
+    value_cache.view(-1, *value_cache.shape[2:])[slot_mapping] = v
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """One row's context from one slot's pages: [context_len, kv_heads, D]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-context_len // block_size)
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:context_len]
+
+
+def paged_attention_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a row's new queries (the last len(q) positions) over its context, in fp32."""
+    num_new, heads, _ = q.shape
+    context_len, kv_heads, _ = keys.shape
+    group = heads // kv_heads
+    qf = q.float().transpose(0, 1)  # [H, n, D]
+    kf = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, ctx, D]
+    vf = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = (qf @ kf.transpose(1, 2)) * scale  # [H, n, ctx]
+    query_pos = torch.arange(context_len - num_new, context_len, device=q.device)[:, None]
+    key_pos = torch.arange(context_len, device=q.device)[None, :]
+    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vf  # [H, n, D]
+    return out.transpose(0, 1).to(q.dtype)
+
+
+@register
+class TorchBackend(AttentionBackend):
+    name = "torch"
+    default_capabilities = Capabilities()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
+        meta = self.meta
+        key_cache, value_cache = self.key_cache[slot], self.value_cache[slot]
+        store_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        start = 0
+        for row, (num_new, context_len) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+            table = meta.block_tables[row]
+            keys = gather_context(key_cache, table, context_len)
+            values = gather_context(value_cache, table, context_len)
+            out[start:start + num_new] = paged_attention_row(q[start:start + num_new], keys, values, self.scale)
+            start += num_new
+        return out

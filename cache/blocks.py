@@ -1,0 +1,139 @@
+"""The block allocator: fixed-size blocks, a free list, ref counts, per-request block tables and the
+prefix cache. It owns block ownership; it never touches KV tensors or decides what runs next.
+
+One block table per request covers all T x L slots: a block id names the same token range in every
+(loop, layer) plane, so one allocation here reserves that range in all of them.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import dataclasses
+import hashlib
+
+from scheduler.request import Request
+
+
+@dataclasses.dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None  # set once the block is full and computed; kept after free until reuse
+    token_ids: tuple[int, ...] = ()
+
+
+def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """Chained hash of one full block: the parent block's hash mixed with this block's token ids."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array.array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"BlockManager.num_blocks must be an integer >= 1, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"BlockManager.block_size must be an integer >= 1, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion order is eviction order: new blocks come from the front, freed ones join the back.
+        self.free_block_ids: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(
+            range(num_blocks)
+        )
+        self.hash_to_block_id: dict[bytes, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate(self, request: Request) -> int:
+        """Give a newly admitted request the cached blocks of its longest cached prefix; return how many
+        tokens they hold. At least one token is left uncached so that the step still yields logits."""
+        assert not request.block_table, f"request {request.request_id} already holds blocks"
+        if not self.enable_prefix_caching:
+            return 0
+        token_ids = request.token_ids
+        parent = None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            parent = block_hash(parent, chunk)
+            block_id = self.hash_to_block_id.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            self._take(block_id)
+            request.block_table.append(block_id)
+        return len(request.block_table) * self.block_size
+
+    def can_append(self, request: Request, num_new_tokens: int) -> bool:
+        return self._num_missing_blocks(request, num_new_tokens) <= self.num_free_blocks
+
+    def append_slots(self, request: Request, num_new_tokens: int) -> None:
+        """Grow the request's table to cover num_computed_tokens + num_new_tokens tokens."""
+        missing = self._num_missing_blocks(request, num_new_tokens)
+        assert missing <= self.num_free_blocks, "append_slots without can_append"
+        for _ in range(missing):
+            block_id = next(iter(self.free_block_ids))
+            self._forget_hash(block_id)
+            self._take(block_id)
+            request.block_table.append(block_id)
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references. Blocks that reach ref 0 become free but keep their hash, so a
+        later request with the same prefix still finds them until they are reused."""
+        for block_id in reversed(request.block_table):  # tail blocks are the least shareable: evict first
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} freed more often than taken"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+                if not self._findable(block):  # reuse blocks the cache cannot hand out before cached ones
+                    self.free_block_ids.move_to_end(block_id, last=False)
+        request.block_table = []
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that became full and computed since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        table, size = request.block_table, self.block_size
+        num_full = request.num_computed_tokens // size
+        first = num_full
+        while first > 0 and self.blocks[table[first - 1]].hash is None:
+            first -= 1
+        if first == num_full:
+            return
+        parent = self.blocks[table[first - 1]].hash if first > 0 else None
+        token_ids = request.token_ids
+        for i in range(first, num_full):
+            block = self.blocks[table[i]]
+            block.token_ids = tuple(token_ids[i * size : (i + 1) * size])
+            block.hash = parent = block_hash(parent, block.token_ids)
+            # An identical block computed by another request keeps the entry; this one still carries its
+            # hash so that the chain continues through it.
+            self.hash_to_block_id.setdefault(block.hash, block.block_id)
+
+    def _num_missing_blocks(self, request: Request, num_new_tokens: int) -> int:
+        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+        return max(0, needed - len(request.block_table))
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_block_ids[block_id]
+        block.ref_count += 1
+
+    def _findable(self, block: Block) -> bool:
+        return block.hash is not None and self.hash_to_block_id.get(block.hash) == block.block_id
+
+    def _forget_hash(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if self._findable(block):
+            del self.hash_to_block_id[block.hash]
+        block.hash = None
+        block.token_ids = ()

@@ -1,0 +1,160 @@
+"""Find a checkpoint (local directory or HF repo id) and load its safetensors into OuroForCausalLM.
+
+Every expected tensor is checked for presence, shape and dtype before any is used; the error names
+the tensor. No pickle and no remote code: only config.json, safetensors and tokenizer files are read.
+q/k/v and gate/up are fused at load time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from model.config import OuroConfig
+from model.ouro import OuroForCausalLM
+
+HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def resolve_model_dir(model: str | os.PathLike) -> Path:
+    """A local directory as is; an HF repo id through huggingface_hub (respects HF_HOME, HF_HUB_OFFLINE)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    text = str(model)
+    if path.exists():
+        raise ValueError(f"model {text!r} is a file; pass the checkpoint's directory")
+    if not _REPO_ID.match(text) or text.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model directory {text!r} does not exist")
+    return _download(text)
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except LocalEntryNotFoundError:
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and the hub cannot be reached "
+            "(offline, or HF_HUB_OFFLINE=1). Download it once while online "
+            f"(`huggingface-cli download {repo_id}`), point HF_HOME at a cache that has it, "
+            "or pass a local checkpoint directory.") from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"model {repo_id!r}: no such repository on the Hugging Face hub "
+                                "(or it is gated and you are not logged in)") from None
+
+
+def expected_tensors(config: OuroConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes of an Ouro checkpoint (ouro.md §6)."""
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.q_size, config.kv_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden),
+                                          "model.norm.weight": (hidden,),
+                                          "model.early_exit_gate.weight": (1, hidden),
+                                          "model.early_exit_gate.bias": (1,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q),
+            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        })
+        for norm in ("input_layernorm", "input_layernorm_2", "post_attention_layernorm",
+                     "post_attention_layernorm_2"):
+            shapes[p + norm + ".weight"] = (hidden,)
+    return shapes
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> the safetensors file holding it (single-file or sharded checkpoint)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object")
+        return {name: model_dir / file for name, file in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def check_tensors(config: OuroConfig, files: dict[str, Path]) -> None:
+    """Presence, shape and dtype of every expected tensor, before any is loaded."""
+    expected = expected_tensors(config)
+    missing = [name for name in expected if name not in files]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"checkpoint is missing tensor {missing[0]!r}{more}")
+    unexpected = sorted(set(files) - set(expected))
+    if unexpected:
+        warnings.warn(f"checkpoint has {len(unexpected)} unexpected tensor(s), ignored: "
+                      f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}", stacklevel=3)
+    for file in sorted(set(files[name] for name in expected)):
+        if not file.is_file():
+            raise FileNotFoundError(f"checkpoint shard {file} (named in the index) does not exist")
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name not in expected or files[name] != file:
+                    continue
+                piece = f.get_slice(name)
+                shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+                if shape != expected[name]:
+                    raise ValueError(f"tensor {name!r} has shape {shape}, expected {expected[name]}")
+                if dtype not in _FLOAT_DTYPES:
+                    raise ValueError(f"tensor {name!r} has dtype {dtype}, expected one of F32, F16, BF16")
+
+
+def read_tensors(files: dict[str, Path], names: list[str], device: torch.device,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    for file, file_names in by_file.items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in file_names:
+                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return out
+
+
+def load_model(model_dir: Path, config: OuroConfig, device: torch.device, dtype: torch.dtype) -> OuroForCausalLM:
+    files = checkpoint_files(model_dir)
+    check_tensors(config, files)
+    tensors = read_tensors(files, list(expected_tensors(config)), device, dtype)
+    with torch.device("meta"):
+        model = OuroForCausalLM(config)
+    state = {"embed_tokens.weight": tensors["model.embed_tokens.weight"],
+             "norm.weight": tensors["model.norm.weight"],
+             "early_exit_gate.weight": tensors["model.early_exit_gate.weight"],
+             "early_exit_gate.bias": tensors["model.early_exit_gate.bias"],
+             "lm_head.weight": tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        attn = [tensors.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+        state[f"layers.{i}.qkv_proj.weight"] = torch.cat(attn)
+        state[f"layers.{i}.o_proj.weight"] = tensors.pop(p + "self_attn.o_proj.weight")
+        gate_up = [tensors.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]
+        state[f"layers.{i}.gate_up_proj.weight"] = torch.cat(gate_up)
+        state[f"layers.{i}.down_proj.weight"] = tensors.pop(p + "mlp.down_proj.weight")
+        for norm in ("input_layernorm", "input_layernorm_2", "post_attention_layernorm",
+                     "post_attention_layernorm_2"):
+            state[f"layers.{i}.{norm}.weight"] = tensors.pop(p + norm + ".weight")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary = model.rotary.__class__(config.head_dim, config.rope_theta).to(device)
+    return model.eval().requires_grad_(False)

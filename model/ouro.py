@@ -1,0 +1,126 @@
+"""The Ouro network (ouro.md §2-§4): embed -> T x (L sandwich layers, then the final norm) -> exit gate,
+lm_head.
+
+The model never sees the KV cache. It calls `attention(q, k, v, slot)` once per (loop, layer) with
+slot = loop * L + layer, and whatever stands behind that callable (a paged backend, or dense causal
+attention for training) owns the K/V.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import OuroConfig
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """HF's RMSNorm: normalise in fp32, cast back to the input dtype, then scale by the weight."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Default (NeoX, rotate-half) RoPE over the full head_dim. Tables are built in fp32, then cast."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        self.register_buffer("inv_freq", 1.0 / (theta ** exponents), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class OuroLayer(nn.Module):
+    """One sandwich layer: each sublayer is pre-normed and post-normed before the residual add."""
+
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads,
+                                                            config.num_key_value_heads, config.head_dim)
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.input_layernorm_2 = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm_2 = RMSNorm(hidden, eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention,
+                slot: int) -> torch.Tensor:
+        n = h.shape[0]
+        q, k, v = self.qkv_proj(self.input_layernorm(h)).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        attn = attention(q, k, v, slot).reshape(n, self.q_size)
+        h = h + self.input_layernorm_2(self.o_proj(attn))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + self.post_attention_layernorm_2(self.down_proj(F.silu(gate) * up))
+
+
+@dataclasses.dataclass(slots=True)
+class LoopStates:
+    """Per-loop readouts of the rows that produce logits: hidden [T, R, H] (post-norm), gate logits [T, R]."""
+
+    hidden: torch.Tensor
+    gate_logits: torch.Tensor
+
+
+class OuroForCausalLM(nn.Module):
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.layers = nn.ModuleList(OuroLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.early_exit_gate = nn.Linear(hidden, 1, bias=True)
+        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
+        self.rotary = Rotary(config.head_dim, config.rope_theta)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
+                readout_indices: torch.Tensor | None = None) -> LoopStates:
+        """Run all loops over the flattened new tokens. The final norm closes every loop and its
+        output both feeds the next loop and is that loop's readout (ouro.md §3)."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, h.dtype)
+        num_layers = len(self.layers)
+        hidden, gate_logits = [], []
+        for t in range(self.config.total_ut_steps):
+            for index, layer in enumerate(self.layers):
+                h = layer(h, cos, sin, attention, t * num_layers + index)
+            h = self.norm(h)
+            readout = h if readout_indices is None else h[readout_indices]
+            hidden.append(readout)
+            gate_logits.append(self.early_exit_gate(readout).squeeze(-1))
+        return LoopStates(torch.stack(hidden), torch.stack(gate_logits))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

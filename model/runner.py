@@ -1,0 +1,83 @@
+"""Turns a scheduled batch into tensors once per step, runs every loop of the model over it through
+the attention backend, and samples the next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from attention.base import AttentionBackend, AttentionMetadata
+from model.ouro import OuroForCausalLM
+from model.sampler import sample
+from scheduler.request import Request
+from scheduler.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: OuroForCausalLM, backend: AttentionBackend, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flatten the batch: token ids, positions, slot mapping, per-row lengths and block tables."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        readout: list[int] = []
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            start = request.num_computed_tokens
+            end = start + num_new
+            input_ids += request.token_ids[start:end]
+            positions += range(start, end)
+            table = request.block_table
+            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start.append(query_start[-1] + num_new)
+            context_lens.append(end)
+            if end == request.num_tokens:
+                readout.append(query_start[-1] - 1)
+        width = max(len(r.block_table) for r in batch.requests)
+        tables = [r.block_table + [0] * (width - len(r.block_table)) for r in batch.requests]
+        meta = AttentionMetadata(
+            query_start_loc=self._tensor(query_start),
+            context_lens=self._tensor(context_lens),
+            block_tables=self._tensor(tables),
+            slot_mapping=self._tensor(slot_mapping, torch.int64),
+            query_lens_cpu=list(batch.num_new_tokens),
+            context_lens_cpu=context_lens,
+            block_size=bs,
+        )
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, readout
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """The next token of every request whose chunk reaches the end of its sequence, else None."""
+        input_ids, positions, meta, readout = self.prepare(batch)
+        self.backend.prepare(meta)
+        states = self.model(input_ids, positions, self.backend.forward, self._tensor(readout, torch.int64))
+        sampling = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
+        if not sampling:
+            return [None] * len(batch.requests)
+        logits = self.model.compute_logits(states.hidden[-1]).float()
+        tokens = iter(sample(logits, [r.params for r in sampling], [self._generator(r) for r in sampling]).tolist())
+        return [next(tokens) if r.num_computed_tokens + n == r.num_tokens else None
+                for r, n in zip(batch.requests, batch.num_new_tokens)]
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        if request.params.seed is None or request.params.greedy:
+            return None
+        if request.request_id not in self.generators:
+            generator = torch.Generator(self.device).manual_seed(request.params.seed)
+            self.generators[request.request_id] = generator
+        return self.generators[request.request_id]
+
+    def release(self, request: Request) -> None:
+        self.generators.pop(request.request_id, None)

@@ -1,0 +1,90 @@
+"""tokenizer.json through `tokenizers`, the chat template through jinja2 (as transformers renders it),
+and the stop ids from generation_config.json and config.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def render_chatml(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """Ouro's chat format (ChatML), used when the checkpoint ships no chat_template."""
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path) -> None:
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
+        self._tok = _HFTokenizer.from_file(str(path))
+        self.config = _read_json(model_dir / "tokenizer_config.json")
+        self.chat_template = self.config.get("chat_template")
+        generation = _read_json(model_dir / "generation_config.json")
+        model_config = _read_json(model_dir / "config.json")
+        stop = _ids(generation.get("eos_token_id")) + _ids(model_config.get("eos_token_id"))
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stop))
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                    or not isinstance(message.get("content"), str):
+                raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content'")
+        if not self.chat_template:
+            return render_chatml(messages, add_generation_prompt)
+        return self._compiled_template().render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self._special("bos_token"), eos_token=self._special("eos_token"), **kwargs)
+
+    def _special(self, key: str) -> str:
+        value = self.config.get(key) or ""
+        return value.get("content", "") if isinstance(value, dict) else value
+
+    def _compiled_template(self):
+        if self._template is None:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False,
+                                                                          indent=indent)
+            self._template = env.from_string(self.chat_template)
+        return self._template

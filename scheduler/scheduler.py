@@ -1,0 +1,254 @@
+"""Continuous batching: each step is one batch within a token budget and a sequence budget. Running
+decodes go first, then prefill chunks (running requests first, then the waiting queue, FCFS), all mixed
+into one forward pass. When blocks run out, the most recently admitted request is preempted and later
+recomputed. It sees token ids, block ids and a detokenize callable; it never touches tensors.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+
+from cache.blocks import BlockManager
+from scheduler.request import Request, RequestStatus
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledBatch:
+    """One step. Row i computes num_new_tokens[i] tokens of requests[i], at positions
+    num_computed_tokens .. num_computed_tokens + num_new_tokens[i] - 1 (block_table already covers
+    them), and samples a next token only where sample[i]: its chunk reaches the end of token_ids."""
+
+    requests: list[Request] = dataclasses.field(default_factory=list)
+    num_new_tokens: list[int] = dataclasses.field(default_factory=list)
+    sample: list[bool] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+    def samples(self, i: int) -> bool:
+        return self.sample[i]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        detokenize: Callable[[list[int]], str],
+    ) -> None:
+        for name, value in [
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ]:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Scheduler.{name} must be an integer >= 1, got {value!r}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        # A sequence also stops growing when one request alone would fill the whole pool.
+        self.max_seq_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
+        self.detokenize = detokenize
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.num_preemptions = 0
+        self._unfinished: dict[str, Request] = {}
+        self._finished: list[Request] = []
+
+    def add(self, request: Request, error: str | None = None) -> None:
+        """Queue a request. One that can never run (or that the caller found invalid: `error`) finishes
+        at once with finish_reason "error" and is handed back by the next update() or take_finished();
+        it never disturbs the others."""
+        if request.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id} is {request.status.value}, not waiting")
+        if request.request_id in self._unfinished:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        error = error or self._admission_error(request)
+        if error is not None:
+            request.finish("error", error)
+            self._finished.append(request)
+            return
+        self._unfinished[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a waiting or running request with finish_reason "abort"; False if it is not unfinished."""
+        request = self._unfinished.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        """True while a request waits, runs, or has finished without yet being handed back."""
+        return bool(self.waiting or self.running or self._finished)
+
+    def take_finished(self) -> list[Request]:
+        """Requests finished since the last call (by a step, an abort or an error at add), each once."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    def schedule(self) -> ScheduledBatch:
+        """One step: running requests (decode rows before prefill chunks), then newly admitted ones."""
+        rows: dict[Request, int] = {}
+        budget = self.max_num_batched_tokens
+        preempted = False
+        decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for request in decodes_first:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_preemptions = self.num_preemptions
+            fits = self._make_room(request, num_new, rows)
+            if self.num_preemptions != num_preemptions:
+                preempted = True
+                budget = self.max_num_batched_tokens - sum(rows.values())
+            if fits:
+                self.block_manager.append_slots(request, num_new)
+                rows[request] = num_new
+                budget -= num_new
+        if not preempted:  # as vLLM: no admissions in a step that had to preempt
+            self._admit_waiting(rows, budget)
+        return ScheduledBatch(
+            requests=list(rows),
+            num_new_tokens=list(rows.values()),
+            sample=[r.num_computed_tokens + n == r.num_tokens for r, n in rows.items()],
+        )
+
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Request]:
+        """Advance the batch's requests by one step. sampled[i] is read only where batch.sample[i].
+        Returns every request finished since the last hand-back, this step's included."""
+        if len(sampled) != batch.num_seqs:
+            raise ValueError(f"update got {len(sampled)} sampled tokens for {batch.num_seqs} rows")
+        for request, num_new, sample, token in zip(
+            batch.requests, batch.num_new_tokens, batch.sample, sampled
+        ):
+            if request.is_finished:  # aborted after schedule()
+                continue
+            request.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(request)
+            if not sample:
+                continue
+            if token is None:
+                raise ValueError(f"row of request {request.request_id} samples but got no token")
+            request.output_token_ids.append(token)
+            self._check_stop(request)
+        return self.take_finished()
+
+    def _admission_error(self, request: Request) -> str | None:
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            return "prompt is empty"
+        if num_prompt > self.max_model_len:
+            return f"prompt has {num_prompt} tokens, more than max_model_len {self.max_model_len}"
+        bm = self.block_manager
+        needed = bm.num_blocks_for(num_prompt + 1)
+        if needed > bm.num_blocks:
+            return (
+                f"prompt has {num_prompt} tokens; with one generated token it needs {needed} KV blocks "
+                f"of {bm.block_size} tokens, more than the whole pool's {bm.num_blocks}"
+            )
+        return None
+
+    def _make_room(self, request: Request, num_new: int, rows: dict[Request, int]) -> bool:
+        """Preempt the most recently admitted requests until `request` can grow by num_new tokens.
+        False when `request` itself had to go."""
+        while not self.block_manager.can_append(request, num_new):
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1:  # add() rejects these; never loop on one
+                self._finish(request, "error", error="request does not fit in the KV pool even alone")
+                return False
+            self._preempt(victim)
+            rows.pop(victim, None)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit_waiting(self, rows: dict[Request, int], budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_cached = bm.allocate(request)
+            request.num_computed_tokens = num_cached
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not bm.can_append(request, num_new):  # FCFS: nobody overtakes the head of the queue
+                bm.free(request)
+                request.num_computed_tokens = 0
+                return
+            bm.append_slots(request, num_new)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            rows[request] = num_new
+            budget -= num_new
+
+    def _check_stop(self, request: Request) -> None:
+        params, output = request.params, request.output_token_ids
+        token = output[-1]
+        if token in params.stop_token_ids or (not params.ignore_eos and token in request.eos_token_ids):
+            # As vLLM: the stop token's text is left out unless include_stop_str_in_output.
+            text_ids = output if params.include_stop_str_in_output else output[:-1]
+            stop_reason = token if token in params.stop_token_ids else None
+            self._finish(request, "stop", stop_reason, self.detokenize(text_ids))
+            return
+        if params.stop:
+            text = self.detokenize(output)
+            found = [(text.find(s), s) for s in params.stop if s in text]
+            if found:
+                start, stop = min(found, key=lambda hit: hit[0])
+                end = start + len(stop) if params.include_stop_str_in_output else start
+                self._finish(request, "stop", stop, text[:end])
+                return
+            request.output_text = text
+        if (params.max_tokens is not None and len(output) >= params.max_tokens) or (
+            request.num_tokens >= self.max_seq_len
+        ):
+            self._finish(request, "length")
+
+    def _finish(
+        self,
+        request: Request,
+        reason: str,
+        stop_reason: int | str | None = None,
+        text: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        del self._unfinished[request.request_id]
+        if text is None:
+            text = self.detokenize(request.output_token_ids) if request.output_token_ids else ""
+        request.output_text = text
+        request.stop_reason = stop_reason
+        request.finish(reason, error)
+        self._finished.append(request)

@@ -1,0 +1,41 @@
+"""Shared fixtures. Without CUDA, Triton kernels run in the interpreter (TRITON_INTERPRET=1), set
+before anything imports triton."""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A random-weight tiny Ouro checkpoint in the exact HF layout (fp32)."""
+    from model.tiny import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_checkpoint):
+    from tests.reference import ReferenceOuro
+
+    return ReferenceOuro(tiny_checkpoint)

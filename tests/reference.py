@@ -1,0 +1,139 @@
+"""The test oracle: a deliberately plain, dense, fp32 Ouro, written from ouro.md alone.
+
+No cache, no paging, no fusion: every call recomputes the whole sequence from the raw HF-named
+tensors. Also HF's exit semantics (ouro.md §4): the exit pdf, Q-exit, exit_at_step, weighted logits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def load_hf_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    index = model_dir / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else ["model.safetensors"]
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(str(model_dir / name)))
+    return {k: v.float() for k, v in tensors.items()}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x: [S, heads, D]; NeoX rotate-half over all D dims."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2).float() / d))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :]
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def exit_pdf(gate_logits: torch.Tensor) -> torch.Tensor:
+    """[T] gate logits -> [T] exit probabilities: p(t) = lambda_t * S_{t-1}; the last loop takes the rest."""
+    lam = torch.sigmoid(gate_logits.double())
+    survival = 1.0
+    pdf = []
+    for t in range(len(lam)):
+        if t == len(lam) - 1:
+            pdf.append(survival)
+        else:
+            pdf.append(lam[t].item() * survival)
+            survival *= 1.0 - lam[t].item()
+    return torch.tensor(pdf, dtype=torch.float64)
+
+
+def threshold_exit_loop(gate_logits: torch.Tensor, q: float) -> int:
+    """HF's Q-exit: the first loop whose cumulative exit probability reaches q; q >= 1 means the last."""
+    if q >= 1.0:
+        return len(gate_logits) - 1
+    cdf = 0.0
+    for t, p in enumerate(exit_pdf(gate_logits).tolist()):
+        cdf += p
+        if cdf >= q:
+            return t
+    return len(gate_logits) - 1
+
+
+class ReferenceOuro:
+    def __init__(self, model_dir: str | Path, loops: int | None = None) -> None:
+        model_dir = Path(model_dir)
+        self.cfg = json.loads((model_dir / "config.json").read_text())
+        self.w = load_hf_tensors(model_dir)
+        self.loops = loops or self.cfg["total_ut_steps"]
+        self.layers = self.cfg["num_hidden_layers"]
+        self.heads = self.cfg["num_attention_heads"]
+        self.kv_heads = self.cfg.get("num_key_value_heads", self.heads)
+        self.head_dim = self.cfg.get("head_dim") or self.cfg["hidden_size"] // self.heads
+        self.eps = self.cfg["rms_norm_eps"]
+        self.lm_head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
+
+    def attention(self, x: torch.Tensor, i: int, positions: torch.Tensor) -> torch.Tensor:
+        w, p = self.w, f"model.layers.{i}.self_attn."
+        s = x.shape[0]
+        q = rope((x @ w[p + "q_proj.weight"].T).view(s, self.heads, self.head_dim), positions, self.cfg["rope_theta"])
+        k = rope((x @ w[p + "k_proj.weight"].T).view(s, self.kv_heads, self.head_dim), positions,
+                 self.cfg["rope_theta"])
+        v = (x @ w[p + "v_proj.weight"].T).view(s, self.kv_heads, self.head_dim)
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(self.head_dim)
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(s, -1)
+        return out @ w[p + "o_proj.weight"].T
+
+    def mlp(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        w, p = self.w, f"model.layers.{i}.mlp."
+        gate, up = x @ w[p + "gate_proj.weight"].T, x @ w[p + "up_proj.weight"].T
+        return (torch.nn.functional.silu(gate) * up) @ w[p + "down_proj.weight"].T
+
+    def loop_states(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-norm hidden states [T, S, H] and gate logits [T, S] of every loop."""
+        w, eps = self.w, self.eps
+        positions = torch.arange(len(ids))
+        h = w["model.embed_tokens.weight"][torch.tensor(ids)]
+        states, gates = [], []
+        for _ in range(self.loops):
+            for i in range(self.layers):
+                p = f"model.layers.{i}."
+                a = self.attention(rms_norm(h, w[p + "input_layernorm.weight"], eps), i, positions)
+                h = h + rms_norm(a, w[p + "input_layernorm_2.weight"], eps)
+                m = self.mlp(rms_norm(h, w[p + "post_attention_layernorm.weight"], eps), i)
+                h = h + rms_norm(m, w[p + "post_attention_layernorm_2.weight"], eps)
+            h = rms_norm(h, w["model.norm.weight"], eps)
+            states.append(h)
+            gates.append(h @ w["model.early_exit_gate.weight"][0] + w["model.early_exit_gate.bias"][0])
+        return torch.stack(states), torch.stack(gates)
+
+    def next_logits(self, ids: list[int], policy: str = "full") -> torch.Tensor:
+        """Logits for the token after `ids` under an HF exit policy: full, step:K, threshold:Q, weighted."""
+        states, gates = self.loop_states(ids)
+        last, gate = states[:, -1], gates[:, -1]
+        if policy == "full":
+            return last[-1] @ self.lm_head.T
+        kind, _, arg = policy.partition(":")
+        if kind == "step":
+            return last[int(arg)] @ self.lm_head.T
+        if kind == "threshold":
+            return last[threshold_exit_loop(gate, float(arg))] @ self.lm_head.T
+        if kind == "weighted":
+            pdf = exit_pdf(gate).float()
+            return sum(pdf[t] * (last[t] @ self.lm_head.T) for t in range(self.loops))
+        raise ValueError(f"unknown policy {policy!r}")
+
+    def greedy(self, ids: list[int], max_new_tokens: int, policy: str = "full") -> list[int]:
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            out.append(int(self.next_logits(ids + out, policy).argmax()))
+        return out

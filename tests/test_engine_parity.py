@@ -1,0 +1,70 @@
+"""The engine's greedy tokens equal the dense fp32 oracle's (tests/reference.py)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from tests.conftest import ROOT
+from tests.reference import ReferenceOuro
+
+PROMPTS = ["A looped language model", "Hello", "The quick brown fox jumps over the lazy dog again and again",
+           "0123456789 + - * / = 42"]
+
+
+@pytest.mark.parametrize("loops", [1, 2, 4])
+def test_greedy_tokens_match_reference_fp32(tiny_checkpoint, loops):
+    reference = ReferenceOuro(tiny_checkpoint, loops=loops)
+    with Engine(tiny_checkpoint, device="cpu", dtype="float32", loops=loops, verbose=False) as engine:
+        outputs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                  use_tqdm=False)
+        prompt_ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    assert len({len(ids) for ids in prompt_ids}) == len(PROMPTS)  # mixed lengths
+    for ids, out in zip(prompt_ids, outputs):
+        assert out.outputs[0].token_ids == reference.greedy(ids, 16)
+        assert out.outputs[0].finish_reason == "length"
+
+
+def _dense_attention(q, k, v, slot):
+    qq, kk, vv = (x.transpose(0, 1)[None] for x in (q, k, v))
+    return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 0.05), (torch.float16, 0.01)])
+def test_half_precision_logits_within_stated_tolerance(tiny_checkpoint, reference, dtype, tolerance):
+    """Max |logit error| relative to max |reference logit|: bf16 keeps 8 mantissa bits, so a few %
+    after 4 loops x 2 layers of rounding is expected; fp16 keeps 11."""
+    with Engine(tiny_checkpoint, device="cpu", dtype=dtype, verbose=False) as engine:
+        ids = engine.tokenizer.encode(PROMPTS[2])
+        with torch.inference_mode():
+            states = engine.model(torch.tensor(ids), torch.arange(len(ids)), _dense_attention)
+            logits = engine.model.compute_logits(states.hidden[-1]).float()
+    expected = reference.loop_states(ids)[0][-1] @ reference.lm_head.T
+    error = (logits - expected).abs().max() / expected.abs().max()
+    assert error < tolerance
+
+
+def test_cli_generate_runs_offline_on_the_embedded_model(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    result = subprocess.run([sys.executable, "engine.py", "generate", "--max-tokens", "5", "--device", "cpu"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("A looped language model")
+    assert "tok/s" in result.stderr and "GB/s" in result.stderr
+
+
+def test_cli_help_documents_every_flag():
+    result = subprocess.run([sys.executable, "engine.py", "generate", "--help"], cwd=ROOT, capture_output=True,
+                            text=True)
+    for flag in ("--model", "--prompt", "--chat", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed",
+                 "--loops", "--device", "--dtype", "--stream"):
+        assert flag in result.stdout
+
+
+def test_cli_reports_a_bad_model_path_clearly(tmp_path):
+    result = subprocess.run([sys.executable, "engine.py", "generate", "--model", str(tmp_path / "missing")],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode != 0 and "does not exist" in result.stderr
