@@ -75,7 +75,8 @@ class Engine:
                  exit_threshold: float | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, packed_prefill: bool = False, verbose: bool = True) -> None:
+                 enable_prefix_caching: bool = True, packed_prefill: bool = False, enforce_eager: bool = False,
+                 verbose: bool = True) -> None:
         _check_positive("block_size", block_size)
         _check_positive("max_num_seqs", max_num_seqs)
         _check_positive("max_num_batched_tokens", max_num_batched_tokens)
@@ -93,12 +94,17 @@ class Engine:
                                  self.config.max_position_embeddings)
         if num_kv_blocks is None:
             num_kv_blocks = self._blocks_for_memory(block_size, gpu_memory_utilization, max_num_batched_tokens)
-        self.kv_pool = KVPool(self.config, num_kv_blocks, block_size, self.dtype, self.device)
+        # One block more than the scheduler may hand out: the scratch block that graph padding rows write.
+        self.kv_pool = KVPool(self.config, num_kv_blocks + 1, block_size, self.dtype, self.device)
         self.backend.bind(self.kv_pool.key_cache, self.kv_pool.value_cache, self.config.head_dim ** -0.5)
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.max_model_len,
                                    detokenize=self.tokenizer.decode)
         self.runner = ModelRunner(self.model, self.backend, block_size, self.device)
+        self.uses_cuda_graphs = (not enforce_eager and self.device.type == "cuda"
+                                 and self.backend.capabilities.cuda_graphs)
+        if self.uses_cuda_graphs:
+            self.runner.capture_decode_graphs(max_num_seqs, self.max_model_len, scratch_block=num_kv_blocks)
         self._requests: dict[str, Request] = {}
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
@@ -107,7 +113,7 @@ class Engine:
             pool = self.kv_pool
             print(f"loop-engine: {self.config.total_ut_steps} loops x {self.config.num_hidden_layers} layers, "
                   f"{self.dtype}, {self.device}, attention={self.backend.name}; KV {pool.bytes_per_token / 1024:.1f} "
-                  f"KiB/token, {pool.num_blocks} blocks of {block_size}, max {pool.max_tokens} concurrent tokens "
+                  f"KiB/token, {num_kv_blocks} blocks of {block_size}, max {num_kv_blocks * block_size} concurrent tokens "
                   f"({pool.num_bytes / 2**30:.2f} GiB)", file=sys.stderr)
 
     def _blocks_for_memory(self, block_size: int, utilization: float, max_batched_tokens: int) -> int:
@@ -122,7 +128,7 @@ class Engine:
             free, total = torch.cuda.mem_get_info(self.device)
             others = total - free - torch.cuda.memory_reserved(self.device)
             budget = total * utilization - peak - others
-        blocks = KVPool.blocks_for_budget(self.config, block_size, self.dtype, budget)
+        blocks = KVPool.blocks_for_budget(self.config, block_size, self.dtype, budget) - 1  # - scratch block
         if blocks < 1:
             need = kv_bytes_per_token(self.config, self.dtype) * block_size
             raise ValueError(f"no memory left for the KV cache (one block needs {need} bytes); raise "
@@ -315,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default auto)")
     gen.add_argument("--attention", default="auto", help="attention backend: auto, torch or triton")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    gen.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, even on CUDA")
     return parser
 
 
@@ -322,7 +329,7 @@ def cli_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens)
     with Engine(args.model, device=args.device, dtype=args.dtype, attention=args.attention,
-                loops=args.loops) as engine:
+                loops=args.loops, enforce_eager=args.enforce_eager) as engine:
         if args.chat is not None:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.chat}])
         else:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from attention.base import AttentionBackend, AttentionMetadata
-from model.ouro import OuroForCausalLM
+from model.cuda_graph import DecodeGraphs
+from model.ouro import LoopStates, OuroForCausalLM
 from model.sampler import sample
 from scheduler.request import Request
 from scheduler.scheduler import ScheduledBatch
@@ -20,6 +21,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
+        self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -57,12 +59,19 @@ class ModelRunner:
         )
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, readout
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                readout: list[int]) -> LoopStates:
+        """All loops over the batch: a captured graph for decode steps that fit a bucket, else eager."""
+        if self.graphs is not None and meta.is_decode and self.graphs.bucket_for(meta.num_rows) is not None:
+            return self.graphs.replay(input_ids, positions, meta)
+        self.backend.prepare(meta)
+        return self.model(input_ids, positions, self.backend.forward, self._tensor(readout, torch.int64))
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """The next token of every request whose chunk reaches the end of its sequence, else None."""
         input_ids, positions, meta, readout = self.prepare(batch)
-        self.backend.prepare(meta)
-        states = self.model(input_ids, positions, self.backend.forward, self._tensor(readout, torch.int64))
+        states = self.forward(input_ids, positions, meta, readout)
         sampling = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
         if not sampling:
             return [None] * len(batch.requests)
@@ -70,6 +79,14 @@ class ModelRunner:
         tokens = iter(sample(logits, [r.params for r in sampling], [self._generator(r) for r in sampling]).tolist())
         return [next(tokens) if r.num_computed_tokens + n == r.num_tokens else None
                 for r, n in zip(batch.requests, batch.num_new_tokens)]
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, scratch_block: int) -> None:
+        """Capture one graph per decode bucket; decode steps replay them from then on."""
+        max_blocks = -(-max_model_len // self.block_size)
+        graphs = DecodeGraphs(self.model, self.backend, max_num_seqs, max_blocks, self.block_size,
+                              scratch_block, self.device)
+        graphs.capture_all()
+        self.graphs = graphs
 
     def _generator(self, request: Request) -> torch.Generator | None:
         if request.params.seed is None or request.params.greedy:

@@ -1,0 +1,74 @@
+"""What every benchmark records: the environment, a copy bandwidth measured in the same run, a
+checkpoint to run (a given one, or a generated real-shape one), and the decode bandwidth floor."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def environment() -> dict:
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__, "commit": commit,
+            "date": datetime.date.today().isoformat()}
+
+
+def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(num_bytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / sorted(times)[len(times) // 2]
+
+
+def checkpoint(model: str | None, preset: str | None, cache_dir: str = "/tmp/loop-engine-bench") -> str:
+    if model:
+        return model
+    from model.tiny import write_checkpoint
+
+    path = Path(cache_dir) / preset
+    if not (path / "model.safetensors").exists():
+        write_checkpoint(path, preset=preset, seed=0)
+    return str(path)
+
+
+def weight_bytes_per_step(engine) -> int:
+    """Bytes a decode step must read: the layer weights once per loop, plus the final norm, the gate
+    and lm_head once (the embedding reads only the rows' own vectors)."""
+    model = engine.model
+    layer = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    head = sum(p.numel() * p.element_size() for m in (model.lm_head, model.norm, model.early_exit_gate)
+               for p in m.parameters())
+    return engine.config.total_ut_steps * layer + head
+
+
+def write_results(out: str, payload: dict, table: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(payload, indent=2) + "\n")
+    Path(out).with_suffix(".md").write_text(table + "\n")
+    print(table)

@@ -1,0 +1,95 @@
+"""TTFT and TPOT of the whole engine over prompt 512 / 2K / 8K x batch 1 / 16 / 64, with CUDA graphs and
+eager, held against the decode bandwidth floor (weights read T times per token plus the KV bytes,
+over a copy bandwidth measured in this run).
+
+    python benchmarks/latency.py --preset ouro-1.4b --out benchmarks/results/latency-<date>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (checkpoint, copy_bandwidth, environment,  # noqa: E402
+                               weight_bytes_per_step, write_results)
+from engine import Engine, SamplingParams  # noqa: E402
+
+
+def _run(engine: Engine, batch: int, prompt: int, decode_steps: int, rng: random.Random) -> tuple[float, float]:
+    params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
+    vocab = engine.config.vocab_size
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(batch):
+        engine.add_request([rng.randrange(3, vocab) for _ in range(prompt)], params)
+    produced = 0
+    while produced < batch:  # until every row has its first token
+        produced += sum(1 for out in engine.step() if len(out.outputs[0].token_ids) == 1)
+    torch.cuda.synchronize()
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize()
+    return ttft * 1e3, (time.perf_counter() - start) * 1e3 / max(steps, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint directory or hub id")
+    parser.add_argument("--preset", default="ouro-1.4b", help="generated random-weight shape if no --model")
+    parser.add_argument("--prompts", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--modes", nargs="+", default=["graph", "eager"], choices=["graph", "eager"])
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--out", default=f"benchmarks/results/latency-{environment()['date']}.json")
+    args = parser.parse_args()
+    path = checkpoint(args.model, args.preset)
+    bandwidth = copy_bandwidth()
+    rows, lines = [], []
+    for mode in args.modes:
+        with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
+                    max_model_len=max(args.prompts) + args.decode_steps + 8, enable_prefix_caching=False,
+                    enforce_eager=(mode == "eager"), verbose=True) as engine:
+            weights = weight_bytes_per_step(engine)
+            kv_token = engine.kv_pool.bytes_per_token
+            capacity = engine.block_manager.num_blocks * engine.kv_pool.block_size
+            rng = random.Random(0)
+            for prompt in args.prompts:
+                for batch in args.batches:
+                    context = prompt + args.decode_steps // 2  # mean context during the timed decode
+                    floor_ms = (weights + kv_token * batch * context) / bandwidth * 1e3
+                    row = {"mode": mode, "batch": batch, "prompt": prompt, "floor_ms": round(floor_ms, 3)}
+                    if batch * (prompt + args.decode_steps + 1) > capacity:
+                        row.update(ttft_ms=None, tpot_ms=None,
+                                   note=f"does not fit: needs {batch * (prompt + args.decode_steps) * kv_token / 2**30:.0f}"
+                                        f" GiB of KV, the pool holds {capacity * kv_token / 2**30:.0f} GiB")
+                    else:
+                        ttft, tpot = _run(engine, batch, prompt, args.decode_steps, rng)
+                        achieved = (weights + kv_token * batch * context) / (tpot / 1e3) / 1e9
+                        row.update(ttft_ms=round(ttft, 2), tpot_ms=round(tpot, 3),
+                                   gbps=round(achieved, 1), ratio=round(tpot / floor_ms, 2))
+                    rows.append(row)
+                    print(row, flush=True)
+    lines = ["| mode | batch | prompt | TTFT ms | TPOT ms | floor ms | TPOT / floor | GB/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['batch']} | {r['prompt']} | {r.get('ttft_ms')} | {r.get('tpot_ms')} | "
+                     f"{r['floor_ms']} | {r.get('ratio', r.get('note'))} | {r.get('gbps', '')} |")
+    env = environment()
+    table = (f"Latency, {path} (bf16) on {env['device']}, torch {env['torch']}, triton {env['triton']}, "
+             f"commit {env['commit']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s\n\n" + "\n".join(lines))
+    write_results(args.out, {**env, "copy_bandwidth_bytes_per_s": bandwidth, "model": path, "rows": rows}, table)
+
+
+if __name__ == "__main__":
+    main()
