@@ -21,8 +21,13 @@ import torch
 from attention.base import select
 from cache.blocks import BlockManager
 from cache.kv_pool import KVPool, kv_bytes_per_token
+from cache.shared_kv import (SharedKVBlockManager, SharedKVLayout, check_kv_sharing, kv_report,
+                             max_concurrent_sequences)
 from model.config import OuroConfig
+from model.early_exit import EarlyExit
+from model.exit_policy import parse_exit_policy, request_policy
 from model.loader import load_model, resolve_model_dir
+from model.ouro import fused_kernels_available
 from model.runner import ModelRunner
 from model.tokenizer import Tokenizer
 from scheduler.request import CompletionOutput, Request, RequestOutput, SamplingParams
@@ -76,7 +81,7 @@ class Engine:
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, packed_prefill: bool = False, enforce_eager: bool = False,
-                 verbose: bool = True) -> None:
+                 exit_policy: str | None = None, kv_sharing: str = "none", verbose: bool = True) -> None:
         _check_positive("block_size", block_size)
         _check_positive("max_num_seqs", max_num_seqs)
         _check_positive("max_num_batched_tokens", max_num_batched_tokens)
@@ -87,9 +92,24 @@ class Engine:
         self.config = OuroConfig.from_file(self.model_dir / "config.json").with_overrides(loops, exit_threshold)
         self.dtype = resolve_dtype(dtype, self.config, self.device)
         self.tokenizer = Tokenizer(self.model_dir)
+        if exit_policy is not None and exit_threshold is not None:
+            raise ValueError("pass exit_policy or exit_threshold (= exit_policy='threshold:Q'), not both")
+        if exit_policy is None:
+            exit_policy = "full" if exit_threshold is None else f"threshold:{exit_threshold}"
+        self.exit_policy = parse_exit_policy(exit_policy, self.config.total_ut_steps)
+        self.kv_sharing = check_kv_sharing(kv_sharing)
+        # Generated tokens whose K/V differs from a prompt's: exited early, or stored for the last loop only.
+        approximate_kv = not self.exit_policy.readout_only or self.kv_sharing == "last"
+        if self.kv_sharing == "last":
+            if attention not in ("auto", "torch"):  # the Triton kernels read one paged layout only
+                raise ValueError(f"kv_sharing='last' is implemented in the torch attention backend only, got "
+                                 f"attention={attention!r}; use attention='torch' (or 'auto')")
+            attention = "torch"
         self.backend = select(attention, self.device, {"packed_prefill": packed_prefill})
         self.backend.check(self.dtype, self.config.head_dim, self.device)
-        self.model = load_model(self.model_dir, self.config, self.device, self.dtype)
+        # Fused Triton kernels around the GEMMs on CUDA; the plain torch ops elsewhere.
+        self.model = load_model(self.model_dir, self.config, self.device, self.dtype,
+                                fused_kernels=self.device.type == "cuda" and fused_kernels_available())
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         if num_kv_blocks is None:
@@ -97,11 +117,24 @@ class Engine:
         # One block more than the scheduler may hand out: the scratch block that graph padding rows write.
         self.kv_pool = KVPool(self.config, num_kv_blocks + 1, block_size, self.dtype, self.device)
         self.backend.bind(self.kv_pool.key_cache, self.kv_pool.value_cache, self.config.head_dim ** -0.5)
-        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        if self.kv_sharing == "last":
+            self.block_manager = SharedKVBlockManager(num_kv_blocks, block_size, self.config.total_ut_steps,
+                                                      enable_prefix_caching)
+        else:
+            self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching,
+                                              cache_generated=not approximate_kv)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.max_model_len,
-                                   detokenize=self.tokenizer.decode)
+                                   detokenize=self.tokenizer.decode, generated_one_per_step=approximate_kv)
         self.runner = ModelRunner(self.model, self.backend, block_size, self.device)
-        self.uses_cuda_graphs = (not enforce_eager and self.device.type == "cuda"
+        self.runner.exit_policy = self.exit_policy
+        if self.kv_sharing == "last":
+            self.runner.shared_kv = SharedKVLayout(self.config.total_ut_steps, self.config.num_hidden_layers,
+                                                   block_size, self.kv_pool.num_blocks, self.device)
+        if not self.exit_policy.readout_only:
+            self.runner.early_exit = EarlyExit(self.model, self.backend, self.exit_policy.value,
+                                               kv_sharing=self.kv_sharing == "last")
+        # early:Q shrinks the batch loop by loop and kv_sharing reads two layouts: both run eagerly.
+        self.uses_cuda_graphs = (not enforce_eager and not approximate_kv and self.device.type == "cuda"
                                  and self.backend.capabilities.cuda_graphs)
         if self.uses_cuda_graphs:
             self.runner.capture_decode_graphs(max_num_seqs, self.max_model_len, scratch_block=num_kv_blocks)
@@ -111,9 +144,10 @@ class Engine:
         self.num_prefill_tokens = self.num_decode_tokens = 0
         if verbose:
             pool = self.kv_pool
-            print(f"loop-engine: {self.config.total_ut_steps} loops x {self.config.num_hidden_layers} layers, "
-                  f"{self.dtype}, {self.device}, attention={self.backend.name}; KV {pool.bytes_per_token / 1024:.1f} "
-                  f"KiB/token, {num_kv_blocks} blocks of {block_size}, max {num_kv_blocks * block_size} concurrent tokens "
+            print(f"loop-engine: {self.config.total_ut_steps} loops x {self.config.num_hidden_layers} "
+                  f"layers, {self.dtype}, {self.device}, attention={self.backend.name}, "
+                  f"exit_policy={self.exit_policy}; "
+                  f"{kv_report(self.config, self.dtype, num_kv_blocks, block_size, self.kv_sharing)} "
                   f"({pool.num_bytes / 2**30:.2f} GiB)", file=sys.stderr)
 
     def _blocks_for_memory(self, block_size: int, utilization: float, max_batched_tokens: int) -> int:
@@ -134,6 +168,13 @@ class Engine:
             raise ValueError(f"no memory left for the KV cache (one block needs {need} bytes); raise "
                              "gpu_memory_utilization or lower max_num_batched_tokens")
         return blocks
+
+    def max_concurrent_sequences(self, prompt_tokens: int, generated_tokens: int) -> int:
+        """How many sequences of this shape the KV pool holds at once (kv_sharing="last" stores a generated
+        token in 1/loops of a prompt token's bytes)."""
+        bm = self.block_manager
+        return max_concurrent_sequences(bm.num_blocks, prompt_tokens, generated_tokens, bm.block_size,
+                                        self.config.total_ut_steps, self.kv_sharing)
 
     @torch.inference_mode()
     def _profile_run(self, num_tokens: int) -> None:
@@ -161,6 +202,7 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        request_policy(params.exit_policy, self.exit_policy, self.config.total_ut_steps)
         token_ids, text = self._encode(prompt, 0)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._requests:
@@ -209,7 +251,7 @@ class Engine:
     def _output(self, request: Request) -> RequestOutput:
         text = request.output_text if request.is_finished else self.tokenizer.decode(request.output_token_ids)
         completion = CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
-                                      request.stop_reason, request.error, request.traces or None)
+                                      request.stop_reason, request.error, list(request.traces) or None)
         return RequestOutput(request.request_id, self._prompts.get(request.request_id),
                              request.prompt_token_ids, [completion], request.is_finished,
                              request.num_cached_tokens)
@@ -229,6 +271,9 @@ class Engine:
             per_prompt = [params] * len(prompts)
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]  # validate all before adding any
         del encoded
+        for sp in per_prompt:
+            if isinstance(sp, SamplingParams):
+                request_policy(sp.exit_policy, self.exit_policy, self.config.total_ut_steps)
         return [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
 
     def stream(self, prompts: Prompt | list[Prompt],
@@ -322,14 +367,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--attention", default="auto", help="attention backend: auto, torch or triton")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, even on CUDA")
+    gen.add_argument("--exit-policy", default=None,
+                     help="full (default), threshold:Q, step:K (0-based), weighted, or early:Q (stops "
+                          "looping a generated token once its exit CDF reaches Q)")
+    gen.add_argument("--kv-sharing", default="none", choices=["none", "last"],
+                     help="last: generated tokens keep only their last loop's K/V (paper §5.4.2; torch "
+                          "attention)")
+    gen.add_argument("--loop-trace", action="store_true",
+                     help="print each generated token's exit loop and exit pdf")
     return parser
 
 
 def cli_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens)
+                            max_tokens=args.max_tokens, loop_trace=args.loop_trace)
     with Engine(args.model, device=args.device, dtype=args.dtype, attention=args.attention,
-                loops=args.loops, enforce_eager=args.enforce_eager) as engine:
+                loops=args.loops, enforce_eager=args.enforce_eager, exit_policy=args.exit_policy,
+                kv_sharing=args.kv_sharing) as engine:
         if args.chat is not None:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.chat}])
         else:
@@ -351,9 +405,22 @@ def cli_generate(args: argparse.Namespace) -> None:
         n = len(result.outputs[0].token_ids)
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         loops = engine.config.total_ut_steps
+        early = engine.runner.early_exit
+        if early is not None and early.stats.decode_tokens:  # weights are read once per loop run
+            loops = early.stats.loops_per_token
         print(f"\n{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s, "
               f"{n * loops * weight_bytes / elapsed / 1e9:.2f} GB/s of weights read "
-              f"({loops} loops), finish_reason={result.outputs[0].finish_reason}", file=sys.stderr)
+              f"({loops:.3g} loops), finish_reason={result.outputs[0].finish_reason}", file=sys.stderr)
+        if args.loop_trace:
+            _print_traces(engine, result.outputs[0])
+
+
+def _print_traces(engine: Engine, completion: CompletionOutput) -> None:
+    print("\n| token | text | exit loop | exit pdf per loop |\n|---|---|---|---|", file=sys.stderr)
+    for token, trace in zip(completion.token_ids, completion.traces or []):
+        pdf = " ".join(f"{p:.3f}" for p in trace.exit_pdf)
+        text = engine.tokenizer.decode([token])
+        print(f"| {token} | {text!r} | {trace.exit_loop} | {pdf} |", file=sys.stderr)
 
 
 def main(argv: Iterable[str] | None = None) -> None:

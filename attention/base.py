@@ -29,6 +29,25 @@ class Capabilities:
 
 
 @dataclasses.dataclass(slots=True)
+class SharedKVMetadata:
+    """Decode-time KV sharing (kv_sharing="last", paper §5.4.2). Row i reads its first main_lens_cpu[i]
+    context positions (prompt tokens) from the per-(loop, layer) planes through block_tables, and the rest
+    (generated tokens) from shared pages, one K/V per layer: shared_index[i] [n] int64 holds each such
+    position's flat index into the pool viewed as [-1, kv_heads, D] at layer 0; layer l adds l * plane
+    (plane = num_blocks * block_size). A generated row has exactly one new token, its last position: it is
+    written there at every loop, so it attends to its own loop-t K/V and, once done, leaves its last loop's.
+    """
+
+    main_lens_cpu: list[int]
+    shared_index: list[torch.Tensor]
+    num_layers: int  # slot = loop * num_layers + layer
+
+    def select(self, rows: list[int]) -> SharedKVMetadata:
+        return SharedKVMetadata([self.main_lens_cpu[r] for r in rows], [self.shared_index[r] for r in rows],
+                                self.num_layers)
+
+
+@dataclasses.dataclass(slots=True)
 class AttentionMetadata:
     """One step's batch, flattened. Built once per step by the runner; shared by every (loop, layer).
 
@@ -44,6 +63,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
     block_size: int
+    shared_kv: SharedKVMetadata | None = None  # kv_sharing="last" only (cache/shared_kv.py)
 
     @property
     def num_rows(self) -> int:

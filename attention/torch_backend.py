@@ -47,6 +47,8 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
         meta = self.meta
+        if meta.shared_kv is not None:
+            return self._forward_shared(q, k, v, slot)
         key_cache, value_cache = self.key_cache[slot], self.value_cache[slot]
         store_kv(key_cache, value_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -56,5 +58,33 @@ class TorchBackend(AttentionBackend):
             keys = gather_context(key_cache, table, context_len)
             values = gather_context(value_cache, table, context_len)
             out[start:start + num_new] = paged_attention_row(q[start:start + num_new], keys, values, self.scale)
+            start += num_new
+        return out
+
+    def _forward_shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
+        """kv_sharing="last": prompt rows store into and read from the per-loop plane `slot`; a generated row
+        stores its one token in its shared page at this layer, and reads its prompt from plane `slot` and
+        its generated tokens from the shared pages (attention/base.py SharedKVMetadata)."""
+        meta, shared = self.meta, self.meta.shared_kv
+        key_cache, value_cache = self.key_cache[slot], self.value_cache[slot]
+        plane = key_cache.shape[0] * key_cache.shape[1]
+        layer_offset = (slot % shared.num_layers) * plane
+        key_flat = self.key_cache.view(-1, *self.key_cache.shape[3:])
+        value_flat = self.value_cache.view(-1, *self.value_cache.shape[3:])
+        out = torch.empty_like(q)
+        start = 0
+        for row, (num_new, context_len) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+            new = slice(start, start + num_new)
+            main_len, shared_index = shared.main_lens_cpu[row], shared.shared_index[row] + layer_offset
+            if context_len > main_len:  # a generated row: one token, the last of its shared positions
+                assert num_new == 1 and context_len - main_len == len(shared_index)
+                key_flat[shared_index[-1:]] = k[new]
+                value_flat[shared_index[-1:]] = v[new]
+            else:
+                store_kv(key_cache, value_cache, k[new], v[new], meta.slot_mapping[new])
+            table = meta.block_tables[row]
+            keys = torch.cat([gather_context(key_cache, table, main_len), key_flat[shared_index]])
+            values = torch.cat([gather_context(value_cache, table, main_len), value_flat[shared_index]])
+            out[new] = paged_attention_row(q[new], keys, values, self.scale)
             start += num_new
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,16 +17,23 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def commit() -> str:
+    """The git commit benchmarked. The device machine gets a copy of the tree without .git, so the
+    caller passes the hash as LOOP_ENGINE_COMMIT there (read once, here, at benchmark start)."""
+    if os.environ.get("LOOP_ENGINE_COMMIT"):
+        return os.environ["LOOP_ENGINE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 def environment() -> dict:
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"device": device, "torch": torch.__version__, "triton": triton.__version__, "commit": commit,
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__, "commit": commit(),
             "date": datetime.date.today().isoformat()}
 
 
@@ -71,4 +79,3 @@ def write_results(out: str, payload: dict, table: str) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(payload, indent=2) + "\n")
     Path(out).with_suffix(".md").write_text(table + "\n")
-    print(table)

@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
     bandwidth = copy_bandwidth()
-    rows, lines = [], []
+    rows = []
     for mode in args.modes:
         with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                     max_model_len=max(args.prompts) + args.decode_steps + 8, enable_prefix_caching=False,
@@ -80,6 +80,12 @@ def main() -> None:
                                    gbps=round(achieved, 1), ratio=round(tpot / floor_ms, 2))
                     rows.append(row)
                     print(row, flush=True)
+                    _write(args.out, path, bandwidth, rows)
+    _write(args.out, path, bandwidth, rows)
+
+
+def _write(out: str, path: str, bandwidth: float, rows: list[dict]) -> None:
+    """Rewritten after every row, so a run cut short still leaves its numbers."""
     lines = ["| mode | batch | prompt | TTFT ms | TPOT ms | floor ms | TPOT / floor | GB/s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -88,7 +94,7 @@ def main() -> None:
     env = environment()
     table = (f"Latency, {path} (bf16) on {env['device']}, torch {env['torch']}, triton {env['triton']}, "
              f"commit {env['commit']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s\n\n" + "\n".join(lines))
-    write_results(args.out, {**env, "copy_bandwidth_bytes_per_s": bandwidth, "model": path, "rows": rows}, table)
+    write_results(out, {**env, "copy_bandwidth_bytes_per_s": bandwidth, "model": path, "rows": rows}, table)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 cache_generated: bool = True) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"BlockManager.num_blocks must be an integer >= 1, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
@@ -39,6 +40,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # False when generated tokens' K/V is not what a prompt's would be (early:Q, kv_sharing="last"):
+        # then only prompt blocks enter the prefix cache.
+        self.cache_generated = cache_generated
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Insertion order is eviction order: new blocks come from the front, freed ones join the back.
         self.free_block_ids: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(
@@ -61,7 +65,7 @@ class BlockManager:
             return 0
         token_ids = request.token_ids
         parent = None
-        for i in range((len(token_ids) - 1) // self.block_size):
+        for i in range(self._cacheable_tokens(request, len(token_ids) - 1) // self.block_size):
             chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = block_hash(parent, chunk)
             block_id = self.hash_to_block_id.get(parent)
@@ -102,7 +106,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         table, size = request.block_table, self.block_size
-        num_full = request.num_computed_tokens // size
+        num_full = self._cacheable_tokens(request, request.num_computed_tokens) // size
         first = num_full
         while first > 0 and self.blocks[table[first - 1]].hash is None:
             first -= 1
@@ -117,6 +121,9 @@ class BlockManager:
             # An identical block computed by another request keeps the entry; this one still carries its
             # hash so that the chain continues through it.
             self.hash_to_block_id.setdefault(block.hash, block.block_id)
+
+    def _cacheable_tokens(self, request: Request, num_tokens: int) -> int:
+        return num_tokens if self.cache_generated else min(num_tokens, request.num_prompt_tokens)
 
     def _num_missing_blocks(self, request: Request, num_new_tokens: int) -> int:
         needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)

@@ -133,12 +133,13 @@ def read_tensors(files: dict[str, Path], names: list[str], device: torch.device,
     return out
 
 
-def load_model(model_dir: Path, config: OuroConfig, device: torch.device, dtype: torch.dtype) -> OuroForCausalLM:
+def load_model(model_dir: Path, config: OuroConfig, device: torch.device, dtype: torch.dtype,
+               fused_kernels: bool = False) -> OuroForCausalLM:
     files = checkpoint_files(model_dir)
     check_tensors(config, files)
     tensors = read_tensors(files, list(expected_tensors(config)), device, dtype)
     with torch.device("meta"):
-        model = OuroForCausalLM(config)
+        model = OuroForCausalLM(config, fused_kernels=fused_kernels)
     state = {"embed_tokens.weight": tensors["model.embed_tokens.weight"],
              "norm.weight": tensors["model.norm.weight"],
              "early_exit_gate.weight": tensors["model.early_exit_gate.weight"],

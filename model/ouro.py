@@ -17,6 +17,16 @@ from torch import nn
 
 from model.config import OuroConfig
 
+try:
+    from model.kernels import fused
+    from model.kernels.gemv import linear as skinny_or_cublas_linear
+except ImportError:  # triton missing: the torch ops only
+    fused = None
+
+def fused_kernels_available() -> bool:
+    return fused is not None
+
+
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
@@ -84,6 +94,21 @@ class OuroLayer(nn.Module):
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
         return h + self.post_attention_layernorm_2(self.down_proj(F.silu(gate) * up))
 
+    def forward_fused(self, h: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      attention: Attention, slot: int, next_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() with Triton kernels: 4 projections (a skinny GEMM for decode-sized batches, cuBLAS
+        otherwise), attention, and 4 elementwise launches.
+        `normed` is input_layernorm(h), made by the launch before; returns (h', RMSNorm(h') * next_weight),
+        the next sublayer's pre-norm (or the loop's final norm)."""
+        n, eps, linear = h.shape[0], self.input_layernorm.eps, skinny_or_cublas_linear
+        qkv = linear(normed, self.qkv_proj.weight)
+        q, k, v = fused.rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        attn = attention(q, k, v, slot).reshape(n, self.q_size)
+        h, normed = fused.add_rmsnorm_rmsnorm(h, linear(attn, self.o_proj.weight), self.input_layernorm_2.weight,
+                                              self.post_attention_layernorm.weight, eps)
+        down = linear(fused.silu_mul(linear(normed, self.gate_up_proj.weight)), self.down_proj.weight)
+        return fused.add_rmsnorm_rmsnorm(h, down, self.post_attention_layernorm_2.weight, next_weight, eps)
+
 
 @dataclasses.dataclass(slots=True)
 class LoopStates:
@@ -94,9 +119,12 @@ class LoopStates:
 
 
 class OuroForCausalLM(nn.Module):
-    def __init__(self, config: OuroConfig) -> None:
+    def __init__(self, config: OuroConfig, fused_kernels: bool = False) -> None:
         super().__init__()
+        if fused_kernels and fused is None:
+            raise ValueError("fused_kernels=True needs triton")
         self.config = config
+        self.fused_kernels = fused_kernels  # Triton kernels around the GEMMs (no autograd: inference only)
         hidden = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.layers = nn.ModuleList(OuroLayer(config) for _ in range(config.num_hidden_layers))
@@ -111,16 +139,36 @@ class OuroForCausalLM(nn.Module):
         output both feeds the next loop and is that loop's readout (ouro.md §3)."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
-        num_layers = len(self.layers)
         hidden, gate_logits = [], []
         for t in range(self.config.total_ut_steps):
-            for index, layer in enumerate(self.layers):
-                h = layer(h, cos, sin, attention, t * num_layers + index)
-            h = self.norm(h)
+            h = self.run_loop(h, cos, sin, attention, t)
             readout = h if readout_indices is None else h[readout_indices]
             hidden.append(readout)
             gate_logits.append(self.early_exit_gate(readout).squeeze(-1))
         return LoopStates(torch.stack(hidden), torch.stack(gate_logits))
 
+    def run_loop(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention,
+                 t: int) -> torch.Tensor:
+        """Loop t over the rows of h: every layer (KV slot t * L + layer), then the final norm."""
+        if self.fused_kernels:
+            return self._run_loop_fused(h, cos, sin, attention, t)
+        num_layers = len(self.layers)
+        for index, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, attention, t * num_layers + index)
+        return self.norm(h)
+
+    def _run_loop_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention,
+                        t: int) -> torch.Tensor:
+        """Each layer's last launch also makes the next layer's pre-norm; the last layer's makes the final
+        norm, which is the loop's output and readout."""
+        layers = self.layers
+        normed = fused.rmsnorm(h, layers[0].input_layernorm.weight, self.norm.eps)
+        next_weights = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
+        for index, (layer, next_weight) in enumerate(zip(layers, next_weights)):
+            h, normed = layer.forward_fused(h, normed, cos, sin, attention, t * len(layers) + index, next_weight)
+        return normed
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.fused_kernels:
+            return skinny_or_cublas_linear(hidden, self.lm_head.weight)
         return self.lm_head(hidden)

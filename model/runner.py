@@ -6,7 +6,11 @@ from __future__ import annotations
 import torch
 
 from attention.base import AttentionBackend, AttentionMetadata
+from cache.shared_kv import SharedKVLayout
 from model.cuda_graph import DecodeGraphs
+from model.kernels.gemv import reserve_workspace
+from model.early_exit import EarlyExit
+from model.exit_policy import FULL, ExitPolicy, readout_logits, request_policy
 from model.ouro import LoopStates, OuroForCausalLM
 from model.sampler import sample
 from scheduler.request import Request
@@ -22,6 +26,11 @@ class ModelRunner:
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+        # Set by the Engine (issue 6): the engine-wide exit policy, its compute-saving driver for early:Q,
+        # and the KV layout under kv_sharing="last". Both of the latter run eagerly (no graphs).
+        self.exit_policy: ExitPolicy = FULL
+        self.early_exit: EarlyExit | None = None
+        self.shared_kv: SharedKVLayout | None = None
 
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -41,7 +50,8 @@ class ModelRunner:
             input_ids += request.token_ids[start:end]
             positions += range(start, end)
             table = request.block_table
-            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            slot_mapping += (self.shared_kv.slot_mapping(request, start, end) if self.shared_kv is not None
+                             else [table[p // bs] * bs + p % bs for p in range(start, end)])
             query_start.append(query_start[-1] + num_new)
             context_lens.append(end)
             if end == request.num_tokens:
@@ -56,6 +66,7 @@ class ModelRunner:
             query_lens_cpu=list(batch.num_new_tokens),
             context_lens_cpu=context_lens,
             block_size=bs,
+            shared_kv=self.shared_kv.metadata(batch) if self.shared_kv is not None else None,
         )
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, readout
 
@@ -71,17 +82,28 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """The next token of every request whose chunk reaches the end of its sequence, else None."""
         input_ids, positions, meta, readout = self.prepare(batch)
-        states = self.forward(input_ids, positions, meta, readout)
+        if self.early_exit is not None:
+            states = self.early_exit.forward(batch, input_ids, positions, meta, readout)
+        else:
+            states = self.forward(input_ids, positions, meta, readout)
         sampling = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
         if not sampling:
             return [None] * len(batch.requests)
-        logits = self.model.compute_logits(states.hidden[-1]).float()
+        loops = self.model.config.total_ut_steps
+        policies = [request_policy(r.params.exit_policy, self.exit_policy, loops) for r in sampling]
+        logits, traces = readout_logits(self.model.compute_logits, states.hidden, states.gate_logits,
+                                        policies, [r.params.loop_trace for r in sampling])
+        for request, trace in zip(sampling, traces):
+            if trace is not None:
+                request.traces.append(trace)
         tokens = iter(sample(logits, [r.params for r in sampling], [self._generator(r) for r in sampling]).tolist())
         return [next(tokens) if r.num_computed_tokens + n == r.num_tokens else None
                 for r, n in zip(batch.requests, batch.num_new_tokens)]
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, scratch_block: int) -> None:
         """Capture one graph per decode bucket; decode steps replay them from then on."""
+        if self.model.fused_kernels:
+            reserve_workspace(self.device)  # the skinny GEMM's split-K tickets, made outside any capture
         max_blocks = -(-max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, self.backend, max_num_seqs, max_blocks, self.block_size,
                               scratch_block, self.device)

@@ -26,7 +26,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
-    loop_trace: bool = False
+    loop_trace: bool = False  # per token: exit pdf, exit loop, each loop's top token (model/exit_policy.py)
+    exit_policy: str | None = None  # readout-only override: full | threshold:Q | step:K | weighted
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, low=0.0)
@@ -49,6 +50,10 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop_token_ids must be token ids, got {self.stop_token_ids!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
+        if self.exit_policy is not None:
+            from model.exit_policy import parse_exit_policy  # the loop count is checked by the engine
+
+            parse_exit_policy(self.exit_policy, name="SamplingParams.exit_policy")
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +99,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     block_table: list[int] = dataclasses.field(default_factory=list)
+    generated_block_table: list[int] = dataclasses.field(default_factory=list)  # kv_sharing="last" pages
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None
@@ -132,7 +138,13 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: int | str | None = None
     error: str | None = None
-    traces: list[Any] | None = None
+    traces: list[Any] | None = None  # LoopTrace per token with SamplingParams(loop_trace=True)
+
+    def trace_tensors(self):
+        """The traces stacked into tensors (model.exit_policy.TraceTensors)."""
+        from model.exit_policy import stack_traces
+
+        return stack_traces(self.traces or [])
 
 
 @dataclasses.dataclass(slots=True)

@@ -48,6 +48,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         detokenize: Callable[[list[int]], str],
+        generated_one_per_step: bool = False,
     ) -> None:
         for name, value in [
             ("max_num_seqs", max_num_seqs),
@@ -63,6 +64,9 @@ class Scheduler:
         # A sequence also stops growing when one request alone would fill the whole pool.
         self.max_seq_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
         self.detokenize = detokenize
+        # early:Q and kv_sharing="last": a generated token must finish its loops before the next one starts,
+        # so a recomputed request replays its generated tokens one per step, after its prompt.
+        self.generated_one_per_step = generated_one_per_step
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -113,7 +117,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk_len(request, budget)
             num_preemptions = self.num_preemptions
             fits = self._make_room(request, num_new, rows)
             if self.num_preemptions != num_preemptions:
@@ -166,6 +170,13 @@ class Scheduler:
             )
         return None
 
+    def _chunk_len(self, request: Request, budget: int) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if self.generated_one_per_step:
+            prompt_left = request.num_prompt_tokens - request.num_computed_tokens
+            num_new = min(num_new, prompt_left if prompt_left > 0 else 1)
+        return num_new
+
     def _make_room(self, request: Request, num_new: int, rows: dict[Request, int]) -> bool:
         """Preempt the most recently admitted requests until `request` can grow by num_new tokens.
         False when `request` itself had to go."""
@@ -195,7 +206,7 @@ class Scheduler:
             request = self.waiting[0]
             num_cached = bm.allocate(request)
             request.num_computed_tokens = num_cached
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = self._chunk_len(request, budget)
             if not bm.can_append(request, num_new):  # FCFS: nobody overtakes the head of the queue
                 bm.free(request)
                 request.num_computed_tokens = 0

@@ -39,3 +39,6 @@ def reference(tiny_checkpoint):
     from tests.reference import ReferenceOuro
 
     return ReferenceOuro(tiny_checkpoint)
+
+# The tests run many tiny ops, where OpenMP's thread hand-off costs more than it saves (and CI has 2 cores).
+torch.set_num_threads(1)

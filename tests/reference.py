@@ -2,6 +2,8 @@
 
 No cache, no paging, no fusion: every call recomputes the whole sequence from the raw HF-named
 tensors. Also HF's exit semantics (ouro.md §4): the exit pdf, Q-exit, exit_at_step, weighted logits.
+`decode` is the one stateful path: token by token with an explicit K/V list per (loop, layer) and
+position, for the rules that change what later tokens read (early:Q's copy-forward, kv_sharing="last").
 """
 
 from __future__ import annotations
@@ -78,13 +80,20 @@ class ReferenceOuro:
         self.eps = self.cfg["rms_norm_eps"]
         self.lm_head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
 
-    def attention(self, x: torch.Tensor, i: int, positions: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, i: int, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         w, p = self.w, f"model.layers.{i}.self_attn."
         s = x.shape[0]
-        q = rope((x @ w[p + "q_proj.weight"].T).view(s, self.heads, self.head_dim), positions, self.cfg["rope_theta"])
+        q = rope((x @ w[p + "q_proj.weight"].T).view(s, self.heads, self.head_dim), positions,
+                 self.cfg["rope_theta"])
         k = rope((x @ w[p + "k_proj.weight"].T).view(s, self.kv_heads, self.head_dim), positions,
                  self.cfg["rope_theta"])
         v = (x @ w[p + "v_proj.weight"].T).view(s, self.kv_heads, self.head_dim)
+        return q, k, v
+
+    def attention(self, x: torch.Tensor, i: int, positions: torch.Tensor) -> torch.Tensor:
+        w, p = self.w, f"model.layers.{i}.self_attn."
+        s = x.shape[0]
+        q, k, v = self.qkv(x, i, positions)
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(self.head_dim)
@@ -119,7 +128,10 @@ class ReferenceOuro:
     def next_logits(self, ids: list[int], policy: str = "full") -> torch.Tensor:
         """Logits for the token after `ids` under an HF exit policy: full, step:K, threshold:Q, weighted."""
         states, gates = self.loop_states(ids)
-        last, gate = states[:, -1], gates[:, -1]
+        return self.readout(states[:, -1], gates[:, -1], policy)
+
+    def readout(self, last: torch.Tensor, gate: torch.Tensor, policy: str) -> torch.Tensor:
+        """One token's logits from its per-loop states [T, H] and gate logits [T]."""
         if policy == "full":
             return last[-1] @ self.lm_head.T
         kind, _, arg = policy.partition(":")
@@ -137,3 +149,82 @@ class ReferenceOuro:
         for _ in range(max_new_tokens):
             out.append(int(self.next_logits(ids + out, policy).argmax()))
         return out
+
+    def decode(self, prompt: list[int], max_new_tokens: int, policy: str = "full",
+               kv_sharing: str = "none") -> tuple[list[int], list[dict]]:
+        """Greedy tokens and per-token traces, one token at a time, keeping kv[t][l][position] = (k, v).
+
+        Prompt tokens run every loop and keep their own K/V. Under early:Q a generated token stops after
+        the first loop t < T-1 whose exit CDF reaches Q (Q < 1) and kv[t'][l][pos] for t' > t become
+        copies of kv[t][l][pos]; it reads out at that loop (a token that ran every loop reads out at its
+        Q-exit loop). Under kv_sharing="last" a token reads an earlier *generated* token's kv[T-1][l]
+        (its last loop's K/V, or the copy of its exit loop's) at every loop; it reads its own loop-t K/V.
+        Other policies only choose the readout (self.readout). A trace is {exit_pdf (one entry per loop
+        run), exit_loop (None for weighted), top_token_ids (each loop's argmax)}.
+        """
+        kind, _, arg = policy.partition(":")
+        early_q = float(arg) if kind == "early" else None
+        kv = [[[] for _ in range(self.layers)] for _ in range(self.loops)]
+        ids, out, traces = list(prompt), [], []
+        for pos in range(len(prompt) + max_new_tokens - 1):
+            generated = pos >= len(prompt)
+            states, gates = self.token_loops(ids[pos], pos, kv, len(prompt), kv_sharing,
+                                             early_q if generated else None)
+            if pos < len(prompt) - 1:
+                continue
+            if early_q is not None:
+                exit_loop = len(gates) - 1 if len(gates) < self.loops else threshold_exit_loop(gates, early_q)
+                logits = states[exit_loop] @ self.lm_head.T
+            else:
+                logits = self.readout(states, gates, policy)
+                exit_loop = self.loops - 1 if kind == "full" else None if kind == "weighted" else \
+                    int(arg) if kind == "step" else threshold_exit_loop(gates, float(arg))
+            padded = torch.cat([gates, torch.zeros(self.loops - len(gates))])
+            traces.append({"exit_pdf": exit_pdf(padded)[:len(gates)].tolist(), "exit_loop": exit_loop,
+                           "top_token_ids": [int((h @ self.lm_head.T).argmax()) for h in states]})
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+        return out, traces
+
+    def token_loops(self, token: int, pos: int, kv: list, num_prompt: int, kv_sharing: str,
+                    early_q: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token's loops: post-norm states [t, H] and gate logits [t] of the loops it ran."""
+        w, eps = self.w, self.eps
+        position = torch.tensor([pos])
+        h = w["model.embed_tokens.weight"][token][None]
+        states, gates = [], []
+        for t in range(self.loops):
+            for i in range(self.layers):
+                p = f"model.layers.{i}."
+                q, k, v = self.qkv(rms_norm(h, w[p + "input_layernorm.weight"], eps), i, position)
+                kv[t][i].append((k[0], v[0]))
+                shared = kv_sharing == "last"
+                seen = [kv[self.loops - 1][i][j] if shared and num_prompt <= j < pos else kv[t][i][j]
+                        for j in range(pos + 1)]
+                keys = torch.stack([k for k, _ in seen]).repeat_interleave(self.heads // self.kv_heads, 1)
+                values = torch.stack([v for _, v in seen]).repeat_interleave(self.heads // self.kv_heads, 1)
+                scores = torch.einsum("hd,khd->hk", q[0], keys) / math.sqrt(self.head_dim)
+                a = torch.einsum("hk,khd->hd", scores.softmax(-1), values).reshape(1, -1)
+                a = a @ w[p + "self_attn.o_proj.weight"].T
+                h = h + rms_norm(a, w[p + "input_layernorm_2.weight"], eps)
+                m = self.mlp(rms_norm(h, w[p + "post_attention_layernorm.weight"], eps), i)
+                h = h + rms_norm(m, w[p + "post_attention_layernorm_2.weight"], eps)
+            h = rms_norm(h, w["model.norm.weight"], eps)
+            states.append(h[0])
+            gates.append(h[0] @ w["model.early_exit_gate.weight"][0] + w["model.early_exit_gate.bias"][0])
+            if early_q is not None and early_q < 1.0 and t < self.loops - 1 and exit_cdf(gates) >= early_q:
+                for later in range(t + 1, self.loops):
+                    for i in range(self.layers):
+                        kv[later][i].append(kv[t][i][pos])
+                break
+        return torch.stack(states), torch.stack(gates)
+
+
+def exit_cdf(gate_logits: list[torch.Tensor]) -> float:
+    """The exit CDF after the loops run so far, none of them the last: sum_t lambda_t S_{t-1}."""
+    survival, cdf = 1.0, 0.0
+    for g in gate_logits:
+        lam = torch.sigmoid(g.double()).item()
+        cdf += lam * survival
+        survival *= 1.0 - lam
+    return cdf

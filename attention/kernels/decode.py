@@ -1,0 +1,172 @@
+"""Split-KV flash-decoding over pages: one query per row, its context cut into splits.
+
+`decode_split_kernel` also stores the row's new K/V (the last context position) and, in eager mode,
+merges the splits in the same launch: the last split of a (row, head) to take its ticket merges all of
+them in index order. Under CUDA-graph capture `decode_merge_kernel` does that merge as a second launch,
+with the same `_merge_splits` arithmetic, so the two paths are bitwise equal.
+
+Partial state, fp32, for P = rows * heads * grid_splits parts: acc [P, D], then max [P], then sum [P].
+Scores are kept in base 2 (q is pre-scaled by scale * log2 e).
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def split_count(context_len, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr):
+    """Splits for one row: one per SPLIT_MIN_KEYS keys, at least 1, at most SPLIT_CAP. A function of
+    the row's own length only, so a row's result never depends on its batch or on eager vs graph."""
+    return tl.minimum(tl.maximum(tl.cdiv(context_len, SPLIT_MIN_KEYS), 1), SPLIT_CAP)
+
+
+@triton.jit
+def _key_rows(table, offs_n, end, kv_head, BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr,
+              HEAD_DIM: tl.constexpr):
+    """Offsets of keys offs_n (those below end) in one slot's pages, 64-bit: a pool plane can exceed
+    2^31 elements."""
+    page = tl.load(table + offs_n // BLOCK_SIZE, mask=offs_n < end, other=0).to(tl.int64)
+    token_offset = (offs_n % BLOCK_SIZE) * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+    return page * (BLOCK_SIZE * KV_HEADS * HEAD_DIM) + token_offset
+
+
+@triton.jit
+def _merge_splits(partials_ptr, out_ptr, first, num_splits, num_partials, HEAD_DIM: tl.constexpr):
+    """Combines splits first .. first + num_splits - 1 in index order into out_ptr[:HEAD_DIM].
+    Loads bypass L1 (.cg): other programs wrote these parts during this launch."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ptr = partials_ptr + num_partials * HEAD_DIM + first
+    l_ptr = partials_ptr + num_partials * (HEAD_DIM + 1) + first
+    m_max = tl.load(m_ptr, cache_modifier=".cg")
+    for s in range(1, num_splits):
+        m_max = tl.maximum(m_max, tl.load(m_ptr + s, cache_modifier=".cg"))
+    # An all-empty row keeps m_max = -inf; shifting by 0 instead avoids exp2(-inf - -inf) = NaN.
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_sum = tl.zeros([], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s in range(num_splits):
+        w = tl.exp2(tl.load(m_ptr + s, cache_modifier=".cg") - m_ref)
+        l_sum = l_sum + tl.load(l_ptr + s, cache_modifier=".cg") * w
+        acc = acc + tl.load(partials_ptr + (first + s) * HEAD_DIM + offs_d, cache_modifier=".cg") * w
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)
+    tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, key_cache_ptr, value_cache_ptr,
+    block_tables_ptr, context_lens_ptr, slot_mapping_ptr, rows_ptr, partials_ptr, tickets_ptr,
+    scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr,
+    ROW_MAP: tl.constexpr, FUSED_MERGE: tl.constexpr,
+):
+    """Grid (grid_splits, HEADS, decode rows). Program (s, h, r) attends query head h of decode row r
+    over split s of its context. With ROW_MAP, rows_ptr holds (batch row, token) pairs; without it
+    decode row r is batch row r and token r."""
+    split = tl.program_id(0)
+    head = tl.program_id(1)
+    r = tl.program_id(2)
+    if ROW_MAP:
+        row = tl.load(rows_ptr + 2 * r)
+        token = tl.load(rows_ptr + 2 * r + 1).to(tl.int64)
+    else:
+        row = r
+        token = r.to(tl.int64)
+    context_len = tl.load(context_lens_ptr + row)
+    num_splits = split_count(context_len, SPLIT_MIN_KEYS, SPLIT_CAP)
+    if split < num_splits:
+        GROUP: tl.constexpr = HEADS // KV_HEADS
+        kv_head = head // GROUP
+        keys_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * keys_per_split
+        end = tl.minimum(start + keys_per_split, context_len)
+        last = context_len - 1  # the new token: read from k/v, not from the cache
+        cached_end = tl.minimum(end, last)
+
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + token * stride_qn + head * stride_qh + offs_d).to(tl.float32) * (scale * LOG2E)
+        m_i = tl.full([], float("-inf"), tl.float32)
+        l_i = tl.zeros([], tl.float32)
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        table = block_tables_ptr + row.to(tl.int64) * stride_bt
+        tile = tl.arange(0, BLOCK_N)
+        # Software pipelining by hand (Triton does not pipeline these gathers): while a tile computes, the
+        # next tile's K/V and the page ids of the one after are already loading.
+        mask_n = start + tile < cached_end
+        rows = _key_rows(table, start + tile, cached_end, kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        rows = _key_rows(table, start + BLOCK_N + tile, cached_end, kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        for n0 in range(start, cached_end, BLOCK_N):
+            mask_next = (n0 + BLOCK_N + tile < cached_end)[:, None]
+            k_next = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_next, other=0.0)
+            v_next = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_next, other=0.0)
+            rows = _key_rows(table, n0 + 2 * BLOCK_N + tile, cached_end, kv_head, BLOCK_SIZE, KV_HEADS,
+                             HEAD_DIM)
+
+            s = tl.where(mask_n, tl.sum(k.to(tl.float32) * q[None, :], 1), float("-inf"))
+            # Every tile holds at least one key, so m_new is finite here.
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new)
+            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i = m_new
+            k, v, mask_n = k_next, v_next, n0 + BLOCK_N + tile < cached_end
+        if (start <= last) & (last < end):
+            kv_new = kv_head * stride_kh + offs_d
+            k_new = tl.load(k_ptr + token * stride_kn + kv_new).to(key_cache_ptr.dtype.element_ty)
+            v_new = tl.load(v_ptr + token * stride_vn + kv_head * stride_vh + offs_d)
+            v_new = v_new.to(value_cache_ptr.dtype.element_ty)
+            if head % GROUP == 0:
+                dst = tl.load(slot_mapping_ptr + token).to(tl.int64) * (KV_HEADS * HEAD_DIM)
+                dst += kv_head * HEAD_DIM + offs_d
+                tl.store(key_cache_ptr + dst, k_new)
+                tl.store(value_cache_ptr + dst, v_new)
+            s_new = tl.sum(k_new.to(tl.float32) * q, 0)
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            acc = acc * alpha + p_new * v_new.to(tl.float32)
+            l_i = l_i * alpha + p_new
+            m_i = m_new
+
+        out_row = out_ptr + token * (HEADS * HEAD_DIM) + head * HEAD_DIM
+        if num_splits == 1:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)
+            tl.store(out_row + offs_d, out.to(out_ptr.dtype.element_ty))
+        else:
+            grid_splits = tl.num_programs(0)
+            num_partials = grid_splits * HEADS * tl.num_programs(2)
+            first = (r * HEADS + head) * grid_splits
+            part = first + split
+            tl.store(partials_ptr + part * HEAD_DIM + offs_d, acc)
+            tl.store(partials_ptr + num_partials * HEAD_DIM + part, m_i)
+            tl.store(partials_ptr + num_partials * (HEAD_DIM + 1) + part, l_i)
+            if FUSED_MERGE:
+                # All threads' stores are done before one thread releases them with the ticket.
+                tl.debug_barrier()
+                ticket = tl.atomic_add(tickets_ptr + r * HEADS + head, 1, sem="acq_rel")
+                if ticket == num_splits - 1:
+                    _merge_splits(partials_ptr, out_row, first, num_splits, num_partials, HEAD_DIM)
+                    tl.store(tickets_ptr + r * HEADS + head, 0)
+
+
+@triton.jit
+def decode_merge_kernel(
+    out_ptr, context_lens_ptr, partials_ptr, grid_splits,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr,
+):
+    """Grid (HEADS, rows): the graph-safe merge of what `decode_split_kernel` left with FUSED_MERGE off.
+    Pure decode only (row r is token r). Rows with one split were finished by the split kernel."""
+    head = tl.program_id(0)
+    r = tl.program_id(1)
+    num_splits = split_count(tl.load(context_lens_ptr + r), SPLIT_MIN_KEYS, SPLIT_CAP)
+    if num_splits > 1:
+        num_partials = grid_splits * HEADS * tl.num_programs(1)
+        out_row = out_ptr + r.to(tl.int64) * (HEADS * HEAD_DIM) + head * HEAD_DIM
+        _merge_splits(partials_ptr, out_row, (r * HEADS + head) * grid_splits, num_splits, num_partials,
+                      HEAD_DIM)

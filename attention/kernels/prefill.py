@@ -1,0 +1,136 @@
+"""Prefill attention: many queries per row, causal.
+
+`prefill_paged_kernel` (the default) reads a row's whole context, cached prefix and new chunk, from its
+pages; the chunk's K/V must already be stored. `prefill_packed_kernel` (opt-in) handles rows without a
+cached prefix: it packs their new tokens together, so one query tile can hold several short rows, and
+reads K/V straight from the k/v inputs.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _dot(a, b, DOT_FP32: tl.constexpr):
+    """a @ b with fp32 accumulation. DOT_FP32 multiplies in full fp32: for fp32 inputs (no TF32), and
+    under the interpreter for bf16, whose bf16 dot is wrong (Triton 3.9); operands rounded to bf16 and
+    then widened give the same products as a bf16 dot."""
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32: tl.constexpr):
+    """One key tile into the running (max, sum, acc) of a query tile. s: [M, N] base-2 scores, -inf
+    where masked. A query row with every key masked so far keeps m = -inf; shifting it by 0 instead
+    avoids exp2(-inf - -inf) = NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
+
+
+@triton.jit
+def prefill_paged_kernel(
+    q_ptr, out_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr,
+    context_lens_ptr, work_ptr,
+    scale, stride_qn, stride_qh, stride_bt,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Grid (work items, HEADS). Work item i = (row, m0): queries m0 .. m0 + BLOCK_M - 1 of the row's
+    chunk, which sit at context positions prefix + m0 ... (prefix = context_len - query_len)."""
+    item = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.load(work_ptr + 2 * item)
+    m0 = tl.load(work_ptr + 2 * item + 1)
+    token0 = tl.load(query_start_loc_ptr + row)
+    query_len = tl.load(query_start_loc_ptr + row + 1) - token0
+    context_len = tl.load(context_lens_ptr + row)
+    prefix = context_len - query_len
+    kv_head = head // (HEADS // KV_HEADS)
+    PAGE: tl.constexpr = BLOCK_SIZE * KV_HEADS * HEAD_DIM
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_m = offs_m < query_len
+    tokens = (token0 + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None], other=0.0)
+    query_pos = prefix + offs_m
+    qk_scale = scale * LOG2E
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + row.to(tl.int64) * stride_bt
+    key_end = tl.minimum(context_len, prefix + m0 + BLOCK_M)
+    for n0 in range(0, key_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < key_end
+        page = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+        kv = page * PAGE + (offs_n % BLOCK_SIZE) * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        kv = kv[:, None] + offs_d[None, :]
+        k = tl.load(key_cache_ptr + kv, mask=mask_n[:, None], other=0.0)
+        v = tl.load(value_cache_ptr + kv, mask=mask_n[:, None], other=0.0)
+        s = _dot(q.to(k.dtype), tl.trans(k), DOT_FP32)
+        visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tokens[:, None] * (HEADS * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
+
+
+@triton.jit
+def prefill_packed_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, packed_ptr,
+    num_packed, scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Grid (cdiv(num_packed, BLOCK_M), HEADS). packed_ptr holds, for packed index p, the pair
+    (token index into q/k/v, packed index where p's row starts). Rows have no cached prefix, so key j
+    is visible to query i when both belong to one row and j <= i. K/V are taken in q's dtype (the
+    model's, which is the cache's), as the paged kernel would read them."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // (HEADS // KV_HEADS)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_m = offs_m < num_packed
+    tokens = tl.load(packed_ptr + 2 * offs_m, mask=mask_m, other=0).to(tl.int64)
+    row_start = tl.load(packed_ptr + 2 * offs_m + 1, mask=mask_m, other=-1)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None], other=0.0)
+    qk_scale = scale * LOG2E
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    key_start = tl.load(packed_ptr + 2 * tile * BLOCK_M + 1)
+    key_end = tl.minimum(num_packed, (tile + 1) * BLOCK_M)
+    for n0 in range(key_start, key_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < key_end
+        key_tokens = tl.load(packed_ptr + 2 * offs_n, mask=mask_n, other=0).to(tl.int64)
+        key_row_start = tl.load(packed_ptr + 2 * offs_n + 1, mask=mask_n, other=-2)
+        k = tl.load(k_ptr + key_tokens[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
+                    mask=mask_n[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + key_tokens[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :],
+                    mask=mask_n[:, None], other=0.0).to(q.dtype)
+        s = _dot(q, tl.trans(k), DOT_FP32)
+        visible = (key_row_start[None, :] == row_start[:, None]) & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(visible & mask_n[None, :], s * qk_scale, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tokens[:, None] * (HEADS * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])

@@ -1,0 +1,307 @@
+"""The Triton backend, host side: per-step launch plans, the split rule, workspace use and launches.
+
+A decode step costs one launch per (loop, layer) call: the decode kernel stores the new K/V, attends
+over its split and merges the splits in the same launch. A step with prefill rows first stores every
+new token's K/V (kv_store), then runs the prefill kernel on rows with several new tokens and the decode
+kernel on rows with one. An instance selected with packed_prefill sends prefill rows that have no
+cached prefix to the packed kernel instead. Under CUDA-graph capture (decode steps only), decode is the
+split kernel plus a merge kernel over a partial buffer that this instance owns. Kernels are in
+attention/kernels/.
+
+Split rule. A row of context c gets min(cap, max(1, ceil(c / split_min_keys))) splits, each a
+multiple of the key tile; the grid is rows x heads x splits programs. cap = 2 * SMs / kv_heads, rounded
+down to a power of two, so one long row alone gives about two programs per SM; with many rows, rows and
+heads fill the SMs by themselves and split_min_keys (512) keeps each program streaming enough keys that
+merge traffic stays small. Rows are deliberately left out of the count: it depends on the row's own
+context only, so a row's output is the same bits in any batch and in eager and graph mode alike (the
+graph's grid simply has room for the longest context its block table can hold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from attention.launch import INTERPRETED, CompiledLaunch
+from attention.base import AttentionBackend, AttentionMetadata, Capabilities, register
+from attention.kernels.decode import decode_merge_kernel, decode_split_kernel
+from attention.kernels.kv_store import kv_store_kernel
+from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
+from attention.workspace import Workspace, current_stream
+
+# Max |packed - per-row| / max |reference| that the packed prefill kernel promises (bf16 inputs; fp32
+# inputs land near 1e-6).
+PACKED_PREFILL_TOLERANCE = 2e-2
+# SM count assumed off CUDA (the interpreter), an H100/H200's.
+CPU_SM_COUNT = 132
+
+
+EAGER_WORKSPACE = Workspace()
+
+
+def split_count(context_len: int, split_min_keys: int, split_cap: int) -> int:
+    """The host twin of kernels.decode.split_count."""
+    return min(split_cap, max(1, -(-context_len // split_min_keys)))
+
+
+def split_cap(sm_count: int, kv_heads: int) -> int:
+    cap = max(1, 2 * sm_count // kv_heads)
+    return 1 << (cap.bit_length() - 1)
+
+
+@dataclasses.dataclass(slots=True)
+class _Step:
+    """Host facts of one step, from `prepare`."""
+
+    meta: AttentionMetadata
+    num_tokens: int
+    decode_rows: int
+    grid_splits: int
+    row_map: torch.Tensor | None  # [decode rows, 2] (batch row, token); None when row r is token r
+    prefill_work: torch.Tensor | None  # [items, 2] (row, first query) for the per-row prefill kernel
+    packed: torch.Tensor | None  # [packed tokens, 2] (token, packed index of its row's start)
+    capturing: bool
+
+
+@dataclasses.dataclass(slots=True)
+class _Plan:
+    """A step's launches with their arguments, built at the step's first forward (they need q)."""
+
+    key: tuple
+    out: torch.Tensor
+    in_capture: bool = False  # built inside a CUDA-graph capture, on the graph's buffers
+    store: CompiledLaunch | None = None
+    store_args: tuple = ()
+    prefill: CompiledLaunch | None = None
+    prefill_args: tuple = ()
+    packed: CompiledLaunch | None = None
+    packed_args: tuple = ()
+    decode: CompiledLaunch | None = None
+    decode_mid: tuple = ()
+    decode_tail: tuple = ()
+    partials: torch.Tensor | None = None  # graph mode: this instance's; eager: from the workspace
+    tickets: torch.Tensor | None = None
+    workspace_size: tuple[int, int] | None = None  # eager multi-split decode: (partials, tickets)
+    merge: CompiledLaunch | None = None
+    merge_args: tuple = ()
+
+
+@register
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    default_capabilities = Capabilities(head_dims=(32, 64, 128, 256), cuda_graphs=True)
+    optional_capabilities = frozenset({"packed_prefill"})
+
+    def __init__(self, capabilities: Capabilities) -> None:
+        if capabilities.packed_prefill:
+            capabilities = dataclasses.replace(capabilities, packed_matches_decode=False,
+                                               packed_prefill_tolerance=PACKED_PREFILL_TOLERANCE)
+        super().__init__(capabilities)
+        self.workspace = EAGER_WORKSPACE
+        self._step: _Step | None = None
+        self._plan: _Plan | None = None
+        self._capturing = False
+        # Captured graphs keep pointing at these, so they live as long as the instance.
+        self._graph_buffers: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+
+    def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float) -> None:
+        same = key_cache.shape == value_cache.shape and key_cache.dtype == value_cache.dtype
+        if key_cache.dim() != 5 or not same:
+            raise ValueError("key_cache and value_cache must both be [num_slots, num_blocks, block_size, "
+                             f"kv_heads, head_dim] of one dtype, got {tuple(key_cache.shape)} "
+                             f"{key_cache.dtype} and {tuple(value_cache.shape)} {value_cache.dtype}")
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+            raise ValueError("the triton attention backend needs contiguous key_cache and value_cache")
+        device = key_cache.device
+        if device.type == "cpu" and not INTERPRETED:
+            raise ValueError("the triton attention backend runs on CPU only under TRITON_INTERPRET=1")
+        self.check(key_cache.dtype, key_cache.shape[-1], device)
+        super().bind(key_cache, value_cache, scale)
+        self._device = device
+        self._key_slots = list(key_cache.unbind(0))
+        self._value_slots = list(value_cache.unbind(0))
+        _, _, self.block_size, self.kv_heads, self.head_dim = key_cache.shape
+        self._dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)
+        self._dummy_i32 = torch.zeros(2, dtype=torch.int32, device=device)
+        sm_count = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
+                    else CPU_SM_COUNT)
+        # Tunables (instance attributes, so tests and benchmarks may override them after bind).
+        # Key tiles of about 16 KB each for K and V (64 keys x 128 dims in bf16); fp32 halves the keys.
+        narrow = 2 if key_cache.element_size() == 4 else 1
+        self.split_cap = split_cap(sm_count, self.kv_heads)
+        self.split_min_keys = 512
+        self.decode_block_n = (64 if self.head_dim <= 128 else 32) // narrow
+        self.decode_num_warps = 4
+        self.decode_num_stages = 2
+        self.prefill_block_m = 64 // narrow
+        self.prefill_block_n = (64 if self.head_dim <= 128 else 32) // narrow
+        self.prefill_num_warps = 4 if self.head_dim <= 64 else 8
+        self.prefill_num_stages = 2
+
+    # --- per step -------------------------------------------------------------------------------
+
+    def capture_begin(self, max_rows: int) -> None:
+        self._capturing = True
+        self._step = self._plan = None
+
+    def capture_end(self) -> None:
+        self._capturing = False
+        self._step = self._plan = None
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        super().prepare(meta)
+        if meta.block_size != self.block_size:
+            raise ValueError(f"metadata block_size {meta.block_size} != the KV pool's {self.block_size}")
+        query_lens, context_lens = meta.query_lens_cpu, meta.context_lens_cpu
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        decode = [row for row, n in enumerate(query_lens) if n == 1]
+        if self._capturing:
+            if len(decode) != meta.num_rows:
+                raise ValueError("only decode steps (one new token per row) can be graph-captured")
+            longest = meta.block_tables.shape[1] * self.block_size  # any context the table can hold
+        else:
+            longest = max((context_lens[row] for row in decode), default=0)
+        grid_splits = split_count(longest, self.split_min_keys, self.split_cap)
+
+        row_map = None
+        if decode and len(decode) != meta.num_rows:
+            row_map = self._int_tensor([(row, starts[row]) for row in decode])
+        many = [row for row, n in enumerate(query_lens) if n > 1]
+        packing = self.capabilities.packed_prefill
+        packed_rows = [row for row in many if packing and context_lens[row] == query_lens[row]]
+        paged_rows = [row for row in many if row not in packed_rows]
+        prefill_work = None
+        if paged_rows:
+            bm = self.prefill_block_m
+            items = [(row, m0) for row in paged_rows for m0 in range(0, query_lens[row], bm)]
+            # The most keys first, so the longest programs do not start last.
+            items.sort(key=lambda item: context_lens[item[0]] - query_lens[item[0]] + item[1], reverse=True)
+            prefill_work = self._int_tensor(items)
+        packed = None
+        if packed_rows:
+            pairs = []
+            for row in packed_rows:
+                first = len(pairs)
+                pairs.extend((token, first) for token in range(starts[row], starts[row + 1]))
+            packed = self._int_tensor(pairs)
+        self._step = _Step(meta, starts[-1], len(decode), grid_splits, row_map, prefill_work, packed,
+                           self._capturing)
+        self._plan = None
+
+    def _int_tensor(self, pairs: list[tuple[int, int]]) -> torch.Tensor:
+        return torch.tensor(pairs, dtype=torch.int32).to(self._device, non_blocking=True)
+
+    # --- per call -------------------------------------------------------------------------------
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
+        """Returns a per-step output buffer: the next forward of the step overwrites it."""
+        key = (q.dtype, q.shape, q.stride(), k.stride(), v.stride())
+        plan = self._plan
+        if plan is None or plan.key != key or (self._capturing and plan.in_capture != self._in_capture()):
+            plan = self._plan = self._build_plan(key, q, k, v)
+        out = plan.out
+        key_cache, value_cache = self._key_slots[slot], self._value_slots[slot]
+        stream = current_stream(self._device)
+        if plan.store is not None:
+            plan.store(stream, (k, v, key_cache, value_cache) + plan.store_args)
+        if plan.prefill is not None:
+            plan.prefill(stream, (q, out, key_cache, value_cache) + plan.prefill_args)
+        if plan.packed is not None:
+            plan.packed(stream, (q, k, v, out) + plan.packed_args)
+        if plan.decode is not None:
+            partials, tickets = plan.partials, plan.tickets
+            if plan.workspace_size is not None:
+                entry = self.workspace.get(self._device, stream, *plan.workspace_size)
+                partials, tickets = entry.partials, entry.tickets
+            plan.decode(stream, (q, k, v, out, key_cache, value_cache) + plan.decode_mid
+                        + (partials, tickets) + plan.decode_tail)
+            if plan.merge is not None:
+                plan.merge(stream, (out,) + plan.merge_args)
+        return out
+
+    def _build_plan(self, key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _Plan:
+        step = self._step
+        if step is None:
+            raise RuntimeError("prepare(meta) must run before forward")
+        num_tokens, heads, head_dim = q.shape
+        if num_tokens != step.num_tokens or heads % self.kv_heads or head_dim != self.head_dim:
+            raise ValueError(f"q {tuple(q.shape)} does not fit this step ({step.num_tokens} tokens) and the "
+                             f"KV pool ({self.kv_heads} kv heads x {self.head_dim})")
+        if k.shape != (num_tokens, self.kv_heads, head_dim) or v.shape != k.shape:
+            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be "
+                             f"[{num_tokens}, {self.kv_heads}, {head_dim}]")
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError("q, k and v need a contiguous last (head_dim) dimension")
+        self.check(q.dtype, head_dim, q.device)
+        meta, capturing = step.meta, step.capturing
+        if capturing:
+            out = self._graph_buffer("out", num_tokens * heads * head_dim, q.dtype).view(q.shape)
+        else:
+            out = torch.empty((num_tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+        plan = _Plan(key, out, capturing and self._in_capture())
+        direct = not capturing
+        dot_fp32 = q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16)
+        if step.prefill_work is not None or step.packed is not None:
+            plan.store = CompiledLaunch(kv_store_kernel, (num_tokens, 1, 1), 4, 1, direct)
+            plan.store_args = (meta.slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                               self.kv_heads, head_dim, triton.next_power_of_2(self.kv_heads))
+        if step.prefill_work is not None:
+            plan.prefill = CompiledLaunch(prefill_paged_kernel, (step.prefill_work.shape[0], heads, 1),
+                                   self.prefill_num_warps, self.prefill_num_stages, direct)
+            plan.prefill_args = (meta.block_tables, meta.query_start_loc, meta.context_lens,
+                                 step.prefill_work, self.scale, q.stride(0), q.stride(1),
+                                 meta.block_tables.stride(0), heads, self.kv_heads, head_dim, self.block_size,
+                                 self.prefill_block_m, self.prefill_block_n, dot_fp32)
+        if step.packed is not None:
+            num_packed = step.packed.shape[0]
+            bm = self.prefill_block_m
+            plan.packed = CompiledLaunch(prefill_packed_kernel, (triton.cdiv(num_packed, bm), heads, 1),
+                                  self.prefill_num_warps, self.prefill_num_stages, direct)
+            plan.packed_args = (step.packed, num_packed, self.scale, q.stride(0), q.stride(1), k.stride(0),
+                                k.stride(1), v.stride(0), v.stride(1), heads, self.kv_heads, head_dim, bm,
+                                self.prefill_block_n, dot_fp32)
+        if step.decode_rows:
+            self._plan_decode(plan, step, q, k, v, heads)
+        return plan
+
+    def _plan_decode(self, plan: _Plan, step: _Step, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     heads: int) -> None:
+        meta, splits, rows = step.meta, step.grid_splits, step.decode_rows
+        fused = not step.capturing
+        plan.decode = CompiledLaunch(decode_split_kernel, (splits, heads, rows), self.decode_num_warps,
+                              self.decode_num_stages, fused)
+        row_map = step.row_map if step.row_map is not None else self._dummy_i32
+        plan.decode_mid = (meta.block_tables, meta.context_lens, meta.slot_mapping, row_map)
+        plan.decode_tail = (self.scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                            v.stride(1), meta.block_tables.stride(0), heads, self.kv_heads, self.head_dim,
+                            self.block_size, self.decode_block_n, self.split_min_keys, self.split_cap,
+                            step.row_map is not None, fused)
+        plan.partials, plan.tickets = self._dummy_f32, self._dummy_i32
+        if splits == 1:
+            return
+        partials = rows * heads * splits * (self.head_dim + 2)
+        if fused:
+            plan.workspace_size = (partials, rows * heads)
+            return
+        plan.partials = self._graph_buffer("partials", partials, torch.float32)
+        plan.merge = CompiledLaunch(decode_merge_kernel, (heads, rows, 1), 4, 1, False)
+        plan.merge_args = (meta.context_lens, plan.partials, splits, heads, self.head_dim,
+                           self.split_min_keys, self.split_cap)
+
+    def _graph_buffer(self, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer for graph mode. Inside a capture it comes from the graph's pool and is kept: graphs
+        replay one at a time, so they share one buffer per role, the largest asked for so far (capture the
+        largest bucket first and there is just one). Outside a capture (the warm-up) it is temporary."""
+        if not self._in_capture():
+            return torch.empty(numel, dtype=dtype, device=self._device)
+        buffers = self._graph_buffers.setdefault((role, dtype), [])
+        if not buffers or buffers[-1].numel() < numel:
+            buffers.append(torch.empty(numel, dtype=dtype, device=self._device))
+        return buffers[-1][:numel]
+
+    def _in_capture(self) -> bool:
+        return self._device.type == "cuda" and torch.cuda.is_current_stream_capturing()

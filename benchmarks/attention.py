@@ -1,0 +1,294 @@
+"""Decode attention on CUDA: the Triton backend per call, in µs and GB/s, held against the device-to-device
+copy bandwidth measured in the same run, with torch SDPA over the gathered pages beside it (the gather
+itself untimed); and the host
+µs per eager call, held against a bare Triton launch measured in the same run.
+
+    python benchmarks/attention.py --out benchmarks/results/attention.json [--no-sweep]
+
+Device times come from CUDA-graph replays of many calls that walk through several KV slots, so neither
+host launch cost nor L2 reuse flatters the small shapes. Shapes are rows x context, bf16, 16 heads x 128
+(Ouro), pages of 16 tokens in shuffled order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import commit as common_commit  # noqa: E402
+
+from attention.base import AttentionMetadata, select
+from attention.torch_backend import gather_context
+
+SHAPES = [(1, 512), (1, 8192), (16, 2048), (64, 2048), (16, 8192)]
+TARGETS = {(64, 2048): 0.80, (16, 8192): 0.80}  # fraction of copy bandwidth
+HOST_TARGET_US = 20.0
+HEADS, HEAD_DIM, BLOCK_SIZE = 16, 128, 16
+DTYPE = torch.bfloat16
+CALLS_PER_GRAPH = 24
+SLOT_BYTES_FLOOR = 256 << 20  # walk at least this many KV bytes per graph: several times the L2
+
+
+@triton.jit
+def bare_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+class DecodeStep:
+    """One decode step's pool, metadata and inputs for `rows` rows of `context` tokens each."""
+
+    def __init__(self, rows: int, context: int, slots: int) -> None:
+        pages = math.ceil(context / BLOCK_SIZE)
+        num_blocks = rows * pages + 8
+        shape = (slots, num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM)
+        self.key_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
+        self.value_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
+        tables = torch.randperm(num_blocks, device="cuda")[:rows * pages].view(rows, pages).int()
+        last = context - 1
+        self.meta = AttentionMetadata(
+            query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device="cuda"),
+            context_lens=torch.full((rows,), context, dtype=torch.int32, device="cuda"),
+            block_tables=tables,
+            slot_mapping=(tables[:, last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE),
+            query_lens_cpu=[1] * rows, context_lens_cpu=[context] * rows, block_size=BLOCK_SIZE)
+        qkv = torch.randn(rows, 3 * HEADS * HEAD_DIM, device="cuda", dtype=DTYPE)
+        width = HEADS * HEAD_DIM
+        self.q, self.k, self.v = (qkv[:, i * width:(i + 1) * width].view(rows, HEADS, HEAD_DIM)
+                                  for i in range(3))
+        self.rows, self.context, self.slots = rows, context, slots
+        self.kv_bytes = 2 * rows * context * HEADS * HEAD_DIM * DTYPE.itemsize
+        self.bytes = self.kv_bytes + 2 * self.q.numel() * DTYPE.itemsize
+
+    def backend(self, **tunables):
+        backend = select("triton", torch.device("cuda"))
+        backend.bind(self.key_cache, self.value_cache, HEAD_DIM ** -0.5)
+        for name, value in tunables.items():
+            setattr(backend, name, value)
+        return backend
+
+    def gathered(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """SDPA's inputs: each row's pages gathered into [rows, heads, context, D]."""
+        tables = self.meta.block_tables
+        keys = torch.stack([gather_context(self.key_cache[slot], table, self.context) for table in tables])
+        values = torch.stack([gather_context(self.value_cache[slot], table, self.context)
+                              for table in tables])
+        return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
+
+
+def graph_time_us(calls, replays: int = 10) -> float:
+    """Mean µs per call of `calls` (a list of thunks), captured once in a CUDA graph and replayed."""
+    for call in calls[:2]:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (replays * len(calls))
+
+
+def copy_bandwidth_gbps() -> float:
+    """Event-timed large device-to-device copy, bytes read + written (benchmarks/common.py); a copy
+    captured in a graph runs as a memcpy node at about two thirds of that rate, so it is not used."""
+    from benchmarks.common import copy_bandwidth
+
+    return copy_bandwidth() / 1e9
+
+
+def slot_walk(step: DecodeStep) -> list[int]:
+    return [i % step.slots for i in range(CALLS_PER_GRAPH)]
+
+
+def triton_us(step: DecodeStep, graph_mode: bool = False, **tunables) -> float:
+    backend = step.backend(**tunables)
+    if graph_mode:
+        backend.capture_begin(step.rows)
+    backend.prepare(step.meta)
+    q, k, v = step.q, step.k, step.v
+    return graph_time_us([lambda s=s: backend.forward(q, k, v, s) for s in slot_walk(step)])
+
+
+def sdpa_us(step: DecodeStep) -> float:
+    q = step.q.unsqueeze(2)  # [rows, heads, 1, D]
+    gathered = [step.gathered(s) for s in range(step.slots)]
+    return graph_time_us([lambda s=s: F.scaled_dot_product_attention(q, *gathered[s])
+                          for s in slot_walk(step)])
+
+
+def slots_for(rows: int, context: int) -> int:
+    per_slot = 2 * rows * context * HEADS * HEAD_DIM * DTYPE.itemsize
+    return max(2, min(32, math.ceil(SLOT_BYTES_FLOOR / per_slot)))
+
+
+def host_costs(calls: int = 2000) -> dict:
+    """Host µs per call, hot loop without syncs, on a shape whose kernel is shorter than its launch."""
+    step = DecodeStep(1, 512, 8)
+    backend = step.backend()
+    backend.prepare(step.meta)
+    q, k, v = step.q, step.k, step.v
+    x = torch.randn(256, device="cuda")
+    y = torch.empty_like(x)
+
+    def per_call(fn) -> float:
+        for i in range(50):
+            fn(i)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return elapsed * 1e6 / calls
+
+    bare = per_call(lambda i: bare_kernel[(1,)](x, y, 256, BLOCK=256))
+    torch_add = per_call(lambda i: torch.add(x, 1.0, out=y))
+    forward = per_call(lambda i: backend.forward(q, k, v, i % 8))
+    in_step, prepare = engine_like_host_us(step, backend, x, y)
+    return {"bare_triton_launch_us": bare, "torch_add_us": torch_add, "eager_forward_us": forward,
+            "eager_forward_ratio_to_bare_launch": forward / bare, "in_step_forward_us": in_step,
+            "in_step_forward_ratio_to_bare_launch": in_step / bare, "prepare_us": prepare}
+
+
+def engine_like_host_us(step: DecodeStep, backend, x, y, steps: int = 30,
+                        calls: int = 96) -> tuple[float, float]:
+    """A decode step as the model makes it: prepare, then 96 forwards with other launches between them.
+    Only the time inside prepare and forward is counted."""
+    forward_s = prepare_s = 0.0
+    q, k, v = step.q, step.k, step.v
+    for n in range(steps + 2):
+        t0 = time.perf_counter()
+        backend.prepare(step.meta)
+        t1 = time.perf_counter()
+        inside = 0.0
+        for i in range(calls):
+            torch.add(x, 1.0, out=y)
+            t = time.perf_counter()
+            backend.forward(q, k, v, i % step.slots)
+            inside += time.perf_counter() - t
+            torch.add(y, 1.0, out=x)
+        torch.cuda.synchronize()
+        if n >= 2:  # the first steps compile and warm up
+            forward_s += inside
+            prepare_s += t1 - t0
+    return forward_s * 1e6 / (steps * calls), prepare_s * 1e6 / steps
+
+
+def sweep(steps: dict, copy_gbps: float) -> list[dict]:
+    """Key tile and warps at the default split rule, then the split rule's keys per split at the best
+    tiles (best: the least geometric mean of time over the copy-rate floor). num_stages is left out: the
+    decode loop pipelines its loads by hand. Each entry: shape, tunables, µs and fraction of copy BW."""
+    results = []
+
+    def measure(tunables: dict) -> float:
+        total = 0.0
+        for (rows, context), step in steps.items():
+            try:
+                us = triton_us(step, **tunables)
+            except (OutOfResources, CompilationError, RuntimeError) as error:  # a config may not fit
+                results.append({"rows": rows, "context": context, **tunables, "error": repr(error)[:200]})
+                return math.inf
+            fraction = step.bytes / us / 1e3 / copy_gbps
+            results.append({"rows": rows, "context": context, **tunables, "us": us, "of_copy_bw": fraction})
+            total += math.log(us / (step.bytes / copy_gbps / 1e3))  # time over the copy-rate floor
+        return total
+
+    tiles = [{"decode_block_n": n, "decode_num_warps": w} for n in (32, 64, 128) for w in (4, 8)]
+    best = min(tiles, key=measure)
+    for keys in (128, 256, 1024, 2048):
+        measure({**best, "split_min_keys": keys})
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tunables sweep")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    copy_gbps = copy_bandwidth_gbps()
+    rows_out, steps = [], {}
+    for rows, context in SHAPES:
+        step = steps[rows, context] = DecodeStep(rows, context, slots_for(rows, context))
+        us, graph_us, sdpa = triton_us(step), triton_us(step, graph_mode=True), sdpa_us(step)
+        gbps = step.bytes / us / 1e3
+        rows_out.append({"rows": rows, "context": context, "slots": step.slots, "bytes": step.bytes,
+                         "triton_us": us, "triton_gbps": gbps, "triton_of_copy_bw": gbps / copy_gbps,
+                         "triton_graph_mode_us": graph_us, "sdpa_us": sdpa,
+                         "sdpa_of_copy_bw": step.bytes / sdpa / 1e3 / copy_gbps,
+                         "target_of_copy_bw": TARGETS.get((rows, context))})
+    host = host_costs()
+    defaults = steps[SHAPES[0]].backend()
+    tunables = {name: getattr(defaults, name) for name in ("split_min_keys", "split_cap", "decode_block_n",
+                                                           "decode_num_warps", "decode_num_stages")}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__, "commit": common_commit(), "copy_gbps": copy_gbps, "rows": rows_out,
+              "tunables": tunables, "host": host, "host_target_us": HOST_TARGET_US}
+    if not args.no_sweep:
+        result["sweep"] = sweep(steps, copy_gbps)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+
+
+def print_table(result: dict) -> None:
+    copy = result["copy_gbps"]
+    print(f"{result['device']}, torch {result['torch']}, triton {result['triton']}; "
+          f"device-to-device copy {copy:.0f} GB/s (the floor's rate); tunables {result['tunables']}\n")
+    print("| rows x context | triton µs | GB/s | of copy BW | target | graph-mode µs | SDPA µs "
+          "| SDPA of copy BW |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        target = r["target_of_copy_bw"]
+        met = target is not None and r["triton_of_copy_bw"] >= target
+        verdict = "" if target is None else f"{target:.2f} {'met' if met else 'MISSED'}"
+        print(f"| {r['rows']} x {r['context']} | {r['triton_us']:.1f} | {r['triton_gbps']:.0f} | "
+              f"{r['triton_of_copy_bw']:.2f} | {verdict} | {r['triton_graph_mode_us']:.1f} | "
+              f"{r['sdpa_us']:.1f} | "
+              f"{r['sdpa_of_copy_bw']:.2f} |")
+    h = result["host"]
+    print(f"\n| host cost | µs | ratio to a bare Triton launch ({h['bare_triton_launch_us']:.1f} µs) |")
+    print("|---|---|---|")
+    print(f"| eager forward, hot loop | {h['eager_forward_us']:.1f} | "
+          f"{h['eager_forward_ratio_to_bare_launch']:.2f} |")
+    print(f"| eager forward, 96 per step between other launches | {h['in_step_forward_us']:.1f} | "
+          f"{h['in_step_forward_ratio_to_bare_launch']:.2f} |")
+    print(f"| torch.add | {h['torch_add_us']:.1f} | {h['torch_add_us'] / h['bare_triton_launch_us']:.2f} |")
+    print(f"| prepare, once per step | {h['prepare_us']:.1f} | |")
+    verdict = "met" if h["in_step_forward_us"] <= result["host_target_us"] else "MISSED"
+    print(f"\nhost target: <= {result['host_target_us']:.0f} µs per eager call: {verdict}")
+    if "sweep" in result:
+        ok = [s for s in result["sweep"] if "us" in s]
+        failed = len(result["sweep"]) - len(ok)
+        print(f"\nsweep: {len(ok)} measurements, {failed} failed configs; best per shape:")
+        for rows, context in SHAPES:
+            mine = [s for s in ok if (s["rows"], s["context"]) == (rows, context)]
+            if mine:
+                best = min(mine, key=lambda s: s["us"])
+                tunables = {k: v for k, v in best.items() if k.startswith(("decode_", "split_"))}
+                print(f"  {rows} x {context}: {best['us']:.1f} µs ({best['of_copy_bw']:.2f}) with {tunables}")
+
+
+if __name__ == "__main__":
+    main()

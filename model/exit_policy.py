@@ -1,0 +1,225 @@
+"""Exit policies (ouro.md §4): parsing, the exit pdf, the per-row readout that turns per-loop states into
+logits, and per-token loop traces. It reads `LoopStates`; it never runs the network or decides which
+loops run (model/early_exit.py does that for `early:Q`).
+
+    full          every loop, read out after the last (the default; what vLLM does)
+    threshold:Q   HF's Q-exit: the first loop whose exit CDF reaches Q; Q >= 1 means the last loop
+    step:K        HF's exit_at_step: loop K, 0-based
+    weighted      expected logits, sum_t p(t) lm_head(H[t])
+    early:Q       threshold:Q's readout, but generated tokens stop looping at that loop (engine-wide)
+
+The exit pdf and CDF are computed in float64, one loop at a time, in the same order as tests/reference.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+KINDS = ("full", "threshold", "step", "weighted", "early")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExitPolicy:
+    kind: str
+    value: float | int | None = None
+
+    @property
+    def readout_only(self) -> bool:
+        """True when the policy only picks what to read out; early:Q also changes what is computed."""
+        return self.kind != "early"
+
+    def __str__(self) -> str:
+        return self.kind if self.value is None else f"{self.kind}:{self.value}"
+
+
+FULL = ExitPolicy("full")
+
+
+@functools.lru_cache(maxsize=256)
+def parse_exit_policy(spec: str | ExitPolicy, loops: int | None = None,
+                      name: str = "exit_policy") -> ExitPolicy:
+    """'full' | 'threshold:Q' | 'step:K' | 'weighted' | 'early:Q'. With `loops`, step:K is range-checked.
+    Raises ValueError naming `name`."""
+    if isinstance(spec, ExitPolicy):
+        spec = str(spec)
+    usage = "use 'full', 'threshold:Q', 'step:K', 'weighted' or 'early:Q'"
+    if not isinstance(spec, str):
+        raise ValueError(f"{name} must be a string ({usage}), got {spec!r}")
+    kind, colon, arg = spec.strip().partition(":")
+    if kind not in KINDS:
+        raise ValueError(f"{name} {spec!r} is not an exit policy; {usage}")
+    if kind in ("full", "weighted"):
+        if colon:
+            raise ValueError(f"{name} {spec!r}: {kind!r} takes no argument")
+        return ExitPolicy(kind)
+    if kind == "step":
+        try:
+            step = int(arg)
+        except ValueError:
+            raise ValueError(f"{name} {spec!r}: step:K needs an integer loop index K (0-based)") from None
+        if step < 0 or (loops is not None and step >= loops):
+            bound = f"< loops ({loops})" if loops is not None else "a loop index"
+            raise ValueError(f"{name} {spec!r}: K must be >= 0 and {bound}")
+        return ExitPolicy("step", step)
+    try:
+        q = float(arg)
+    except ValueError:
+        raise ValueError(f"{name} {spec!r}: {kind}:Q needs a number Q (an exit CDF level, 0 <= Q; "
+                         "Q >= 1 means the last loop)") from None
+    if not math.isfinite(q) or q < 0:
+        raise ValueError(f"{name} {spec!r}: Q must be a finite number >= 0")
+    return ExitPolicy(kind, q)
+
+
+def request_policy(spec: str | None, engine_policy: ExitPolicy, loops: int) -> ExitPolicy:
+    """The policy one request reads out under: its own readout-only override, else the engine's."""
+    if spec is None:
+        return engine_policy
+    policy = parse_exit_policy(spec, loops, "SamplingParams.exit_policy")
+    if not policy.readout_only:
+        raise ValueError(f"SamplingParams.exit_policy {spec!r}: early:Q changes the K/V every later token "
+                         "reads, so it is engine-wide; pass it as Engine(exit_policy=...)")
+    if not engine_policy.readout_only:
+        raise ValueError(f"SamplingParams.exit_policy {spec!r}: this engine runs {engine_policy}, whose "
+                         "readout is fixed; per-request policies need a readout-only engine policy")
+    return policy
+
+
+def exit_pdf(gate_logits: torch.Tensor, loops: int | None = None) -> torch.Tensor:
+    """[t, R] gate logits of the first t loops -> [t, R] float64 exit pdf. p(t) = lambda_t S_{t-1}; the
+    last of `loops` (default: t) takes the remaining mass. NaN gates (loops not run) give NaN."""
+    loops = gate_logits.shape[0] if loops is None else loops
+    lam = torch.sigmoid(gate_logits.double())
+    survival = torch.ones_like(lam[0])
+    pdf = []
+    for t in range(gate_logits.shape[0]):
+        if t == loops - 1:
+            pdf.append(survival)
+        else:
+            pdf.append(lam[t] * survival)
+            survival = survival * (1.0 - lam[t])
+    return torch.stack(pdf)
+
+
+def threshold_exit_loops(pdf: torch.Tensor, q: float) -> torch.Tensor:
+    """[T, R] pdf -> [R] int64: the first loop whose CDF reaches q, else the last; q >= 1: the last.
+    Rows whose later loops did not run (NaN) exit where their CDF first reached q."""
+    loops, rows = pdf.shape
+    exit_loop = torch.full((rows,), loops - 1, dtype=torch.int64, device=pdf.device)
+    if q >= 1.0:
+        return exit_loop
+    cdf = torch.zeros_like(pdf[0])
+    done = torch.zeros(rows, dtype=torch.bool, device=pdf.device)
+    for t in range(loops - 1):
+        cdf = cdf + pdf[t]
+        hit = ~done & (cdf >= q)
+        exit_loop[hit] = t
+        done |= hit
+    return exit_loop
+
+
+def exit_loops(policy: ExitPolicy, pdf: torch.Tensor) -> torch.Tensor:
+    """[R] int64 readout loop of each row under a non-weighted policy."""
+    loops, rows = pdf.shape
+    if policy.kind in ("threshold", "early"):
+        return threshold_exit_loops(pdf, float(policy.value))
+    loop = policy.value if policy.kind == "step" else loops - 1
+    return torch.full((rows,), loop, dtype=torch.int64, device=pdf.device)
+
+
+@dataclasses.dataclass(slots=True)
+class LoopTrace:
+    """One generated token's loops, as plain lists (one entry per loop this token ran).
+
+    exit_pdf[t]: the gate's exit probability at loop t (float64 math; under early:Q only the loops the
+    token ran, so the list may be shorter and sum to less than 1). exit_loop: the loop whose readout gave
+    the logits (None under "weighted", which mixes every loop). top_token_ids[t] / top_logprobs[t]: the
+    argmax token of loop t's own logits and its log-probability.
+    """
+
+    exit_pdf: list[float]
+    exit_loop: int | None
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclasses.dataclass(slots=True)
+class TraceTensors:
+    """A completion's traces stacked, NaN / -1 padded to the longest: exit_pdf, top_logprobs [N, T]
+    float64; top_token_ids [N, T] int64; exit_loop [N] int64 (-1 for None); loops_run [N] int64."""
+
+    exit_pdf: torch.Tensor
+    exit_loop: torch.Tensor
+    loops_run: torch.Tensor
+    top_token_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+def stack_traces(traces: list[LoopTrace]) -> TraceTensors:
+    width = max((len(t.exit_pdf) for t in traces), default=0)
+
+    def padded(rows: list[list], fill: float | int, dtype: torch.dtype) -> torch.Tensor:
+        values = [row + [fill] * (width - len(row)) for row in rows]
+        return torch.tensor(values, dtype=dtype).view(len(rows), width)
+
+    return TraceTensors(
+        exit_pdf=padded([t.exit_pdf for t in traces], math.nan, torch.float64),
+        exit_loop=torch.tensor([-1 if t.exit_loop is None else t.exit_loop for t in traces],
+                               dtype=torch.int64),
+        loops_run=torch.tensor([len(t.exit_pdf) for t in traces], dtype=torch.int64),
+        top_token_ids=padded([t.top_token_ids for t in traces], -1, torch.int64),
+        top_logprobs=padded([t.top_logprobs for t in traces], math.nan, torch.float64),
+    )
+
+
+def readout_logits(lm_head, hidden: torch.Tensor, gate_logits: torch.Tensor, policies: list[ExitPolicy],
+            traced: list[bool]) -> tuple[torch.Tensor, list[LoopTrace | None]]:
+    """Logits [R, V] (fp32) of the sampling rows under each row's policy, and a trace for each traced row.
+
+    hidden [T, R, H], gate_logits [T, R]: LoopStates of the sampling rows only, so no row that does not
+    sample pays for a readout. Loops a row did not run (early:Q) have NaN gates and repeat the hidden state
+    of its last loop. `lm_head` maps [*, H] -> [*, V].
+    """
+    loops, rows = gate_logits.shape
+    if not any(traced) and all(p.kind == "full" for p in policies):
+        return lm_head(hidden[-1]).float(), [None] * rows
+    pdf = exit_pdf(gate_logits)
+    loop_of = torch.full((rows,), loops - 1, dtype=torch.int64, device=hidden.device)
+    for policy in set(policies):
+        if policy.kind != "weighted":
+            chosen = [r for r, p in enumerate(policies) if p == policy]
+            loop_of[chosen] = exit_loops(policy, pdf[:, chosen]).to(hidden.device)
+    logits = lm_head(hidden[loop_of, torch.arange(rows, device=hidden.device)]).float()
+    weighted = [r for r, p in enumerate(policies) if p.kind == "weighted"]
+    if weighted:
+        logits[weighted] = expected_logits(lm_head, hidden[:, weighted], pdf[:, weighted])
+    traces: list[LoopTrace | None] = [None] * rows
+    chosen = [r for r in range(rows) if traced[r]]
+    if chosen:
+        exit_loop = [None if policies[r].kind == "weighted" else int(loop_of[r]) for r in chosen]
+        for r, trace in zip(chosen, loop_traces(lm_head, hidden[:, chosen], gate_logits[:, chosen],
+                                                 pdf[:, chosen], exit_loop)):
+            traces[r] = trace
+    return logits, traces
+
+
+def expected_logits(lm_head, hidden: torch.Tensor, pdf: torch.Tensor) -> torch.Tensor:
+    """sum_t p(t) lm_head(H[t]) in fp32, summed in loop order as the oracle does. hidden [T, W, H]."""
+    weights, per_loop = pdf.float(), lm_head(hidden).float()
+    mixed = torch.zeros_like(per_loop[0])
+    for t in range(per_loop.shape[0]):
+        mixed = mixed + weights[t, :, None] * per_loop[t]
+    return mixed
+
+
+def loop_traces(lm_head, hidden: torch.Tensor, gate_logits: torch.Tensor, pdf: torch.Tensor,
+                exit_loop: list[int | None]) -> list[LoopTrace]:
+    """LoopTraces of C rows: hidden [T, C, H], gate_logits and pdf [T, C]; loops not run are NaN gates."""
+    top_logprobs, top_ids = torch.log_softmax(lm_head(hidden).float(), dim=-1).max(dim=-1)  # [T, C]
+    ran = (~gate_logits.isnan()).sum(0).tolist()
+    rows = zip(ran, pdf.T.tolist(), exit_loop, top_ids.T.tolist(), top_logprobs.double().T.tolist())
+    return [LoopTrace(p[:n], e, ids[:n], lps[:n]) for n, p, e, ids, lps in rows]

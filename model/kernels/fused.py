@@ -1,0 +1,229 @@
+"""Fused elementwise kernels for the Ouro layer, with one-launch host wrappers.
+
+Each kernel computes in fp32 and rounds to the model dtype exactly where model/ouro.py's torch code
+rounds (after every torch op), and launches with fp fusion off, so no multiply-add contracts into an
+FMA that the torch ops would round twice. Elementwise results (RoPE, SiLU-mul) are then bitwise equal
+to torch on CUDA. The RMSNorm family sums squares in another order than torch's reduction, so the fp32
+inverse rms may differ in its last bit; bf16/fp16 outputs then differ by one ulp on rare elements.
+
+Tensors are [rows, features] with a contiguous last dimension (any row stride), weights in the
+activations' dtype. The kernels have no backward: training stays on the torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """x rounded to dtype, as a torch op in dtype rounds its result; kept in fp32 for the next op."""
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rmsnorm(xf, weight_ptr, offs, mask, eps, N: tl.constexpr, dtype: tl.constexpr, PRECISE: tl.constexpr):
+    """HF RMSNorm of an fp32 row: normalise in fp32, round to dtype, then scale by the weight in dtype.
+    Returns the rounded result, widened to fp32. The mean multiplies by 1/N as torch's CUDA mean does."""
+    mean_square = tl.sum(xf * xf, axis=0) * (1.0 / N)
+    if PRECISE:  # torch's rsqrtf; tl.rsqrt's lowering is not pinned to it
+        inv_rms = libdevice.rsqrt(mean_square + eps)
+    else:
+        inv_rms = tl.rsqrt(mean_square + eps)
+    normed = _round(xf * inv_rms, dtype)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return _round(weight * normed, dtype)
+
+
+@triton.jit
+def rmsnorm_kernel(
+    x_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, normed_ptr,
+    stride_x, stride_residual, stride_out, stride_normed, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NEXT_NORM: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """One program per row. out = [residual +] rmsnorm(x) * weight; with NEXT_NORM also
+    normed = rmsnorm(out) * next_weight, from the rounded out still in registers."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    dtype = out_ptr.dtype.element_ty
+    xf = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    y = _rmsnorm(xf, weight_ptr, offs, mask, eps, N, dtype, PRECISE)
+    if ADD_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + offs, mask=mask, other=0.0).to(tl.float32)
+        y = _round(residual + y, dtype)
+    tl.store(out_ptr + row * stride_out + offs, y.to(dtype), mask=mask)
+    if NEXT_NORM:
+        z = _rmsnorm(y, next_weight_ptr, offs, mask, eps, N, dtype, PRECISE)
+        tl.store(normed_ptr + row * stride_normed + offs, z.to(dtype), mask=mask)
+
+
+@triton.jit
+def silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                    PRECISE: tl.constexpr):
+    """Program (row, block of SIZE): out = silu(gate) * up, gate and up the two halves of the gate_up row.
+    silu is torch's x / (1 + exp(-x)): libdevice expf and a correctly rounded divide, not the fast
+    approximations tl.exp and `/` lower to."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < SIZE
+    dtype = out_ptr.dtype.element_ty
+    gate_ptr = gate_up_ptr + row * stride_in + offs
+    gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptr + SIZE, mask=mask, other=0.0).to(tl.float32)
+    if PRECISE:
+        exp_neg = libdevice.exp(-gate)
+    else:
+        exp_neg = tl.exp(-gate)
+    silu = _round(tl.div_rn(gate, 1.0 + exp_neg), dtype)
+    tl.store(out_ptr + row * stride_out + offs, (silu * up).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rope(x_ptr, cos_ptr, sin_ptr, heads, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """x * cos + cat(-x2, x1) * sin on the first `heads` heads at x_ptr, as two half tiles [BLOCK_H, D / 2]
+    (contiguous loads, no gather). Rounded after each product and after the sum, as the torch ops round.
+    Returns the two halves' pointer offsets, mask and values."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype = x_ptr.dtype.element_ty
+    offs_d = tl.arange(0, HALF)[None, :]
+    offs = tl.arange(0, BLOCK_H)[:, None] * HEAD_DIM + offs_d
+    mask = tl.arange(0, BLOCK_H)[:, None] < heads
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    cos1, cos2 = tl.load(cos_ptr + offs_d).to(tl.float32), tl.load(cos_ptr + HALF + offs_d).to(tl.float32)
+    sin1, sin2 = tl.load(sin_ptr + offs_d).to(tl.float32), tl.load(sin_ptr + HALF + offs_d).to(tl.float32)
+    out1 = (_round(x1 * cos1, dtype) + _round(-x2 * sin1, dtype)).to(dtype)
+    out2 = (_round(x2 * cos2, dtype) + _round(x1 * sin2, dtype)).to(dtype)
+    return offs, mask, out1, out2
+
+
+@triton.jit
+def rope_qkv_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    stride_qkv, stride_cos, stride_sin, stride_q, stride_k,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    STORE_KV: tl.constexpr,
+):
+    """Program (token, part): part 0 rotates the token's q heads, part 1 its k heads and, with STORE_KV,
+    writes rotated k and v into the token's cache slot ([blocks, block_size, kv_heads, D] contiguous,
+    64-bit offsets: a large pool exceeds 2^31 elements)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    token = tl.program_id(0).to(tl.int64)
+    row = qkv_ptr + token * stride_qkv
+    cos, sin = cos_ptr + token * stride_cos, sin_ptr + token * stride_sin
+    if tl.program_id(1) == 0:
+        offs, mask, q1, q2 = _rope(row, cos, sin, HEADS, BLOCK_H, HEAD_DIM)
+        dst = q_ptr + token * stride_q + offs
+        tl.store(dst, q1, mask=mask)
+        tl.store(dst + HALF, q2, mask=mask)
+    else:
+        offs, mask, k1, k2 = _rope(row + HEADS * HEAD_DIM, cos, sin, KV_HEADS, BLOCK_H, HEAD_DIM)
+        dst = k_ptr + token * stride_k + offs
+        tl.store(dst, k1, mask=mask)
+        tl.store(dst + HALF, k2, mask=mask)
+        if STORE_KV:
+            slot = tl.load(slot_mapping_ptr + token).to(tl.int64) * (KV_HEADS * HEAD_DIM) + offs
+            cache_dtype = key_cache_ptr.dtype.element_ty
+            tl.store(key_cache_ptr + slot, k1.to(cache_dtype), mask=mask)
+            tl.store(key_cache_ptr + slot + HALF, k2.to(cache_dtype), mask=mask)
+            v_ptr = row + (HEADS + KV_HEADS) * HEAD_DIM + offs
+            v1, v2 = tl.load(v_ptr, mask=mask), tl.load(v_ptr + HALF, mask=mask)
+            tl.store(value_cache_ptr + slot, v1.to(cache_dtype), mask=mask)
+            tl.store(value_cache_ptr + slot + HALF, v2.to(cache_dtype), mask=mask)
+
+
+# TRITON_INTERPRET=1 has no libdevice; there tl.exp / tl.rsqrt stand in (numpy's exp and 1 / sqrt).
+PRECISE = isinstance(rmsnorm_kernel, triton.runtime.JITFunction)
+SILU_BLOCK = 1024
+
+
+def _rows(x: torch.Tensor, width: int, name: str) -> None:
+    if x.dim() != 2 or x.shape[1] != width or x.stride(1) != 1:
+        raise ValueError(f"{name} must be [rows, {width}] with a contiguous last dim, got {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+
+
+def _norm_warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+def _launch_norm(x, residual, weight, next_weight, out, normed, eps) -> None:
+    rows, hidden = x.shape
+    _rows(x, hidden, "x")
+    block = triton.next_power_of_2(hidden)
+    rmsnorm_kernel[(rows,)](
+        x, residual, weight, next_weight, out, normed,
+        x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        0 if normed is None else normed.stride(0), eps,
+        hidden, block, residual is not None, next_weight is not None, PRECISE,
+        num_warps=_norm_warps(block), enable_fp_fusion=False)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm(x) * weight: the pre-norms and the loop's final norm."""
+    out = torch.empty_like(x) if out is None else out
+    _launch_norm(x, None, weight, None, out, None, eps)
+    return out
+
+
+def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + RMSNorm(x) * weight: a post-norm and its residual add. out=residual updates in place."""
+    out = torch.empty_like(residual) if out is None else out
+    _launch_norm(x, residual, weight, None, out, None, eps)
+    return out
+
+
+def add_rmsnorm_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                        next_weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+                        normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, RMSNorm(h) * next_weight) with h = residual + RMSNorm(x) * weight: a post-norm, its residual add
+    and the next sublayer's pre-norm in one launch."""
+    out = torch.empty_like(residual) if out is None else out
+    normed_out = torch.empty_like(residual) if normed_out is None else normed_out
+    _launch_norm(x, residual, weight, next_weight, out, normed_out, eps)
+    return out, normed_out
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up from the fused [rows, 2 * I] gate_up output; returns [rows, I]."""
+    rows, width = gate_up.shape
+    size = width // 2
+    _rows(gate_up, 2 * size, "gate_up")
+    out = gate_up.new_empty(rows, size) if out is None else out
+    block = min(SILU_BLOCK, triton.next_power_of_2(size))
+    silu_mul_kernel[(rows, triton.cdiv(size, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), size, block, PRECISE,
+        num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+             head_dim: int, key_cache: torch.Tensor | None = None, value_cache: torch.Tensor | None = None,
+             slot_mapping: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RoPE on q and k straight from the fused qkv output [N, (H + 2 Hkv) * D]; cos, sin are [N, 1, D].
+    Returns q [N, H, D] and k [N, Hkv, D] (new, or the `out` pair) and v, a view into qkv. With key_cache,
+    value_cache (one slot's [blocks, block_size, Hkv, D] planes) and slot_mapping (int64 [N]), also
+    stores rotated k and v at each token's slot."""
+    rows = qkv.shape[0]
+    _rows(qkv, (num_heads + 2 * num_kv_heads) * head_dim, "qkv")
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    if out is None:
+        out = (qkv.new_empty(rows, num_heads, head_dim), qkv.new_empty(rows, num_kv_heads, head_dim))
+    q, k = out
+    store = key_cache is not None
+    rope_qkv_kernel[(rows, 2)](
+        qkv, cos, sin, q, k, key_cache, value_cache, slot_mapping,
+        qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k.stride(0),
+        num_heads, num_kv_heads, head_dim, triton.next_power_of_2(max(num_heads, num_kv_heads)), store,
+        num_warps=4, enable_fp_fusion=False)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(rows, num_kv_heads, head_dim)
+    return q, k, v

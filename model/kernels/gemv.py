@@ -1,0 +1,362 @@
+"""Weight-streaming skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T with M small (1..64).
+
+At decode every projection reads its whole weight for a handful of rows, so the time is the weight's
+bytes over memory bandwidth, and cuBLAS reaches only 21-55% of it at Ouro's shapes (shared/PERF.md).
+Design, per program (pid_n, pid_k):
+- it streams a [BLOCK_N, BLOCK_K] tile of W rows per step along its K range, with 16-byte loads along
+  K, pipelined NUM_STAGES deep (the loop's loads go through shared memory with async copies);
+- x's BLOCK_M rows (M padded; padding rows masked, so they cost no traffic) come from L2 with it;
+- the dot path computes y^T = W x^T with tl.dot ("swap AB": W tile is the MMA's M side, so M = 1..16
+  pads only the MMA's narrow N side to 16); the FMA path (BLOCK_M == 1) multiplies and adds in fp32
+  registers and reduces over K once, at the end;
+- split-K: the grid is (N tiles, splits). Each split stores its fp32 partial [M, BLOCK_N]; the last
+  split of a tile to take the tile's ticket (an atomic counter) sums the partials in split order
+  0, 1, .. and writes y, then puts the ticket back to 0. The sum order is fixed, so results are
+  bitwise reproducible (eager or CUDA graph, any arrival order).
+Accumulation is fp32; y is rounded once to x's dtype.
+
+Batch invariance within an M bucket: the config depends on (bucket(M), N, K, dtype) only, buckets
+being powers of two, and each row's arithmetic does not depend on the other rows, so a row gives the
+same bits at any M of its bucket (a batch of 3 and the same rows padded to 4 agree).
+
+Workspace: one per device, shared by every launch (launches on one stream never overlap): an int32
+ticket array that the kernels keep at zero, and a grow-only fp32 partials buffer. The tickets must
+be created outside CUDA-graph capture: any eager call with a split config does that, or call
+`reserve_workspace(device)` before capturing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from attention.launch import INTERPRETED, CompiledLaunch
+from attention.workspace import current_stream
+
+# Rows up to which `linear` uses the skinny kernel on CUDA (a power of two: a graph bucket boundary).
+MAX_SKINNY_M = 64
+CPU_SM_COUNT = 132  # H100/H200, assumed off CUDA (the interpreter)
+TICKET_CAPACITY = 1 << 16  # N tiles a split launch may have
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel
+
+
+# M and k_iters unspecialized: one compiled variant serves every M of a bucket and any split length.
+@triton.jit(do_not_specialize=["M", "k_iters"])
+def skinny_gemm_kernel(
+    x_ptr, w_ptr, y_ptr, partials_ptr, tickets_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym, k_iters,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N), splits); split pid_k covers K blocks [pid_k * k_iters, +k_iters)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    first = pid_k * k_iters
+    iters = tl.minimum(k_iters, tl.cdiv(K, BLOCK_K) - first)
+    k0 = first * BLOCK_K
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # Rows past N are clamped onto row N - 1: the loads stay in bounds without a mask, and the stores
+    # below drop those rows.
+    w_rows = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
+    w_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * stride_wn + (k0 + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k0 + offs_k)[None, :]
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for i in tl.range(0, iters, num_stages=NUM_STAGES):
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0, eviction_policy="evict_last")
+        else:
+            mask_k = (k0 + i * BLOCK_K + offs_k) < K
+            w = tl.load(w_ptrs, mask=mask_k[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_last")
+        if USE_DOT:
+            if DOT_FP32:
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+        else:  # BLOCK_M == 1: x is [1, BLOCK_K]
+            acc += w.to(tl.float32) * x.to(tl.float32)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if USE_DOT:
+        out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    else:
+        out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    y_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT:
+        splits = tl.num_programs(1)
+        tile = BLOCK_M * BLOCK_N
+        part = ((pid_n.to(tl.int64) * splits) * tile + offs_m[:, None] * BLOCK_N
+                + tl.arange(0, BLOCK_N)[None, :])
+        tl.store(partials_ptr + part + pid_k * tile, out, mask=mask_m[:, None])
+        # All threads' stores are done before one thread releases them with the ticket.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel")
+        if ticket == splits - 1:
+            # Loads bypass L1 (.cg): other programs wrote these partials during this launch.
+            total = tl.load(partials_ptr + part, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):
+                total += tl.load(partials_ptr + part + s * tile, mask=mask_m[:, None], other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.store(tickets_ptr + pid_n, 0)
+    else:
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GemvConfig:
+    """block_n W rows per program, block_k columns per step, split_k splits of K asked for (the launch
+    uses fewer when K has fewer blocks), use_dot: tl.dot (M padded to >= 16) or fp32 FMAs (M == 1 only)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = True
+
+
+def m_bucket(m: int) -> int:
+    """Configs are chosen per power-of-two bucket of rows, the bucket's top being its padded size."""
+    return 1 << max(0, m - 1).bit_length()
+
+
+def auto_split(tiles: int, k_blocks: int, sm_count: int, min_blocks: int = 2) -> int:
+    """Powers of two until the grid has about two programs per SM, keeping min_blocks K blocks each."""
+    split = 1
+    while tiles * split < 2 * sm_count and k_blocks >= 2 * split * min_blocks:
+        split *= 2
+    return split
+
+
+def default_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = CPU_SM_COUNT) -> GemvConfig:
+    """Guesses for Hopper before tuning: 16-32 KB W tiles per step, 3 stages, about two programs per SM."""
+    bucket = m_bucket(m)
+    if dtype == torch.float32:
+        if bucket == 1:
+            block_n, block_k, use_dot = 16, 128, False
+        else:
+            block_n, block_k, use_dot = 32, 32, True
+    elif bucket == 1:
+        block_n, block_k, use_dot = 16, 512, False
+    elif bucket <= 16:
+        block_n, block_k, use_dot = 32, 256, True
+    else:
+        block_n, block_k, use_dot = 64, 128, True
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    split = auto_split(triton.cdiv(n, block_n), triton.cdiv(k, block_k), sm_count)
+    return GemvConfig(block_n, block_k, split, 4, 3, use_dot)
+
+
+# Measured on the H200 by benchmarks/gemv.py (bf16), which prints this table: (N, K) -> {M bucket:
+# config}. A bucket without an entry takes the nearest measured bucket above it (dot configs pad M to
+# at least 16, so buckets 2..16 run the same tile), else the nearest below; unlisted shapes and fp32
+# take default_config.
+TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {}
+
+
+def select_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = CPU_SM_COUNT) -> GemvConfig:
+    bucket = m_bucket(m)
+    table = TUNED.get((n, k)) if dtype in (torch.bfloat16, torch.float16) else None
+    if table:
+        above = [b for b in table if b >= bucket]
+        config = table[min(above)] if above else table[max(table)]
+        if config.use_dot or bucket == 1:
+            return config
+    return default_config(m, n, k, dtype, sm_count)
+
+
+def block_m_for(m: int, config: GemvConfig) -> int:
+    bucket = m_bucket(m)
+    if not config.use_dot:
+        if bucket != 1:
+            raise ValueError("the FMA path (use_dot=False) takes one row only")
+        return 1
+    return max(16, bucket)
+
+
+# --------------------------------------------------------------------------------------------------
+# Workspace
+
+
+class _Workspace:
+    """Per device: int32 tickets (zero between launches) and grow-only fp32 partials. Buffers that are
+    outgrown are kept: plans and captured graphs may still point at them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.tickets: torch.Tensor | None = None
+        self.partials: torch.Tensor | None = None
+        self.retired: list[torch.Tensor] = []
+        # Typed stand-ins for launches without a split (never read or written).
+        self.dummy_partials = torch.empty(1, dtype=torch.float32, device=device)
+        self.dummy_tickets = torch.empty(1, dtype=torch.int32, device=device)
+
+    def get(self, partials_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tickets is None:
+            if _capturing(self.device):
+                raise RuntimeError("skinny_linear's split-K tickets must be created outside CUDA-graph "
+                                   "capture: run the shapes once eagerly first, or call reserve_workspace()")
+            self.tickets = torch.zeros(TICKET_CAPACITY, dtype=torch.int32, device=self.device)
+        if self.partials is None or self.partials.numel() < partials_numel:
+            if self.partials is not None:
+                self.retired.append(self.partials)
+            # Inside a capture this comes from the graph's pool; being kept, it stays valid after.
+            self.partials = torch.empty(max(partials_numel, 1 << 16), dtype=torch.float32, device=self.device)
+        return self.partials, self.tickets
+
+
+_WORKSPACES: dict[torch.device, _Workspace] = {}
+
+
+def _workspace(device: torch.device) -> _Workspace:
+    workspace = _WORKSPACES.get(device)
+    if workspace is None:
+        workspace = _WORKSPACES[device] = _Workspace(device)
+    return workspace
+
+
+def reserve_workspace(device: torch.device | str, partials_numel: int = 1 << 20) -> None:
+    """Creates the device's workspace now (outside graph capture): tickets and 4 MB of partials."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    _workspace(device).get(partials_numel)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@dataclasses.dataclass(slots=True)
+class _Plan:
+    launch: CompiledLaunch
+    partials: torch.Tensor
+    tickets: torch.Tensor
+    tail: tuple  # M, N, K, strides, k_iters and the constexprs
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def kernel_args(m: int, n: int, k: int, stride_xm: int, stride_wn: int, stride_ym: int, dtype: torch.dtype,
+                config: GemvConfig) -> tuple[tuple[int, int, int], tuple]:
+    """The grid and the arguments after the five pointers, for one call shape and config."""
+    block_m = block_m_for(m, config)
+    block_n, block_k = config.block_n, min(config.block_k, max(16, triton.next_power_of_2(k)))
+    tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    k_iters = triton.cdiv(k_blocks, max(1, min(config.split_k, k_blocks)))
+    splits = triton.cdiv(k_blocks, k_iters)
+    if splits > 1 and tiles > TICKET_CAPACITY:
+        raise ValueError(f"{tiles} N tiles exceed the {TICKET_CAPACITY} split-K tickets; use split_k=1")
+    dot_fp32 = dtype == torch.float32 or INTERPRETED
+    tail = (m, n, k, stride_xm, stride_wn, stride_ym, k_iters, block_m, block_n, block_k, splits > 1,
+            k % block_k == 0, n % block_n == 0, config.use_dot, dot_fp32, config.num_stages)
+    return (tiles, splits, 1), tail
+
+
+def _build_plan(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: GemvConfig | None) -> _Plan:
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.dtype != x.dtype or y.dtype != x.dtype:
+        raise ValueError(f"x, weight and out must share a dtype, got {x.dtype}, {weight.dtype}, {y.dtype}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported dtype {x.dtype}")
+    if weight.shape[1] != k or y.shape != (m, n):
+        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(y.shape)} "
+                         "do not fit y[M, N] = x[M, K] @ W[N, K]^T")
+    if x.stride(1) != 1 or weight.stride(1) != 1 or y.stride(1) != 1:
+        raise ValueError("x, weight and out need a contiguous last dimension")
+    device = x.device
+    if device.type == "cpu" and not INTERPRETED:
+        raise ValueError("skinny_linear runs on CPU only under TRITON_INTERPRET=1")
+    if config is None:
+        sm_count = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
+                    else CPU_SM_COUNT)
+        config = select_config(m, n, k, x.dtype, sm_count)
+    grid, tail = kernel_args(m, n, k, x.stride(0), weight.stride(0), y.stride(0), x.dtype, config)
+    workspace = _workspace(device)
+    partials, tickets = workspace.dummy_partials, workspace.dummy_tickets
+    if grid[1] > 1:
+        partials, tickets = workspace.get(grid[0] * grid[1] * tail[7] * tail[8])
+    return _Plan(CompiledLaunch(skinny_gemm_kernel, grid, config.num_warps, config.num_stages), partials,
+                 tickets, tail)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                  config: GemvConfig | None = None) -> torch.Tensor:
+    """y = x @ weight^T for x [..., K] (few rows) and weight [N, K], fp32 accumulation, y in x's dtype.
+    `config` overrides the tuned/default choice (benchmarks and tests)."""
+    shape = x.shape
+    if x.dim() != 2:
+        x = x.reshape(-1, shape[-1])
+    m = x.shape[0]
+    n = weight.shape[0]
+    if out is None:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        y = out if out.dim() == 2 else out.view(-1, n)
+    if m == 0:
+        return y.view(*shape[:-1], n)
+    # Everything Triton specializes on: exact ints, and each pointer's 16-byte alignment.
+    key = (m, n, shape[-1], x.dtype, x.device, x.stride(0), weight.stride(0), y.stride(0), x.data_ptr() & 15,
+           weight.data_ptr() & 15, y.data_ptr() & 15, config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _build_plan(x, weight, y, config)
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    plan.launch(current_stream(x.device), (x, weight, y, plan.partials, plan.tickets) + plan.tail)
+    if out is not None:
+        return out
+    return y if len(shape) == 2 else y.view(*shape[:-1], n)
+
+
+def skinny_ok(x: torch.Tensor, weight: torch.Tensor, max_m: int = MAX_SKINNY_M) -> bool:
+    """Whether `linear` takes the skinny kernel for these operands."""
+    if not (x.is_cuda or INTERPRETED) or x.dtype != weight.dtype:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    return 0 < m <= max_m and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.dim() == 2
+
+
+ENABLED = True  # benchmarks flip this for cuBLAS A/B runs
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear without bias, through the skinny kernel for up to MAX_SKINNY_M rows on CUDA (off CUDA,
+    always F.linear: tests call skinny_linear directly under the interpreter)."""
+    if ENABLED and x.is_cuda and skinny_ok(x, weight):
+        return skinny_linear(x, weight, out)
+    if out is None:
+        return F.linear(x, weight)
+    return torch.matmul(x, weight.t(), out=out)

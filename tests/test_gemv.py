@@ -1,0 +1,143 @@
+"""The skinny GEMM (model/kernels/gemv.py) against torch at tiny shapes. Without CUDA it runs in the Triton
+interpreter (conftest sets TRITON_INTERPRET=1), so shapes stay small; the GPU test runs Ouro's shapes.
+
+Tolerance, against an fp64 reference: the kernel accumulates in fp32 and rounds once to the output dtype,
+so the error is that rounding (half an ulp: 2^-9 relative for bf16, 2^-12 for fp16) plus fp32
+accumulation error. Checked as max |y - ref| <= TOL * max |ref| and ||y - ref|| / ||ref|| <= TOL."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.kernels import gemv
+from model.kernels.gemv import GemvConfig, linear, skinny_linear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+SHAPES = [(96, 80), (256, 128)]  # (N, K): neither a multiple of every block size
+# Configs at tiny shapes: several N tiles, K blocks that do not divide K, and splits of K.
+CONFIGS = {
+    "default": None,
+    "dot_split3": GemvConfig(16, 32, split_k=3),
+    "dot_split2": GemvConfig(32, 64, split_k=2, num_stages=2),
+    "fma_split2": GemvConfig(16, 32, split_k=2, use_dot=False),  # M == 1 only
+}
+
+
+def check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    ref = x.double() @ w.double().t()
+    tol = TOL[x.dtype]
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    assert torch.isfinite(y).all()
+    diff = y.double() - ref
+    assert diff.abs().max() <= tol * ref.abs().max()
+    assert diff.norm() <= tol * ref.norm()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_torch(dtype, n, k, m, name):
+    config = CONFIGS[name]
+    if config is not None and not config.use_dot and m != 1:
+        pytest.skip("the FMA path takes one row")
+    torch.manual_seed(n * 1000 + k * 10 + m)
+    x = torch.randn(m, k, dtype=dtype, device=DEVICE)
+    w = torch.randn(n, k, dtype=dtype, device=DEVICE)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)  # poisoned: every element written
+    y = skinny_linear(x, w, out=out, config=config)
+    assert y is out
+    check_close(y, x, w)
+
+
+def test_deterministic_and_tickets_reset():
+    torch.manual_seed(1)
+    x = torch.randn(3, 80, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.randn(96, 80, dtype=torch.bfloat16, device=DEVICE)
+    config = GemvConfig(16, 16, split_k=5)
+    first = skinny_linear(x, w, config=config)
+    second = skinny_linear(x, w, config=config)
+    assert torch.equal(first, second)
+    tickets = gemv._WORKSPACES[x.device].tickets
+    assert tickets is not None and not tickets.any()
+
+
+def test_rows_do_not_depend_on_padding_rows():
+    """A row gives the same bits at any M of its bucket: eager batch 3 vs a graph padded to 4."""
+    torch.manual_seed(2)
+    x = torch.randn(4, 128, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.randn(256, 128, dtype=torch.bfloat16, device=DEVICE)
+    assert gemv.select_config(3, 256, 128, torch.bfloat16) == gemv.select_config(4, 256, 128, torch.bfloat16)
+    padded = skinny_linear(x, w)
+    alone = skinny_linear(x[:3].contiguous(), w)
+    assert torch.equal(padded[:3], alone)
+
+
+def test_strided_and_batched_inputs():
+    torch.manual_seed(3)
+    w = torch.randn(96, 80, dtype=torch.float32, device=DEVICE)
+    wide = torch.randn(3, 200, dtype=torch.float32, device=DEVICE)
+    x = wide[:, 40:120]  # row stride 200
+    check_close(skinny_linear(x, w), x, w)
+    x3 = torch.randn(2, 3, 80, dtype=torch.float32, device=DEVICE)
+    y3 = skinny_linear(x3, w)
+    assert y3.shape == (2, 3, 96)
+    check_close(y3.view(6, 96), x3.view(6, 80), w)
+
+
+def test_buckets_and_config_lookup(monkeypatch):
+    assert [gemv.m_bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64)] == [1, 2, 4, 4, 8, 8, 16, 16, 32,
+                                                                                   64, 64]
+    table = {1: GemvConfig(16, 512, use_dot=False), 4: GemvConfig(32, 256, 2), 64: GemvConfig(128, 128)}
+    monkeypatch.setitem(gemv.TUNED, (6144, 2048), table)
+    bf16 = torch.bfloat16
+    assert gemv.select_config(1, 6144, 2048, bf16) == table[1]
+    assert gemv.select_config(2, 6144, 2048, bf16) == table[4]  # the nearest measured bucket above
+    assert gemv.select_config(9, 6144, 2048, bf16) == table[64]
+    fp32 = torch.float32
+    assert gemv.select_config(1, 6144, 2048, fp32) == gemv.default_config(1, 6144, 2048, fp32)
+    for m in (1, 4, 16, 64):
+        config = gemv.default_config(m, 2048, 5632, bf16)
+        grid, _ = gemv.kernel_args(m, 2048, 5632, 5632, 5632, 2048, bf16, config)
+        assert grid[0] * grid[1] >= 2 * gemv.CPU_SM_COUNT  # the default fills the SMs
+
+
+def test_linear_dispatch_off_cuda_is_f_linear():
+    x = torch.randn(2, 80)
+    w = torch.randn(96, 80)
+    if DEVICE == "cpu":
+        assert torch.equal(linear(x, w), F.linear(x, w))
+    with pytest.raises(ValueError):
+        skinny_linear(x.to(DEVICE), w.to(DEVICE).half())
+
+
+OURO = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
+        "lm_head": (49152, 2048)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(OURO))
+def test_ouro_shapes_on_gpu(shape):
+    n, k = OURO[shape]
+    torch.manual_seed(4)
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+    gemv.reserve_workspace("cuda")
+    for m in (1, 3, 4, 16, 33, 64):
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        y = linear(x, w, out=out)
+        ref = F.linear(x.float(), w.float())
+        assert torch.isfinite(y).all()
+        assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+        assert torch.equal(y, skinny_linear(x, w))  # deterministic
+        # A CUDA graph replays the same bits as eager.
+        static = torch.empty_like(y)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            linear(x, w, out=static)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static, y)
+    x = torch.randn(4, k, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(linear(x, w)[:3], linear(x[:3].contiguous(), w))

@@ -1,0 +1,143 @@
+"""The Triton backend on CUDA at Ouro's shapes (16 heads x 128, pages of 16 tokens), with the tuned
+defaults: split rule, direct launches, the fused ticket merge, CUDA graphs and 64-bit offsets."""
+
+import pytest
+import torch
+
+from attention.launch import DIRECT_LAUNCH
+from attention.workspace import Workspace, current_stream
+from tests.paged_cases import assert_matches, bound, make_case, reference, run
+
+pytestmark = pytest.mark.gpu
+
+OURO = {"heads": 16, "kv_heads": 16, "head_dim": 128, "block_size": 16, "device": "cuda"}
+# 1 to 9 splits under the default rule (512 keys per split).
+DECODE_CONTEXTS = [1, 15, 16, 17, 100, 513, 1500, 2048, 4100]
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def decode_case(dtype, **kwargs):
+    contexts = kwargs.pop("context_lens", DECODE_CONTEXTS)
+    return make_case([1] * len(contexts), contexts, dtype=dtype, **OURO, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_matches_reference_for_every_slot_of_a_step(dtype):
+    """The first forward of a step goes through Triton's JIT, the later ones launch directly."""
+    case = decode_case(dtype)
+    ref = bound("torch", case)
+    backend = bound("triton", case)
+    ref.prepare(case.meta)
+    backend.prepare(case.meta)
+    for slot in (0, 1, 0):
+        expected = ref.forward(case.q, case.k, case.v, slot)
+        assert_matches(backend.forward(case.q, case.k, case.v, slot), expected)
+    assert backend._plan.decode.grid[0] == 9
+    assert (backend._plan.decode.compiled is not None) == DIRECT_LAUNCH
+    assert torch.equal(backend.key_cache, ref.key_cache) and torch.equal(backend.value_cache, ref.value_cache)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_many_small_splits_match_reference(dtype):
+    case = decode_case(dtype)
+    expected, _ = reference(case)
+    backend = bound("triton", case)
+    backend.split_min_keys = 64
+    assert_matches(run(backend, case), expected)
+    assert backend._plan.decode.grid[0] == backend.split_cap
+
+
+def test_fused_merge_is_deterministic_and_returns_every_ticket():
+    case = decode_case(torch.bfloat16)
+    backend = bound("triton", case)
+    backend.workspace = Workspace()
+    backend.split_min_keys = 64
+    first = run(backend, case)
+    for _ in range(20):
+        assert torch.equal(run(backend, case), first)
+    torch.cuda.synchronize()
+    assert len(backend.workspace) == 1
+    entry = backend.workspace.get(case.q.device, current_stream(case.q.device), 0, 0)
+    assert not entry.tickets.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_graph_captured_decode_is_bitwise_equal_to_eager(dtype):
+    """Captured with dummy contexts of 1 and a table wider than any row needs; replayed on the real
+    contexts. The graph's grid has room for every context the table holds, the per-row split counts
+    are the eager ones, so the bits are too."""
+    case = decode_case(dtype, spare_columns=200)
+    expected, _ = reference(case)
+    backend = bound("triton", case)
+    real_contexts = case.meta.context_lens.clone()
+    case.meta.context_lens.fill_(1)
+    backend.capture_begin(max_rows=len(DECODE_CONTEXTS))
+    run(backend, case)  # warm-up outside capture: compiles both kernels
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.prepare(case.meta)
+        graph_out = backend.forward(case.q, case.k, case.v, 1)
+    graph_splits = backend._plan.decode.grid[0]
+    backend.capture_end()
+    case.meta.context_lens.copy_(real_contexts)
+    graph.replay()
+    eager = run(backend, case)
+    assert graph_splits > backend._plan.decode.grid[0]
+    assert torch.equal(graph_out, eager)
+    assert_matches(eager, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_step_matches_reference(dtype):
+    case = make_case([1, 300, 1, 64, 1, 17], [2048, 1000, 33, 64, 4100, 17], dtype=dtype, **OURO)
+    expected, ref = reference(case)
+    backend = bound("triton", case)
+    assert_matches(run(backend, case), expected)
+    assert torch.equal(backend.key_cache, ref.key_cache) and torch.equal(backend.value_cache, ref.value_cache)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_prefill_is_within_its_stated_tolerance(dtype):
+    case = make_case([1, 300, 5, 64, 2, 17], [2048, 1000, 5, 64, 2, 17], dtype=dtype, **OURO)
+    expected, ref = reference(case)
+    backend = bound("triton", case, {"packed_prefill": True})
+    out = run(backend, case)
+    assert backend._plan.packed is not None
+    tolerance = backend.capabilities.packed_prefill_tolerance
+    assert (out.float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
+    assert torch.equal(backend.key_cache, ref.key_cache)
+
+
+def test_pages_beyond_2_31_elements_are_addressed_with_64_bit_offsets():
+    blocks_needed = 2**31 // (16 * 16 * 128) + 64  # one slot plane of more than 2^31 elements
+    case = make_case([1, 40], [300, 600], dtype=torch.bfloat16, num_slots=1, **OURO)
+    shape = (1, blocks_needed, 16, 16, 128)
+    key_cache = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+    value_cache = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+    high = blocks_needed - case.key_cache.shape[1]  # move every block to the top of the pool
+    key_cache[:, high:] = case.key_cache
+    value_cache[:, high:] = case.value_cache
+    expected, _ = reference(case, slot=0)
+    case.key_cache, case.value_cache = key_cache, value_cache
+    case.meta.block_tables += high
+    case.meta.slot_mapping += high * 16
+    backend = bound("triton", case)
+    assert_matches(run(backend, case, slot=0), expected)
+
+
+def test_workspace_entries_follow_the_current_stream():
+    case = decode_case(torch.bfloat16)
+    backend = bound("triton", case)
+    backend.workspace = Workspace()
+    device = case.q.device
+    assert current_stream(device) == torch.cuda.current_stream().cuda_stream
+    first = run(backend, case)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        second = run(backend, case)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(first, second)
+    assert [key[1] for key in backend.workspace.oldest_first()] == [torch.cuda.current_stream().cuda_stream,
+                                                            side.cuda_stream]
