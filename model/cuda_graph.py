@@ -28,7 +28,10 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 def collect_garbage() -> None:
+    """Free what only the cycle collector can reach, then hand the allocator's cache back to the driver,
+    so the capture's own allocations find room without a cudaFree mid-capture."""
     gc.collect()
+    torch.cuda.empty_cache()
 
 
 def capture(graph: torch.cuda.CUDAGraph, run: Callable[[], object], pool, stream: torch.cuda.Stream,

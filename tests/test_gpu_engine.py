@@ -104,23 +104,30 @@ from model.cuda_graph import DecodeGraphs, collect_garbage
 
 
 def leave_cyclic_cuda_garbage():
-    # An earlier engine's leftovers: a captured graph, tensors of its pool and a stream, in a cycle.
+    # An earlier engine's leftovers, in a reference cycle only the cycle collector can free: a captured
+    # graph, a stream, and tensors holding almost all of the device's free memory (as a dropped engine's
+    # KV pool would).
     stream = torch.cuda.Stream()
     x = torch.ones(1 << 20, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         y = x * 2
-    node = {"graph": graph, "stream": stream, "tensors": [x, y]}
-    node["self"] = node  # only the cycle collector can free it
+    hoard = []
+    for size in (1 << 30, 1 << 26, 1 << 22, 1 << 21, 1 << 19):
+        while True:
+            try:
+                hoard.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                break
+    node = {"graph": graph, "stream": stream, "tensors": [x, y, hoard]}
+    node["self"] = node
 
 
 def garbage_then(collect):
-    # Runs where the wrapper collects: right before capture. Leaves garbage and makes the collector
-    # run at almost every allocation from here on, so without a collection it is freed mid-capture.
+    # Runs where the wrapper collects, right before capture (automatic collection is off): without
+    # gc.collect() the cycle still holds the memory, and the capture's first allocation fails mid-capture.
     def hook():
         leave_cyclic_cuda_garbage()
-        gc.enable()
-        gc.set_threshold(1, 1, 1)
         collect()
     return hook
 
@@ -141,8 +148,9 @@ with Engine(sys.argv[1], device="cuda", dtype="bfloat16", enforce_eager=True, ma
 
 @pytest.mark.parametrize("mode, expected", [("guarded", "CAPTURED"), ("unguarded", "ABORTED")])
 def test_capture_needs_gc_collect_when_cyclic_cuda_garbage_is_around(tiny_checkpoint, mode, expected):
-    """With the wrapper's gc.collect() the capture survives an earlier engine's cyclic garbage; without it
-    the garbage is collected mid-capture and the capture aborts. Each run is its own process."""
+    """With the wrapper's gc.collect() the capture survives an earlier engine's cyclic garbage (torch.cuda.graph
+    then empties the allocator's cache, so the memory is the capture's); without it the cycle keeps the memory
+    and the capture aborts on its first allocation. Each run is its own process."""
     result = subprocess.run([sys.executable, "-c", GC_SCRIPT, str(tiny_checkpoint), mode], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert expected in result.stdout, result.stdout + result.stderr
