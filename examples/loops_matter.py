@@ -7,7 +7,8 @@ compares the text up to the newline with the true sum. "teacher-forced" runs the
 full line and checks every answer token's argmax; for exact match the two must agree. The gate rows
 use HF's readout semantics (ouro.md §4: every loop runs, each token reads out at the first loop whose
 exit CDF reaches Q), and report how many loops the answer digits and plain story text would use.
-`Engine(exit_policy="early:Q")` rows appear once the engine has that option.
+The early:Q rows also run `Engine(exit_policy="early:Q")`, which stops a token's loops once its exit CDF
+reaches Q and reports the loops it really ran per generated token.
 """
 
 from __future__ import annotations
@@ -33,13 +34,17 @@ STORIES = 64
 
 
 def engine_accuracy(model_dir: Path, device: str, pairs: list[tuple[int, int]], max_digits: int,
-                    **engine_args) -> float:
+                    **engine_args) -> tuple[float, float | None]:
+    """Greedy exact-match accuracy, and under early:Q the loops the engine really ran per generated token."""
     params = SamplingParams(temperature=0, max_tokens=max_digits + 2, stop=["\n"])
     prompts = [f"{a}+{b}=" for a, b in pairs]
     blocks = 4 * len(pairs)  # a sum and its answer fit in one 16-token block; 4x leaves room
     with Engine(model_dir, device=device, num_kv_blocks=blocks, verbose=False, **engine_args) as engine:
         outputs = engine.generate(prompts, params, use_tqdm=False)
-    return sum(out.outputs[0].text == str(a + b) for out, (a, b) in zip(outputs, pairs)) / len(pairs)
+        early = engine.runner.early_exit
+        loops_run = early.stats.loops_per_token if early is not None else None
+    accuracy = sum(out.outputs[0].text == str(a + b) for out, (a, b) in zip(outputs, pairs)) / len(pairs)
+    return accuracy, loops_run
 
 
 def engine_has_exit_policy(model_dir: Path, device: str) -> bool:
@@ -63,15 +68,17 @@ def evaluate(model_dir: str | Path | None = None, device: str = "cpu", items: in
     rows = []
     for loops in range(1, LOOPS + 1):
         rows.append({"readout": f"loops={loops}", "loops": loops,
-                     "engine_accuracy": engine_accuracy(model_dir, device, pairs, max_digits, loops=loops),
+                     "engine_accuracy": engine_accuracy(model_dir, device, pairs, max_digits, loops=loops)[0],
+                     "engine_loops_per_token": float(loops),
                      "teacher_forced_accuracy": scores.accuracy(loops),
                      "mean_loops_answer": float(loops), "mean_loops_story": float(loops)})
     exit_policy = engine_has_exit_policy(model_dir, device)
     for q in qs:
         accuracy, answer_loops = scores.q_exit(q)
-        engine = engine_accuracy(model_dir, device, pairs, max_digits, exit_policy=f"early:{q}") \
-            if exit_policy else None
-        rows.append({"readout": f"gate Q={q}", "q": q, "engine_accuracy": engine,
+        engine, loops_run = engine_accuracy(model_dir, device, pairs, max_digits, exit_policy=f"early:{q}") \
+            if exit_policy else (None, None)
+        rows.append({"readout": f"early:{q}", "q": q, "engine_accuracy": engine,
+                     "engine_loops_per_token": loops_run,
                      "teacher_forced_accuracy": accuracy, "mean_loops_answer": answer_loops,
                      "mean_loops_story": story_exit_loops(model, tokenizer, seed, STORIES, q,
                                                           torch.device(device))})
@@ -88,11 +95,12 @@ def _cell(value: float | None, digits: int = 3) -> str:
 def markdown_table(results: dict) -> str:
     lines = [f"Held-out addition ({results['items']} items, up to {results['max_digits']} digits, "
              f"seed {results['seed']}):", "",
-             "| readout | engine greedy | teacher-forced | mean loops, answer digits "
-             "| mean loops, story text |",
-             "|---|---|---|---|---|"]
+             "| readout | engine greedy | engine loops per generated token | teacher-forced (HF Q-exit) "
+             "| HF Q-exit loops, answer digits | HF Q-exit loops, story text |",
+             "|---|---|---|---|---|---|"]
     for row in results["rows"]:
         lines.append(f"| {row['readout']} | {_cell(row['engine_accuracy'])} | "
+                     f"{_cell(row['engine_loops_per_token'], 2)} | "
                      f"{_cell(row['teacher_forced_accuracy'])} | {_cell(row['mean_loops_answer'], 2)} | "
                      f"{_cell(row['mean_loops_story'], 2)} |")
     return "\n".join(lines)

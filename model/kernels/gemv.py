@@ -177,7 +177,41 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = C
 # config}. A bucket without an entry takes the nearest measured bucket above it (dot configs pad M to
 # at least 16, so buckets 2..16 run the same tile), else the nearest below; unlisted shapes and fp32
 # take default_config.
-TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {}
+# Measured best per (N, K) and M bucket for bf16 on the H200 (benchmarks/gemv.py,
+# benchmarks/results/gemv-2026-11-30.json). The fractions in the comments are of a graph-captured
+# memcpy's rate (2.76 TB/s); against the 4.22 TB/s event-timed copy multiply them by 0.65.
+TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
+    (6144, 2048): {  # qkv
+        1: GemvConfig(16, 512, 1, 4, 3, False),  # 8.5 us, 1.07 of copy
+        4: GemvConfig(64, 128, 2, 4, 4, True),  # 9.4 us, 0.97 of copy
+        16: GemvConfig(32, 256, 1, 4, 3, True),  # 9.6 us, 0.96 of copy
+        64: GemvConfig(64, 64, 2, 4, 4, True),  # 11.8 us, 0.80 of copy
+    },
+    (2048, 2048): {  # o
+        1: GemvConfig(8, 512, 1, 4, 4, False),  # 4.4 us, 0.69 of copy
+        4: GemvConfig(64, 128, 4, 4, 4, True),  # 5.5 us, 0.55 of copy
+        16: GemvConfig(64, 128, 4, 4, 4, True),  # 5.7 us, 0.54 of copy
+        64: GemvConfig(64, 128, 4, 4, 3, True),  # 7.7 us, 0.42 of copy
+    },
+    (11264, 2048): {  # gate_up
+        1: GemvConfig(16, 512, 1, 4, 3, False),  # 13.8 us, 1.21 of copy
+        4: GemvConfig(64, 128, 1, 4, 4, True),  # 13.4 us, 1.25 of copy
+        16: GemvConfig(64, 128, 1, 4, 4, True),  # 13.8 us, 1.22 of copy
+        64: GemvConfig(64, 128, 1, 4, 3, True),  # 15.8 us, 1.09 of copy
+    },
+    (2048, 5632): {  # down
+        1: GemvConfig(8, 512, 1, 4, 4, False),  # 7.8 us, 1.07 of copy
+        4: GemvConfig(64, 128, 4, 4, 4, True),  # 9.1 us, 0.92 of copy
+        16: GemvConfig(64, 128, 4, 4, 4, True),  # 9.3 us, 0.91 of copy
+        64: GemvConfig(64, 128, 4, 4, 3, True),  # 11.6 us, 0.75 of copy
+    },
+    (49152, 2048): {  # lm_head
+        1: GemvConfig(16, 512, 1, 4, 3, False),  # 47.9 us, 1.52 of copy
+        4: GemvConfig(64, 128, 1, 4, 4, True),  # 48.5 us, 1.50 of copy
+        16: GemvConfig(64, 128, 1, 4, 4, True),  # 49.9 us, 1.47 of copy
+        64: GemvConfig(64, 64, 1, 4, 4, True),  # 53.6 us, 1.40 of copy
+    },
+}
 
 
 def select_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = CPU_SM_COUNT) -> GemvConfig:
