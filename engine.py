@@ -80,7 +80,8 @@ class Engine:
                  exit_threshold: float | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, packed_prefill: bool = False, enforce_eager: bool = False,
+                 enable_prefix_caching: bool = True,
+                 packed_prefill: bool = False, enforce_eager: bool = False,
                  exit_policy: str | None = None, kv_sharing: str = "none", verbose: bool = True) -> None:
         _check_positive("block_size", block_size)
         _check_positive("max_num_seqs", max_num_seqs)
@@ -89,7 +90,8 @@ class Engine:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         self.device = resolve_device(device)
         self.model_dir = resolve_model_dir(model if model is not None else DEFAULT_MODEL)
-        self.config = OuroConfig.from_file(self.model_dir / "config.json").with_overrides(loops, exit_threshold)
+        self.config = OuroConfig.from_file(self.model_dir / "config.json").with_overrides(loops,
+                                                                                          exit_threshold)
         self.dtype = resolve_dtype(dtype, self.config, self.device)
         self.tokenizer = Tokenizer(self.model_dir)
         if exit_policy is not None and exit_threshold is not None:
@@ -113,7 +115,8 @@ class Engine:
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         if num_kv_blocks is None:
-            num_kv_blocks = self._blocks_for_memory(block_size, gpu_memory_utilization, max_num_batched_tokens)
+            num_kv_blocks = self._blocks_for_memory(block_size, gpu_memory_utilization,
+                                                    max_num_batched_tokens)
         # One block more than the scheduler may hand out: the scratch block that graph padding rows write.
         self.kv_pool = KVPool(self.config, num_kv_blocks + 1, block_size, self.dtype, self.device)
         self.backend.bind(self.kv_pool.key_cache, self.kv_pool.value_cache, self.config.head_dim ** -0.5)
@@ -123,7 +126,8 @@ class Engine:
         else:
             self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching,
                                               cache_generated=not approximate_kv)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.max_model_len,
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs,
+                                   max_num_batched_tokens, self.max_model_len,
                                    detokenize=self.tokenizer.decode, generated_one_per_step=approximate_kv)
         self.runner = ModelRunner(self.model, self.backend, block_size, self.device)
         self.runner.exit_policy = self.exit_policy
@@ -194,11 +198,13 @@ class Engine:
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
                                                      for t in prompt):
             return list(prompt), None
-        raise ValueError(f"prompts[{index}] must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise ValueError(f"prompts[{index}] must be a string or a list of token ids, "
+                         f"got {type(prompt).__name__}")
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue one request; returns its id. A bad prompt fails this request alone (finish_reason 'error')."""
+        """Queue one request; returns its id. A bad prompt fails this request alone
+        (finish_reason 'error')."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -260,7 +266,8 @@ class Engine:
 
     def _add_all(self, prompts: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None) -> list[str]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if isinstance(params, list):
@@ -277,7 +284,8 @@ class Engine:
         return [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
 
     def stream(self, prompts: Prompt | list[Prompt],
-               sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+               sampling_params: SamplingParams | list[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
         """Incremental outputs as they are produced: each carries the completion so far."""
         ids = set(self._add_all(prompts, sampling_params))
         while ids:

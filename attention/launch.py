@@ -21,7 +21,8 @@ class CompiledLaunch:
 
     __slots__ = ("compiled", "direct", "fn", "grid", "options")
 
-    def __init__(self, fn, grid: tuple[int, int, int], num_warps: int, num_stages: int, direct: bool = True) -> None:
+    def __init__(self, fn, grid: tuple[int, int, int], num_warps: int, num_stages: int,
+                 direct: bool = True) -> None:
         self.fn = fn
         self.grid = grid
         self.options = {"num_warps": num_warps, "num_stages": num_stages}

@@ -24,7 +24,8 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:context_len]
 
 
-def paged_attention_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        scale: float) -> torch.Tensor:
     """Causal attention of a row's new queries (the last len(q) positions) over its context, in fp32."""
     num_new, heads, _ = q.shape
     context_len, kv_heads, _ = keys.shape
@@ -57,7 +58,8 @@ class TorchBackend(AttentionBackend):
             table = meta.block_tables[row]
             keys = gather_context(key_cache, table, context_len)
             values = gather_context(value_cache, table, context_len)
-            out[start:start + num_new] = paged_attention_row(q[start:start + num_new], keys, values, self.scale)
+            out[start:start + num_new] = paged_attention_row(q[start:start + num_new], keys, values,
+                                                             self.scale)
             start += num_new
         return out
 

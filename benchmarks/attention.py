@@ -243,7 +243,8 @@ def main() -> None:
     tunables = {name: getattr(defaults, name) for name in ("split_min_keys", "split_cap", "decode_block_n",
                                                            "decode_num_warps", "decode_num_stages")}
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "commit": common_commit(), "copy_gbps": copy_gbps, "rows": rows_out,
+              "triton": triton.__version__, "commit": common_commit(),
+              "copy_gbps": copy_gbps, "rows": rows_out,
               "tunables": tunables, "host": host, "host_target_us": HOST_TARGET_US}
     if not args.no_sweep:
         result["sweep"] = sweep(steps, copy_gbps)

@@ -227,7 +227,8 @@ def main() -> None:
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth_gbps()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "commit": common_commit(), "dtype": str(DTYPE), "copy_gbps": copy_gbps,
+              "triton": triton.__version__, "commit": common_commit(),
+              "dtype": str(DTYPE), "copy_gbps": copy_gbps,
               "bare_launch_us": bare_launch_us(), "rows": measure(copy_gbps)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

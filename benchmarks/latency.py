@@ -22,7 +22,8 @@ from benchmarks.common import (checkpoint, copy_bandwidth, environment,  # noqa:
 from engine import Engine, SamplingParams  # noqa: E402
 
 
-def _run(engine: Engine, batch: int, prompt: int, decode_steps: int, rng: random.Random) -> tuple[float, float]:
+def _run(engine: Engine, batch: int, prompt: int, decode_steps: int,
+         rng: random.Random) -> tuple[float, float]:
     params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
     vocab = engine.config.vocab_size
     torch.cuda.synchronize()
@@ -44,7 +45,8 @@ def _run(engine: Engine, batch: int, prompt: int, decode_steps: int, rng: random
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint directory or hub id")
     parser.add_argument("--preset", default="ouro-1.4b", help="generated random-weight shape if no --model")
     parser.add_argument("--prompts", type=int, nargs="+", default=[512, 2048, 8192])
@@ -71,7 +73,8 @@ def main() -> None:
                     row = {"mode": mode, "batch": batch, "prompt": prompt, "floor_ms": round(floor_ms, 3)}
                     if batch * (prompt + args.decode_steps + 1) > capacity:
                         row.update(ttft_ms=None, tpot_ms=None,
-                                   note=f"does not fit: needs {batch * (prompt + args.decode_steps) * kv_token / 2**30:.0f}"
+                                   note=f"does not fit: needs "
+                                        f"{batch * (prompt + args.decode_steps) * kv_token / 2**30:.0f}"
                                         f" GiB of KV, the pool holds {capacity * kv_token / 2**30:.0f} GiB")
                     else:
                         ttft, tpot = _run(engine, batch, prompt, args.decode_steps, rng)
@@ -89,7 +92,8 @@ def _write(out: str, path: str, bandwidth: float, rows: list[dict]) -> None:
     lines = ["| mode | batch | prompt | TTFT ms | TPOT ms | floor ms | TPOT / floor | GB/s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['batch']} | {r['prompt']} | {r.get('ttft_ms')} | {r.get('tpot_ms')} | "
+        lines.append(f"| {r['mode']} | {r['batch']} | {r['prompt']} | "
+                     f"{r.get('ttft_ms')} | {r.get('tpot_ms')} | "
                      f"{r['floor_ms']} | {r.get('ratio', r.get('note'))} | {r.get('gbps', '')} |")
     env = environment()
     table = (f"Latency, {path} (bf16) on {env['device']}, torch {env['torch']}, triton {env['triton']}, "

@@ -32,7 +32,8 @@ def group_of(name: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--preset", default="ouro-1.4b")
     parser.add_argument("--batch", type=int, default=1)
@@ -71,7 +72,8 @@ def main() -> None:
     lines = [f"Decode step profile, {path} (bf16), batch {args.batch}, prompt {args.prompt}, CUDA graphs, "
              f"{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}", "",
              "| kernels | µs per step | share | kernels per step |", "|---|---|---|---|"]
-    lines += [f"| {r['group']} | {r['us_per_step']} | {r['share']:.0%} | {r['kernels_per_step']} |" for r in rows]
+    lines += [f"| {r['group']} | {r['us_per_step']} | {r['share']:.0%} | {r['kernels_per_step']} |"
+              for r in rows]
     lines.append(f"| total kernel time | {step_us:.1f} | | {sum(counts.values())} |")
     write_results(args.out, {**env, "model": path, "batch": args.batch, "prompt": args.prompt,
                              "kernel_us_per_step": step_us, "kernels_per_step": sum(counts.values()),

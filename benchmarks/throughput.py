@@ -36,7 +36,8 @@ def matmul_rate() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--preset", default="ouro-1.4b")
     parser.add_argument("--num-requests", type=int, default=256)
@@ -56,14 +57,16 @@ def main() -> None:
             p.numel() for p in engine.model.layers.parameters()) + 2 * engine.model.lm_head.weight.numel()
         prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(100, args.max_len))]
                    for _ in range(args.num_requests)]
-        params = [SamplingParams(temperature=0.6, seed=i, ignore_eos=True, max_tokens=rng.randint(100, args.max_len))
+        params = [SamplingParams(temperature=0.6, seed=i, ignore_eos=True,
+                                 max_tokens=rng.randint(100, args.max_len))
                   for i in range(args.num_requests)]
         roofline = [0.0]
         run = engine.runner.run
 
         def timed_run(batch):
             tokens = batch.num_tokens
-            kv = sum(r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens)) * kv_token
+            kv = sum(r.num_computed_tokens + n
+                     for r, n in zip(batch.requests, batch.num_new_tokens)) * kv_token
             roofline[0] += max((weights + kv) / bandwidth, tokens * flops_per_token / flops_rate)
             return run(batch)
 
@@ -83,8 +86,10 @@ def main() -> None:
            "total_tok_s": round(total_tokens / elapsed, 1), "roofline_seconds": round(roofline[0], 2),
            "fraction_of_roofline": round(roofline[0] / elapsed, 3), "preemptions": preemptions}
     env = environment()
-    table = (f"Throughput, {path} (bf16) on {env['device']}, torch {env['torch']}, triton {env['triton']}, commit "
-             f"{env['commit']}; copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s\n\n"
+    table = (f"Throughput, {path} (bf16) on {env['device']}, "
+             f"torch {env['torch']}, triton {env['triton']}, commit "
+             f"{env['commit']}; copy {bandwidth / 1e12:.2f} TB/s, "
+             f"bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s\n\n"
              "| requests | output tok/s | total tok/s | time s | roofline s | fraction of roofline |\n"
              "|---|---|---|---|---|---|\n"
              f"| {row['requests']} | {row['output_tok_s']} | {row['total_tok_s']} | {row['seconds']} | "

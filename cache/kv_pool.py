@@ -39,5 +39,6 @@ class KVPool:
         return self.num_blocks * self.block_size
 
     @staticmethod
-    def blocks_for_budget(config: OuroConfig, block_size: int, dtype: torch.dtype, budget_bytes: float) -> int:
+    def blocks_for_budget(config: OuroConfig, block_size: int, dtype: torch.dtype,
+                          budget_bytes: float) -> int:
         return int(budget_bytes // (kv_bytes_per_token(config, dtype) * block_size))

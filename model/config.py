@@ -47,7 +47,8 @@ class OuroConfig:
                 f"config field 'num_attention_heads' ({self.num_attention_heads}) must be a multiple "
                 f"of 'num_key_value_heads' ({self.num_key_value_heads})")
         if self.hidden_act != "silu":
-            raise ValueError(f"config field 'hidden_act' must be 'silu' (Ouro's SwiGLU), got {self.hidden_act!r}")
+            raise ValueError(f"config field 'hidden_act' must be 'silu' (Ouro's SwiGLU), "
+                             f"got {self.hidden_act!r}")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -55,9 +56,11 @@ class OuroConfig:
         threshold = self.early_exit_threshold
         if threshold is not None and (not isinstance(threshold, (int, float)) or not 0 <= threshold
                                       or math.isnan(threshold)):
-            raise ValueError(f"config field 'early_exit_threshold' must be a number >= 0 or null, got {threshold!r}")
+            raise ValueError(f"config field 'early_exit_threshold' must be a number >= 0 or null, "
+                             f"got {threshold!r}")
         if self.torch_dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"config field 'torch_dtype' must be float32, float16 or bfloat16, got {self.torch_dtype!r}")
+            raise ValueError(f"config field 'torch_dtype' must be float32, float16 or bfloat16, "
+                             f"got {self.torch_dtype!r}")
 
     @property
     def num_slots(self) -> int:

@@ -61,14 +61,16 @@ class DecodeGraphs:
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), scratch_block * block_size, dtype=torch.int64, device=device)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((n, max_blocks_per_seq), scratch_block,
+                                       dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, LoopStates] = {}
         self.pool = None
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(self.query_start_loc[:bs + 1], self.context_lens[:bs], self.block_tables[:bs],
+        return AttentionMetadata(self.query_start_loc[:bs + 1],
+                                 self.context_lens[:bs], self.block_tables[:bs],
                                  self.slot_mapping[:bs], [1] * bs, [1] * bs, self.block_size)
 
     def _step(self, bs: int) -> LoopStates:

@@ -95,7 +95,8 @@ class OuroLayer(nn.Module):
         return h + self.post_attention_layernorm_2(self.down_proj(F.silu(gate) * up))
 
     def forward_fused(self, h: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      attention: Attention, slot: int, next_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      attention: Attention, slot: int,
+                      next_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() with Triton kernels: 4 projections (a skinny GEMM for decode-sized batches, cuBLAS
         otherwise), attention, and 4 elementwise launches.
         `normed` is input_layernorm(h), made by the launch before; returns (h', RMSNorm(h') * next_weight),
@@ -104,7 +105,8 @@ class OuroLayer(nn.Module):
         qkv = linear(normed, self.qkv_proj.weight)
         q, k, v = fused.rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         attn = attention(q, k, v, slot).reshape(n, self.q_size)
-        h, normed = fused.add_rmsnorm_rmsnorm(h, linear(attn, self.o_proj.weight), self.input_layernorm_2.weight,
+        h, normed = fused.add_rmsnorm_rmsnorm(h, linear(attn, self.o_proj.weight),
+                                              self.input_layernorm_2.weight,
                                               self.post_attention_layernorm.weight, eps)
         down = linear(fused.silu_mul(linear(normed, self.gate_up_proj.weight)), self.down_proj.weight)
         return fused.add_rmsnorm_rmsnorm(h, down, self.post_attention_layernorm_2.weight, next_weight, eps)
@@ -165,7 +167,8 @@ class OuroForCausalLM(nn.Module):
         normed = fused.rmsnorm(h, layers[0].input_layernorm.weight, self.norm.eps)
         next_weights = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
         for index, (layer, next_weight) in enumerate(zip(layers, next_weights)):
-            h, normed = layer.forward_fused(h, normed, cos, sin, attention, t * len(layers) + index, next_weight)
+            h, normed = layer.forward_fused(h, normed, cos, sin, attention,
+                                            t * len(layers) + index, next_weight)
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,8 @@ class ModelRunner:
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                      list[int]]:
         """Flatten the batch: token ids, positions, slot mapping, per-row lengths and block tables."""
         bs = self.block_size
         input_ids: list[int] = []
@@ -86,7 +87,8 @@ class ModelRunner:
             states = self.early_exit.forward(batch, input_ids, positions, meta, readout)
         else:
             states = self.forward(input_ids, positions, meta, readout)
-        sampling = [r for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
+        sampling = [r for r, n in zip(batch.requests, batch.num_new_tokens)
+                    if r.num_computed_tokens + n == r.num_tokens]
         if not sampling:
             return [None] * len(batch.requests)
         loops = self.model.config.total_ut_steps
@@ -96,7 +98,8 @@ class ModelRunner:
         for request, trace in zip(sampling, traces):
             if trace is not None:
                 request.traces.append(trace)
-        tokens = iter(sample(logits, [r.params for r in sampling], [self._generator(r) for r in sampling]).tolist())
+        tokens = iter(sample(logits, [r.params for r in sampling],
+                             [self._generator(r) for r in sampling]).tolist())
         return [next(tokens) if r.num_computed_tokens + n == r.num_tokens else None
                 for r, n in zip(batch.requests, batch.num_new_tokens)]
 

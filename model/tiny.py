@@ -110,7 +110,8 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, dtype
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory to write the checkpoint into")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")

@@ -53,8 +53,10 @@ def test_stop_string_is_cut_unless_asked_to_include(engine):
     cut = engine.generate("hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=stop),
                           use_tqdm=False)[0].outputs[0]
     kept = engine.generate("hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=stop,
-                                                   include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
-    assert cut.finish_reason == "stop" and cut.stop_reason == stop and cut.text == base.text[:base.text.find(stop)]
+                                                   include_stop_str_in_output=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert (cut.finish_reason == "stop" and cut.stop_reason == stop
+            and cut.text == base.text[:base.text.find(stop)])
     assert kept.text == base.text[:base.text.find(stop) + len(stop)]
 
 
@@ -63,7 +65,8 @@ def test_bad_prompt_type_names_the_prompt(engine):
         engine.generate(["ok", 3.5], use_tqdm=False)
 
 
-@pytest.mark.parametrize("option, value", [("block_size", 0), ("max_num_seqs", -1), ("gpu_memory_utilization", 1.5),
+@pytest.mark.parametrize("option, value", [("block_size", 0), ("max_num_seqs", -1),
+                                           ("gpu_memory_utilization", 1.5),
                                            ("dtype", "int8"), ("attention", "flash"), ("device", "tpu"),
                                            ("loops", 0)])
 def test_bad_engine_option_is_named(tiny_checkpoint, option, value):

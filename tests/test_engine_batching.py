@@ -57,7 +57,8 @@ def test_prefix_cache_hit_equals_miss(tiny_checkpoint):
         second = engine.generate(prompts[1:], GREEDY, use_tqdm=False)[0]
     assert misses[0].num_cached_tokens == misses[1].num_cached_tokens == first.num_cached_tokens == 0
     assert second.num_cached_tokens == 32  # two full blocks of 16 shared
-    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [m.outputs[0].token_ids for m in misses]
+    assert [first.outputs[0].token_ids,
+            second.outputs[0].token_ids] == [m.outputs[0].token_ids for m in misses]
 
 
 def test_preempted_request_resumes_token_identical(tiny_checkpoint, prompts, alone):
@@ -77,7 +78,8 @@ def test_too_long_prompt_fails_alone_and_the_rest_finish(tiny_checkpoint):
 
 def test_prompt_larger_than_the_whole_pool_fails_alone(tiny_checkpoint):
     with _engine(tiny_checkpoint, num_kv_blocks=4, block_size=4) as engine:
-        outputs = engine.generate([[5] * 3, [6] * 40], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        outputs = engine.generate([[5] * 3, [6] * 40], SamplingParams(temperature=0, max_tokens=4),
+                                  use_tqdm=False)
     assert outputs[0].outputs[0].finish_reason in ("length", "stop")
     assert outputs[1].outputs[0].finish_reason == "error" and "whole pool" in outputs[1].outputs[0].error
 

@@ -57,9 +57,11 @@ def test_cli_generate_runs_offline_on_the_embedded_model(tmp_path):
 
 
 def test_cli_help_documents_every_flag():
-    result = subprocess.run([sys.executable, "engine.py", "generate", "--help"], cwd=ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "engine.py", "generate", "--help"],
+                            cwd=ROOT, capture_output=True,
                             text=True)
-    for flag in ("--model", "--prompt", "--chat", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed",
+    for flag in ("--model", "--prompt", "--chat", "--max-tokens", "--temperature", "--top-p",
+                 "--top-k", "--seed",
                  "--loops", "--device", "--dtype", "--stream"):
         assert flag in result.stdout
 

@@ -24,4 +24,5 @@ def test_fused_loops_match_torch_loops(tiny_checkpoint, dtype, tolerance):
         model.fused_kernels = False
         plain = model(ids, positions, dense_causal_attention)
     torch.testing.assert_close(fused.hidden.float(), plain.hidden.float(), rtol=tolerance, atol=tolerance)
-    torch.testing.assert_close(fused.gate_logits.float(), plain.gate_logits.float(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(fused.gate_logits.float(), plain.gate_logits.float(),
+                               rtol=tolerance, atol=tolerance)

@@ -139,7 +139,8 @@ with Engine(sys.argv[1], device="cuda", dtype="bfloat16", enforce_eager=True, ma
     mode = sys.argv[2]
     gc.disable()
     try:
-        DecodeGraphs(*args).capture_all(collect=garbage_then(collect_garbage if mode == "guarded" else lambda: None))
+        DecodeGraphs(*args).capture_all(collect=garbage_then(collect_garbage if mode == "guarded"
+                                                             else lambda: None))
         print("CAPTURED")
     except Exception as err:
         print("ABORTED", type(err).__name__, str(err)[:300])
@@ -148,9 +149,10 @@ with Engine(sys.argv[1], device="cuda", dtype="bfloat16", enforce_eager=True, ma
 
 @pytest.mark.parametrize("mode, expected", [("guarded", "CAPTURED"), ("unguarded", "ABORTED")])
 def test_capture_needs_gc_collect_when_cyclic_cuda_garbage_is_around(tiny_checkpoint, mode, expected):
-    """With the wrapper's gc.collect() the capture survives an earlier engine's cyclic garbage (torch.cuda.graph
-    then empties the allocator's cache, so the memory is the capture's); without it the cycle keeps the memory
-    and the capture aborts on its first allocation. Each run is its own process."""
+    """With the wrapper's gc.collect() the capture survives an earlier engine's cyclic garbage
+    (torch.cuda.graph then empties the allocator's cache, so the memory is the capture's); without it
+    the cycle keeps the memory and the capture aborts on its first allocation. Each run is its own
+    process."""
     result = subprocess.run([sys.executable, "-c", GC_SCRIPT, str(tiny_checkpoint), mode], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert expected in result.stdout, result.stdout + result.stderr

@@ -32,7 +32,8 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top():
 def test_seeded_sampling_is_reproducible_and_follows_the_distribution():
     logits = torch.tensor([[0.0, 1.0, 2.0]]).repeat(4000, 1)
     params = [SamplingParams(temperature=1.0)] * 4000
-    draws = [sample(logits, params, [torch.Generator().manual_seed(i) for i in range(4000)]) for _ in range(2)]
+    draws = [sample(logits, params, [torch.Generator().manual_seed(i) for i in range(4000)])
+             for _ in range(2)]
     assert torch.equal(draws[0], draws[1])
     freq = torch.bincount(draws[0], minlength=3).float() / 4000
     assert torch.allclose(freq, logits[0].softmax(-1), atol=0.03)
@@ -45,7 +46,8 @@ def test_mixed_greedy_and_sampled_rows():
     assert out.tolist() == [1, 2]  # top_k=1 leaves the sampled row only its maximum
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
+@pytest.mark.parametrize("field, value", [("temperature", -0.1), ("top_p", 0.0),
+                                          ("top_p", 1.5), ("top_k", -2),
                                           ("min_p", 2.0), ("seed", -1), ("max_tokens", 0), ("stop", [""]),
                                           ("stop_token_ids", [-3]), ("temperature", float("nan"))])
 def test_bad_sampling_parameter_is_named(field, value):
