@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import bare_launch_us, graph_time_us, host_us  # noqa: E402
 from benchmarks.common import commit as common_commit  # noqa: E402
 
 from attention.base import AttentionMetadata, select
@@ -40,12 +40,6 @@ HEADS, HEAD_DIM, BLOCK_SIZE = 16, 128, 16
 DTYPE = torch.bfloat16
 CALLS_PER_GRAPH = 24
 SLOT_BYTES_FLOOR = 256 << 20  # walk at least this many KV bytes per graph: several times the L2
-
-
-@triton.jit
-def bare_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
 
 
 class DecodeStep:
@@ -87,26 +81,6 @@ class DecodeStep:
         values = torch.stack([gather_context(self.value_cache[slot], table, self.context)
                               for table in tables])
         return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
-
-
-def graph_time_us(calls, replays: int = 10) -> float:
-    """Mean µs per call of `calls` (a list of thunks), captured once in a CUDA graph and replayed."""
-    for call in calls[:2]:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * len(calls))
 
 
 def copy_bandwidth_gbps() -> float:
@@ -151,20 +125,9 @@ def host_costs(calls: int = 2000) -> dict:
     x = torch.randn(256, device="cuda")
     y = torch.empty_like(x)
 
-    def per_call(fn) -> float:
-        for i in range(50):
-            fn(i)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        elapsed = time.perf_counter() - start
-        torch.cuda.synchronize()
-        return elapsed * 1e6 / calls
-
-    bare = per_call(lambda i: bare_kernel[(1,)](x, y, 256, BLOCK=256))
-    torch_add = per_call(lambda i: torch.add(x, 1.0, out=y))
-    forward = per_call(lambda i: backend.forward(q, k, v, i % 8))
+    bare = bare_launch_us(calls)
+    torch_add = host_us(lambda i: torch.add(x, 1.0, out=y), calls)
+    forward = host_us(lambda i: backend.forward(q, k, v, i % 8), calls)
     in_step, prepare = engine_like_host_us(step, backend, x, y)
     return {"bare_triton_launch_us": bare, "torch_add_us": torch_add, "eager_forward_us": forward,
             "eager_forward_ratio_to_bare_launch": forward / bare, "in_step_forward_us": in_step,

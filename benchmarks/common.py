@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -79,3 +80,61 @@ def write_results(out: str, payload: dict, table: str) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(payload, indent=2) + "\n")
     Path(out).with_suffix(".md").write_text(table + "\n")
+
+
+def graph_time_us(calls: list, replays: int = 10, median: bool = False) -> float:
+    """Device µs per call of `calls` (thunks), captured once in one CUDA graph and replayed: the mean
+    over all replays, or the median of per-replay times."""
+    for call in calls[:2]:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if not median:
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1000 / (replays * len(calls))
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def host_us(fn, calls: int = 2000) -> float:
+    """Host µs per eager call of fn(i), in a hot loop without syncs."""
+    for i in range(50):
+        fn(i)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed * 1e6 / calls
+
+
+def bare_launch_us(calls: int = 2000) -> float:
+    """Host µs of launching a trivial Triton kernel with 4 arguments: the unit host costs are held against."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def bare_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+    x = torch.randn(256, device="cuda")
+    y = torch.empty_like(x)
+    return host_us(lambda i: bare_kernel[(1,)](x, y, 256, BLOCK=256), calls)

@@ -16,17 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import benchmarks.common as common  # noqa: E402
 from benchmarks.common import commit as common_commit  # noqa: E402
 
 from model.kernels.fused import add_rmsnorm, add_rmsnorm_rmsnorm, rmsnorm, rope_qkv, silu_mul
@@ -40,43 +39,13 @@ CALLS_PER_GRAPH = 32
 BLOCK_SIZE = 16
 
 
-@triton.jit
-def bare_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
-
-
 def graph_time_us(fn: Callable[[], object], calls: int = CALLS_PER_GRAPH, replays: int = 20) -> float:
     """Mean device µs per call of `fn`, captured `calls` times in one CUDA graph and replayed."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * calls)
+    return common.graph_time_us([fn] * calls, replays)
 
 
 def host_us(fn: Callable[[], object], calls: int = 2000) -> float:
-    """Host µs per eager call, hot loop without syncs."""
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed * 1e6 / calls
+    return common.host_us(lambda i: fn(), calls)
 
 
 def kernels_per_call(fn: Callable[[], object]) -> int:
@@ -193,12 +162,6 @@ def measure(copy_gbps: float) -> list[dict]:
     return results
 
 
-def bare_launch_us() -> float:
-    x = torch.randn(256, device="cuda")
-    y = torch.empty_like(x)
-    return host_us(lambda: bare_kernel[(1,)](x, y, 256, BLOCK=256))
-
-
 def print_table(result: dict) -> None:
     print(f"{result['device']}, torch {result['torch']}, triton {result['triton']}; copy "
           f"{result['copy_gbps']:.0f} GB/s; bare Triton launch {result['bare_launch_us']:.1f} µs host\n")
@@ -229,7 +192,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "commit": common_commit(),
               "dtype": str(DTYPE), "copy_gbps": copy_gbps,
-              "bare_launch_us": bare_launch_us(), "rows": measure(copy_gbps)}
+              "bare_launch_us": common.bare_launch_us(), "rows": measure(copy_gbps)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)

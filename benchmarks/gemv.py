@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import benchmarks.common as common  # noqa: E402
 from model.kernels import gemv  # noqa: E402
 from model.kernels.gemv import GemvConfig  # noqa: E402
 
@@ -141,25 +141,7 @@ def precompile(work: list[tuple[str, int, GemvConfig]], workers: int) -> dict:
 
 def graph_time_us(calls, replays: int) -> float:
     """Median µs per call over replays of one CUDA graph holding `calls` (a list of thunks)."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(calls))
-    del graph
-    return sorted(times)[len(times) // 2]
+    return common.graph_time_us(calls, replays, median=True)
 
 
 def copy_bandwidth_gbps() -> float:
@@ -244,12 +226,6 @@ def run_case(case: Case, name: str, m: int, config: GemvConfig, copy_gbps: float
 # --- host cost ------------------------------------------------------------------------------------
 
 
-@triton.jit
-def bare_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
-
-
 def host_costs(case: Case, calls: int = 2000) -> dict:
     """Host µs per eager call in a hot loop without syncs (the kernels are shorter than their launch)."""
     x, _, y = case.input(1)
@@ -258,17 +234,9 @@ def host_costs(case: Case, calls: int = 2000) -> dict:
     b = torch.empty_like(a)
 
     def per_call(fn) -> float:
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = time.perf_counter() - start
-        torch.cuda.synchronize()
-        return elapsed * 1e6 / calls
+        return common.host_us(lambda i: fn(), calls)
 
-    bare = per_call(lambda: bare_kernel[(1,)](a, b, 256, BLOCK=256))
+    bare = common.bare_launch_us(calls)
     result = {"bare_triton_launch_us": bare, "torch_add_us": per_call(lambda: torch.add(a, 1.0, out=b)),
               "skinny_linear_out_us": per_call(lambda: gemv.skinny_linear(x, w, out=y)),
               "skinny_linear_alloc_us": per_call(lambda: gemv.skinny_linear(x, w)),

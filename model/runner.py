@@ -45,7 +45,7 @@ class ModelRunner:
         query_start = [0]
         context_lens: list[int] = []
         readout: list[int] = []
-        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+        for request, num_new, samples in zip(batch.requests, batch.num_new_tokens, batch.sample):
             start = request.num_computed_tokens
             end = start + num_new
             input_ids += request.token_ids[start:end]
@@ -55,7 +55,7 @@ class ModelRunner:
                              else [table[p // bs] * bs + p % bs for p in range(start, end)])
             query_start.append(query_start[-1] + num_new)
             context_lens.append(end)
-            if end == request.num_tokens:
+            if samples:
                 readout.append(query_start[-1] - 1)
         width = max(len(r.block_table) for r in batch.requests)
         tables = [r.block_table + [0] * (width - len(r.block_table)) for r in batch.requests]
@@ -87,8 +87,7 @@ class ModelRunner:
             states = self.early_exit.forward(batch, input_ids, positions, meta, readout)
         else:
             states = self.forward(input_ids, positions, meta, readout)
-        sampling = [r for r, n in zip(batch.requests, batch.num_new_tokens)
-                    if r.num_computed_tokens + n == r.num_tokens]
+        sampling = [r for r, samples in zip(batch.requests, batch.sample) if samples]
         if not sampling:
             return [None] * len(batch.requests)
         loops = self.model.config.total_ut_steps
@@ -100,8 +99,7 @@ class ModelRunner:
                 request.traces.append(trace)
         tokens = iter(sample(logits, [r.params for r in sampling],
                              [self._generator(r) for r in sampling]).tolist())
-        return [next(tokens) if r.num_computed_tokens + n == r.num_tokens else None
-                for r, n in zip(batch.requests, batch.num_new_tokens)]
+        return [next(tokens) if samples else None for samples in batch.sample]
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int, scratch_block: int) -> None:
         """Capture one graph per decode bucket; decode steps replay them from then on."""
