@@ -205,11 +205,18 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Queue one request; returns its id. A bad prompt fails this request alone
         (finish_reason 'error')."""
+        token_ids, text = self._encode(prompt, 0)
+        return self._add(token_ids, text, self._check_params(params), request_id)
+
+    def _check_params(self, params: SamplingParams | None) -> SamplingParams:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         request_policy(params.exit_policy, self.exit_policy, self.config.total_ut_steps)
-        token_ids, text = self._encode(prompt, 0)
+        return params
+
+    def _add(self, token_ids: list[int], text: str | None, params: SamplingParams,
+             request_id: str | None = None) -> str:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -276,12 +283,10 @@ class Engine:
             per_prompt = params
         else:
             per_prompt = [params] * len(prompts)
-        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]  # validate all before adding any
-        del encoded
-        for sp in per_prompt:
-            if isinstance(sp, SamplingParams):
-                request_policy(sp.exit_policy, self.exit_policy, self.config.total_ut_steps)
-        return [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        # Validate every prompt and parameter set before adding any, so a bad input adds nothing.
+        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        checked = [self._check_params(sp) for sp in per_prompt]
+        return [self._add(ids, text, sp) for (ids, text), sp in zip(encoded, checked)]
 
     def stream(self, prompts: Prompt | list[Prompt],
                sampling_params: SamplingParams | list[SamplingParams] | None = None
