@@ -20,60 +20,32 @@ import torch
 
 from attention.base import select
 from cache.blocks import BlockManager
-from cache.kv_pool import KVPool, kv_bytes_per_token
-from cache.shared_kv import (SharedKVBlockManager, SharedKVLayout, check_kv_sharing, kv_report,
-                             max_concurrent_sequences)
+from cache.kv_pool import KVPool
+from cache.layout import KV_SHARING, make_layout
+from engine_config import EngineConfig
 from model.config import OuroConfig
-from model.early_exit import EarlyExit
-from model.exit_policy import parse_exit_policy, request_policy
 from model.loader import load_model, resolve_model_dir
 from model.ouro import fused_kernels_available
-from model.runner import ModelRunner
 from model.tokenizer import Tokenizer
-from scheduler.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from request import CompletionOutput, ExitPolicy, Request, RequestOutput, SamplingParams, request_policy
+from runner.loop_driver import LoopStats
+from runner.model_runner import ModelRunner
 from scheduler.scheduler import Scheduler
 
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "DEFAULT_MODEL"]
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "model" / "checkpoints" / "tiny-ouro"
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 CPU_KV_BUDGET_BYTES = 256 * 2**20
 
 Prompt = str | list[int]
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device {device!r} is not a torch device (try 'cpu' or 'cuda')") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for, but CUDA is not available here")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {device.type!r} is not supported; use 'cpu' or 'cuda'")
-    return device
-
-
-def resolve_dtype(dtype: str | torch.dtype, config: OuroConfig, device: torch.device) -> torch.dtype:
-    """"auto": the checkpoint's half dtype on CUDA, float32 on CPU (where bf16 matmuls are slow)."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported; use float32, float16 or bfloat16")
-        return dtype
-    if dtype == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        return torch.bfloat16 if config.torch_dtype == "float32" else _DTYPES[config.torch_dtype]
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, float16 or bfloat16")
-    return _DTYPES[dtype]
-
-
 class Engine:
-    """One model, one KV pool, one scheduler. Not thread-safe; one process, one device."""
+    """One model, one KV pool, one scheduler. Not thread-safe; one process, one device.
+
+    Construction resolves and validates every option once (engine_config.EngineConfig), then builds each
+    component from that frozen config: attention backend, model, KV pool and layout, block manager,
+    scheduler, and the step runner (which captures CUDA graphs on CUDA)."""
 
     def __init__(self, model: str | Path | None = None, device: str | torch.device | None = None,
                  dtype: str | torch.dtype = "auto", attention: str = "auto", loops: int | None = None,
@@ -83,112 +55,109 @@ class Engine:
                  enable_prefix_caching: bool = True,
                  packed_prefill: bool = False, enforce_eager: bool = False,
                  exit_policy: str | None = None, kv_sharing: str = "none", verbose: bool = True) -> None:
-        _check_positive("block_size", block_size)
-        _check_positive("max_num_seqs", max_num_seqs)
-        _check_positive("max_num_batched_tokens", max_num_batched_tokens)
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        self.device = resolve_device(device)
-        self.model_dir = resolve_model_dir(model if model is not None else DEFAULT_MODEL)
-        self.config = OuroConfig.from_file(self.model_dir / "config.json").with_overrides(loops,
-                                                                                          exit_threshold)
-        self.dtype = resolve_dtype(dtype, self.config, self.device)
-        self.tokenizer = Tokenizer(self.model_dir)
-        if exit_policy is not None and exit_threshold is not None:
-            raise ValueError("pass exit_policy or exit_threshold (= exit_policy='threshold:Q'), not both")
-        if exit_policy is None:
-            exit_policy = "full" if exit_threshold is None else f"threshold:{exit_threshold}"
-        self.exit_policy = parse_exit_policy(exit_policy, self.config.total_ut_steps)
-        self.kv_sharing = check_kv_sharing(kv_sharing)
-        # Generated tokens whose K/V differs from a prompt's: exited early, or stored for the last loop only.
-        approximate_kv = not self.exit_policy.readout_only or self.kv_sharing == "last"
-        if self.kv_sharing == "last":
-            if attention not in ("auto", "torch"):  # the Triton kernels read one paged layout only
-                raise ValueError(f"kv_sharing='last' is implemented in the torch attention backend only, got "
-                                 f"attention={attention!r}; use attention='torch' (or 'auto')")
-            attention = "torch"
-        self.backend = select(attention, self.device, {"packed_prefill": packed_prefill})
-        self.backend.check(self.dtype, self.config.head_dim, self.device)
+        model_dir = resolve_model_dir(model if model is not None else DEFAULT_MODEL)
+        self.engine_config = config = EngineConfig.resolve(
+            model_dir, device, dtype, loops, exit_threshold, exit_policy, attention=attention,
+            block_size=block_size, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+            packed_prefill=packed_prefill, enforce_eager=enforce_eager, kv_sharing=kv_sharing)
+        self.config: OuroConfig = config.model
+        self.tokenizer = Tokenizer(model_dir)
+        self.backend = select(config.attention, config.device, {"packed_prefill": config.packed_prefill})
+        self.backend.check(config.dtype, self.config.head_dim, config.device)
+        layout_name = KV_SHARING[config.kv_sharing]
+        if layout_name not in self.backend.capabilities.kv_formats:
+            raise ValueError(f"kv_sharing={config.kv_sharing!r} needs the {layout_name!r} KV format, which "
+                             f"attention={self.backend.name!r} does not provide "
+                             f"(it has {', '.join(self.backend.capabilities.kv_formats)})")
         # Fused Triton kernels around the GEMMs on CUDA; the plain torch ops elsewhere.
-        self.model = load_model(self.model_dir, self.config, self.device, self.dtype,
-                                fused_kernels=self.device.type == "cuda" and fused_kernels_available())
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
-        if num_kv_blocks is None:
-            num_kv_blocks = self._blocks_for_memory(block_size, gpu_memory_utilization,
-                                                    max_num_batched_tokens)
+        self.model = load_model(model_dir, self.config, config.device, config.dtype,
+                                fused_kernels=config.device.type == "cuda" and fused_kernels_available())
+        loops, layers = config.loops, self.config.num_hidden_layers
+        pool_shape = (config.block_size, self.config.num_key_value_heads, self.config.head_dim, config.dtype,
+                      config.device)
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(KVPool(loops, layers, 1, *pool_shape))
         # One block more than the scheduler may hand out: the scratch block that graph padding rows write.
-        self.kv_pool = KVPool(self.config, num_kv_blocks + 1, block_size, self.dtype, self.device)
+        self.kv_pool = KVPool(loops, layers, num_blocks + 1, *pool_shape)
         self.backend.bind(self.kv_pool.key_cache, self.kv_pool.value_cache, self.config.head_dim ** -0.5)
-        if self.kv_sharing == "last":
-            self.block_manager = SharedKVBlockManager(num_kv_blocks, block_size, self.config.total_ut_steps,
-                                                      enable_prefix_caching)
-        else:
-            self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching,
-                                              cache_generated=not approximate_kv)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs,
-                                   max_num_batched_tokens, self.max_model_len,
-                                   detokenize=self.tokenizer.decode, generated_one_per_step=approximate_kv)
-        self.runner = ModelRunner(self.model, self.backend, block_size, self.device)
-        self.runner.exit_policy = self.exit_policy
-        if self.kv_sharing == "last":
-            self.runner.shared_kv = SharedKVLayout(self.config.total_ut_steps, self.config.num_hidden_layers,
-                                                   block_size, self.kv_pool.num_blocks, self.device)
-        if not self.exit_policy.readout_only:
-            self.runner.early_exit = EarlyExit(self.model, self.backend, self.exit_policy.value,
-                                               kv_sharing=self.kv_sharing == "last")
-        # early:Q shrinks the batch loop by loop and kv_sharing reads two layouts: both run eagerly.
-        self.uses_cuda_graphs = (not enforce_eager and not approximate_kv and self.device.type == "cuda"
-                                 and self.backend.capabilities.cuda_graphs)
-        if self.uses_cuda_graphs:
-            self.runner.capture_decode_graphs(max_num_seqs, self.max_model_len, scratch_block=num_kv_blocks)
+        self.layout = make_layout(config.kv_sharing, loops, layers, config.block_size,
+                                  config.generated_kv_exact)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          layout=self.layout)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len, self.tokenizer)
+        self.runner = ModelRunner(config, self.model, self.backend, self.kv_pool, self.layout,
+                                  scratch_block=num_blocks)
         self._requests: dict[str, Request] = {}
-        self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
         self.num_prefill_tokens = self.num_decode_tokens = 0
         if verbose:
-            pool = self.kv_pool
-            print(f"loop-engine: {self.config.total_ut_steps} loops x {self.config.num_hidden_layers} "
-                  f"layers, {self.dtype}, {self.device}, attention={self.backend.name}, "
-                  f"exit_policy={self.exit_policy}; "
-                  f"{kv_report(self.config, self.dtype, num_kv_blocks, block_size, self.kv_sharing)} "
-                  f"({pool.num_bytes / 2**30:.2f} GiB)", file=sys.stderr)
+            print(f"loop-engine: {loops} loops x {layers} layers, {config.dtype}, {config.device}, "
+                  f"attention={self.backend.name}, exit_policy={config.exit_policy}; "
+                  f"{self.layout.report(self.kv_pool, num_blocks)} "
+                  f"({self.kv_pool.num_bytes / 2**30:.2f} GiB)", file=sys.stderr)
 
-    def _blocks_for_memory(self, block_size: int, utilization: float, max_batched_tokens: int) -> int:
+    @property
+    def device(self) -> torch.device:
+        return self.engine_config.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine_config.dtype
+
+    @property
+    def exit_policy(self) -> ExitPolicy:
+        return self.engine_config.exit_policy
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine_config.max_model_len
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.runner.uses_cuda_graphs
+
+    @property
+    def loop_stats(self) -> LoopStats:
+        """Decode tokens and the loops they ran (fewer than loops x tokens under early:Q)."""
+        return self.runner.loop_stats
+
+    def _blocks_for_memory(self, probe: KVPool) -> int:
         """vLLM's rule on CUDA: what is left of utilization x total after the weights and a measured
-        activation peak. On CPU a fixed budget."""
-        if self.device.type != "cuda":
+        activation peak. On CPU a fixed budget. `probe`: a one-block pool, for the bytes per block."""
+        config = self.engine_config
+        if config.device.type != "cuda":
             budget = CPU_KV_BUDGET_BYTES
         else:
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._profile_run(max_batched_tokens)
-            peak = torch.cuda.max_memory_allocated(self.device)
-            free, total = torch.cuda.mem_get_info(self.device)
-            others = total - free - torch.cuda.memory_reserved(self.device)
-            budget = total * utilization - peak - others
-        blocks = KVPool.blocks_for_budget(self.config, block_size, self.dtype, budget) - 1  # - scratch block
+            torch.cuda.reset_peak_memory_stats(config.device)
+            self._profile_run(config.max_num_batched_tokens)
+            peak = torch.cuda.max_memory_allocated(config.device)
+            free, total = torch.cuda.mem_get_info(config.device)
+            others = total - free - torch.cuda.memory_reserved(config.device)
+            budget = total * config.gpu_memory_utilization - peak - others
+        blocks = KVPool.blocks_for_budget(probe.bytes_per_block, budget) - 1  # - the scratch block
         if blocks < 1:
-            need = kv_bytes_per_token(self.config, self.dtype) * block_size
-            raise ValueError(f"no memory left for the KV cache (one block needs {need} bytes); raise "
-                             "gpu_memory_utilization or lower max_num_batched_tokens")
+            raise ValueError(f"no memory left for the KV cache (one block needs {probe.bytes_per_block} "
+                             "bytes); raise gpu_memory_utilization or lower max_num_batched_tokens")
         return blocks
 
     def max_concurrent_sequences(self, prompt_tokens: int, generated_tokens: int) -> int:
         """How many sequences of this shape the KV pool holds at once (kv_sharing="last" stores a generated
         token in 1/loops of a prompt token's bytes)."""
-        bm = self.block_manager
-        return max_concurrent_sequences(bm.num_blocks, prompt_tokens, generated_tokens, bm.block_size,
-                                        self.config.total_ut_steps, self.kv_sharing)
+        return self.layout.max_concurrent_sequences(self.block_manager.num_blocks, prompt_tokens,
+                                                    generated_tokens)
 
     @torch.inference_mode()
     def _profile_run(self, num_tokens: int) -> None:
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
+        device = self.engine_config.device
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        positions = torch.arange(num_tokens, device=device)
         states = self.model(ids, positions, lambda q, k, v, slot: q.clone(),
-                            torch.arange(min(num_tokens, 256), device=self.device))
+                            torch.arange(min(num_tokens, 256), device=device))
         self.model.compute_logits(states.hidden[-1])
         del states
-        torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(device)
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -220,9 +189,9 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params, eos_token_ids=self.tokenizer.stop_token_ids)
+        request = Request(request_id, token_ids, params, eos_token_ids=self.tokenizer.stop_token_ids,
+                          prompt=text)
         self._requests[request_id] = request
-        self._prompts[request_id] = text
         bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
         error = f"prompt token id {bad[0]} is outside the vocabulary (vocab_size {self.config.vocab_size})" \
             if bad else None
@@ -236,14 +205,18 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """One engine iteration: schedule, run every loop of the model once, update. Returns an output
-        for every request that advanced or finished in this step."""
+        """One engine iteration: schedule, run the model's loops once, update. Returns an output for every
+        request that advanced or finished in this step."""
+        return [self._output(r) for r in self._step()]
+
+    def _step(self) -> list[Request]:
+        """One iteration; the requests that advanced or finished in it. Outputs are built by the caller,
+        only for the requests it hands out."""
         batch = self.scheduler.schedule()
         touched: list[Request] = []
         if batch.requests:
             for request, num_new in zip(batch.requests, batch.num_new_tokens):
-                decoding = request.num_computed_tokens >= request.num_prompt_tokens
-                if decoding:
+                if request.num_computed_tokens >= request.num_prompt_tokens:
                     self.num_decode_tokens += num_new
                 else:
                     self.num_prefill_tokens += num_new
@@ -254,20 +227,16 @@ class Engine:
             finished = self.scheduler.take_finished()
         seen = {id(r) for r in touched}
         touched += [r for r in finished if id(r) not in seen]
-        outputs = [self._output(r) for r in touched]
         for r in finished:
             self.runner.release(r)
             self._requests.pop(r.request_id, None)
-            self._prompts.pop(r.request_id, None)
-        return outputs
+        return touched
 
     def _output(self, request: Request) -> RequestOutput:
-        text = request.output_text if request.is_finished else self.tokenizer.decode(request.output_token_ids)
-        completion = CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
+        completion = CompletionOutput(0, request.output_text, request.output_token_ids, request.finish_reason,
                                       request.stop_reason, request.error, list(request.traces) or None)
-        return RequestOutput(request.request_id, self._prompts.get(request.request_id),
-                             request.prompt_token_ids, [completion], request.is_finished,
-                             request.num_cached_tokens)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
+                             request.is_finished, request.num_cached_tokens)
 
     # -- convenience ---------------------------------------------------------------------------------
 
@@ -294,11 +263,11 @@ class Engine:
         """Incremental outputs as they are produced: each carries the completion so far."""
         ids = set(self._add_all(prompts, sampling_params))
         while ids:
-            for out in self.step():
-                if out.request_id in ids:
-                    if out.finished:
-                        ids.discard(out.request_id)
-                    yield out
+            for request in self._step():
+                if request.request_id in ids:
+                    if request.is_finished:
+                        ids.discard(request.request_id)
+                    yield self._output(request)
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -310,9 +279,9 @@ class Engine:
         bar = _progress(len(ids)) if use_tqdm else None
         prefill0, decode0, start = self.num_prefill_tokens, self.num_decode_tokens, time.perf_counter()
         while len(results) < len(ids):
-            for out in self.step():
-                if out.request_id in wanted and out.finished:
-                    results[out.request_id] = out
+            for request in self._step():
+                if request.is_finished and request.request_id in wanted:
+                    results[request.request_id] = self._output(request)
                     if bar is not None:
                         bar.update(1)
             if bar is not None:
@@ -347,11 +316,6 @@ class Engine:
         self.close()
 
 
-def _check_positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 def _progress(total: int):
     from tqdm.auto import tqdm
     return tqdm(total=total, desc="requests", dynamic_ncols=True)
@@ -384,8 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="full (default), threshold:Q, step:K (0-based), weighted, or early:Q (stops "
                           "looping a generated token once its exit CDF reaches Q)")
     gen.add_argument("--kv-sharing", default="none", choices=["none", "last"],
-                     help="last: generated tokens keep only their last loop's K/V (paper §5.4.2; torch "
-                          "attention)")
+                     help="last: generated tokens keep only their last loop's K/V (arXiv 2510.25741 §5.4.2)")
     gen.add_argument("--loop-trace", action="store_true",
                      help="print each generated token's exit loop and exit pdf")
     return parser
@@ -418,9 +381,8 @@ def cli_generate(args: argparse.Namespace) -> None:
         n = len(result.outputs[0].token_ids)
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         loops = engine.config.total_ut_steps
-        early = engine.runner.early_exit
-        if early is not None and early.stats.decode_tokens:  # weights are read once per loop run
-            loops = early.stats.loops_per_token
+        if engine.loop_stats.decode_tokens:  # weights are read once per loop run
+            loops = engine.loop_stats.loops_per_token
         print(f"\n{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s, "
               f"{n * loops * weight_bytes / elapsed / 1e9:.2f} GB/s of weights read "
               f"({loops:.3g} loops), finish_reason={result.outputs[0].finish_reason}", file=sys.stderr)

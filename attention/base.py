@@ -8,6 +8,7 @@ copy: a requirement switches a capability on for that instance only, never for t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -30,21 +31,25 @@ class Capabilities:
 
 @dataclasses.dataclass(slots=True)
 class SharedKVMetadata:
-    """Decode-time KV sharing (kv_sharing="last", paper §5.4.2). Row i reads its first main_lens_cpu[i]
-    context positions (prompt tokens) from the per-(loop, layer) planes through block_tables, and the rest
-    (generated tokens) from shared pages, one K/V per layer: shared_index[i] [n] int64 holds each such
-    position's flat index into the pool viewed as [-1, kv_heads, D] at layer 0; layer l adds l * plane
-    (plane = num_blocks * block_size). A generated row has exactly one new token, its last position: it is
-    written there at every loop, so it attends to its own loop-t K/V and, once done, leaves its last loop's.
+    """Decode-time KV sharing (kv_sharing="last", arXiv 2510.25741 §5.4.2; cache/layout.py). Row i's first
+    prompt_lens[i] context positions are prompt tokens, in the call's own (loop, layer) plane through
+    block_tables. Position p >= prompt_lens[i] is generated token g = p - prompt_lens[i], stored once per
+    layer: in page generated_block_tables[i, g // (loops * block_size)], plane
+    (g % (loops * block_size)) // block_size * num_layers + layer, offset g % block_size. A generated row has
+    one new token, its last position: stored there at every loop, so at loop t it attends to its own loop-t
+    K/V and, once done, leaves its last loop's. Its slot_mapping entry is -1 (it is in no per-loop plane).
     """
 
-    main_lens_cpu: list[int]
-    shared_index: list[torch.Tensor]
+    prompt_lens: torch.Tensor  # [B] int32
+    generated_block_tables: torch.Tensor  # [B, max_pages] int32
+    prompt_lens_cpu: list[int]
+    loops: int
     num_layers: int  # slot = loop * num_layers + layer
 
-    def select(self, rows: list[int]) -> SharedKVMetadata:
-        return SharedKVMetadata([self.main_lens_cpu[r] for r in rows], [self.shared_index[r] for r in rows],
-                                self.num_layers)
+    def select(self, rows: list[int], index: torch.Tensor) -> SharedKVMetadata:
+        """The metadata of a subset of rows; index: the same rows as a device tensor."""
+        return SharedKVMetadata(self.prompt_lens[index], self.generated_block_tables[index],
+                                [self.prompt_lens_cpu[r] for r in rows], self.loops, self.num_layers)
 
 
 @dataclasses.dataclass(slots=True)
@@ -59,11 +64,11 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32
     context_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32
-    slot_mapping: torch.Tensor  # [N] int64: block * block_size + offset of each new token
+    slot_mapping: torch.Tensor  # [N] int64: block * block_size + offset of each new token (-1: see below)
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
     block_size: int
-    shared_kv: SharedKVMetadata | None = None  # kv_sharing="last" only (cache/shared_kv.py)
+    shared_kv: SharedKVMetadata | None = None  # kv_sharing="last" only
 
     @property
     def num_rows(self) -> int:
@@ -80,6 +85,27 @@ class AttentionMetadata:
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
+
+    @property
+    def query_starts_cpu(self) -> list[int]:
+        """query_start_loc on the host: row i's new tokens are query_starts_cpu[i]:query_starts_cpu[i+1]."""
+        return [0, *itertools.accumulate(self.query_lens_cpu)]
+
+    def select(self, rows: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+        """The metadata of a subset of rows (in order), and the indices of their new tokens."""
+        device = self.query_start_loc.device
+        starts = self.query_starts_cpu
+        tokens = torch.tensor([t for r in rows for t in range(starts[r], starts[r + 1])], dtype=torch.int64)
+        query_lens = [self.query_lens_cpu[r] for r in rows]
+        query_start = [0, *itertools.accumulate(query_lens)]
+        index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        tokens = tokens.to(device, non_blocking=True)
+        sub = AttentionMetadata(
+            torch.tensor(query_start, dtype=self.query_start_loc.dtype).to(device, non_blocking=True),
+            self.context_lens[index], self.block_tables[index], self.slot_mapping[tokens], query_lens,
+            [self.context_lens_cpu[r] for r in rows], self.block_size,
+            self.shared_kv.select(rows, index) if self.shared_kv is not None else None)
+        return sub, tokens
 
 
 class AttentionBackend(ABC):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.base import AttentionBackend, Capabilities, register
+from attention.base import AttentionBackend, Capabilities, SharedKVMetadata, register
 
 
 def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -44,7 +44,7 @@ def paged_attention_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 @register
 class TorchBackend(AttentionBackend):
     name = "torch"
-    default_capabilities = Capabilities()
+    default_capabilities = Capabilities(kv_formats=("paged", "shared-last"))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
         meta = self.meta
@@ -64,29 +64,40 @@ class TorchBackend(AttentionBackend):
         return out
 
     def _forward_shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
-        """kv_sharing="last": prompt rows store into and read from the per-loop plane `slot`; a generated row
-        stores its one token in its shared page at this layer, and reads its prompt from plane `slot` and
-        its generated tokens from the shared pages (attention/base.py SharedKVMetadata)."""
+        """kv_sharing="last" (attention/base.py SharedKVMetadata): a prompt row stores into and reads from
+        plane `slot`; a generated row stores its one token in its generated page at this layer, and reads its
+        prompt from plane `slot` and its generated tokens from their pages."""
         meta, shared = self.meta, self.meta.shared_kv
         key_cache, value_cache = self.key_cache[slot], self.value_cache[slot]
-        plane = key_cache.shape[0] * key_cache.shape[1]
-        layer_offset = (slot % shared.num_layers) * plane
         key_flat = self.key_cache.view(-1, *self.key_cache.shape[3:])
         value_flat = self.value_cache.view(-1, *self.value_cache.shape[3:])
         out = torch.empty_like(q)
         start = 0
         for row, (num_new, context_len) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
             new = slice(start, start + num_new)
-            main_len, shared_index = shared.main_lens_cpu[row], shared.shared_index[row] + layer_offset
-            if context_len > main_len:  # a generated row: one token, the last of its shared positions
-                assert num_new == 1 and context_len - main_len == len(shared_index)
-                key_flat[shared_index[-1:]] = k[new]
-                value_flat[shared_index[-1:]] = v[new]
+            prompt_len = min(context_len, shared.prompt_lens_cpu[row])
+            generated = generated_flat_index(shared, row, context_len - prompt_len, slot, key_cache.shape[0],
+                                             key_cache.shape[1])
+            if len(generated):  # a generated row: one new token, the last generated position
+                assert num_new == 1, "a row with generated context computes one token"
+                key_flat[generated[-1:]] = k[new]
+                value_flat[generated[-1:]] = v[new]
             else:
                 store_kv(key_cache, value_cache, k[new], v[new], meta.slot_mapping[new])
             table = meta.block_tables[row]
-            keys = torch.cat([gather_context(key_cache, table, main_len), key_flat[shared_index]])
-            values = torch.cat([gather_context(value_cache, table, main_len), value_flat[shared_index]])
+            keys = torch.cat([gather_context(key_cache, table, prompt_len), key_flat[generated]])
+            values = torch.cat([gather_context(value_cache, table, prompt_len), value_flat[generated]])
             out[new] = paged_attention_row(q[new], keys, values, self.scale)
             start += num_new
         return out
+
+
+def generated_flat_index(shared: SharedKVMetadata, row: int, count: int, slot: int, num_blocks: int,
+                         block_size: int) -> torch.Tensor:
+    """Flat indices, into the pool viewed as [-1, kv_heads, D], of row `row`'s first `count` generated tokens
+    at the layer of `slot`."""
+    page_tokens = shared.loops * block_size
+    g = torch.arange(count, device=shared.generated_block_tables.device)
+    pages = shared.generated_block_tables[row, g // page_tokens].long()
+    planes = g % page_tokens // block_size * shared.num_layers + slot % shared.num_layers
+    return (planes * num_blocks + pages) * block_size + g % block_size

@@ -80,6 +80,8 @@ class _Plan:
     packed_args: tuple = ()
     decode: CompiledLaunch | None = None
     decode_mid: tuple = ()
+    decode_shared: tuple = ()
+    shared_layers: int = 0  # kv_sharing="last": layers per loop, to pass each call its loop (slot // L)
     decode_tail: tuple = ()
     partials: torch.Tensor | None = None  # graph mode: this instance's; eager: from the workspace
     tickets: torch.Tensor | None = None
@@ -91,7 +93,8 @@ class _Plan:
 @register
 class TritonBackend(AttentionBackend):
     name = "triton"
-    default_capabilities = Capabilities(head_dims=(32, 64, 128, 256), cuda_graphs=True)
+    default_capabilities = Capabilities(head_dims=(32, 64, 128, 256), cuda_graphs=True,
+                                        kv_formats=("paged", "shared-last"))
     optional_capabilities = frozenset({"packed_prefill"})
 
     def __init__(self, capabilities: Capabilities) -> None:
@@ -155,9 +158,7 @@ class TritonBackend(AttentionBackend):
         if meta.block_size != self.block_size:
             raise ValueError(f"metadata block_size {meta.block_size} != the KV pool's {self.block_size}")
         query_lens, context_lens = meta.query_lens_cpu, meta.context_lens_cpu
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
+        starts = meta.query_starts_cpu
         decode = [row for row, n in enumerate(query_lens) if n == 1]
         if self._capturing:
             if len(decode) != meta.num_rows:
@@ -218,7 +219,9 @@ class TritonBackend(AttentionBackend):
                 entry = self.workspace.get(self._device, stream, *plan.workspace_size)
                 partials, tickets = entry.partials, entry.tickets
             plan.decode(stream, (q, k, v, out, key_cache, value_cache) + plan.decode_mid
-                        + (partials, tickets) + plan.decode_tail)
+                        + (partials, tickets) + plan.decode_shared
+                        + (slot // plan.shared_layers if plan.shared_layers else 0,)
+                        + plan.decode_tail)
             if plan.merge is not None:
                 plan.merge(stream, (out,) + plan.merge_args)
         return out
@@ -275,11 +278,21 @@ class TritonBackend(AttentionBackend):
         plan.decode = CompiledLaunch(decode_split_kernel, (splits, heads, rows), self.decode_num_warps,
                               self.decode_num_stages, fused)
         row_map = step.row_map if step.row_map is not None else self._dummy_i32
-        plan.decode_mid = (meta.block_tables, meta.context_lens, meta.slot_mapping, row_map)
-        plan.decode_tail = (self.scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-                            v.stride(1), meta.block_tables.stride(0), heads, self.kv_heads, self.head_dim,
-                            self.block_size, self.decode_block_n, self.split_min_keys, self.split_cap,
-                            step.row_map is not None, fused)
+        plan.decode_mid = (meta.block_tables, meta.context_lens, row_map)
+        shared = meta.shared_kv
+        if shared is not None:
+            plan.decode_shared = (shared.generated_block_tables, shared.prompt_lens)
+            plan.shared_layers = shared.num_layers
+            gen_stride = shared.generated_block_tables.stride(0)
+            loops, layers = shared.loops, shared.num_layers
+        else:
+            plan.decode_shared = (self._dummy_i32, self._dummy_i32)
+            gen_stride, loops, layers = 0, 1, 1
+        plan.decode_tail = (self._key_slots[0].numel(), self.scale, q.stride(0), q.stride(1), k.stride(0),
+                            k.stride(1), v.stride(0), v.stride(1), meta.block_tables.stride(0), gen_stride,
+                            heads, self.kv_heads, self.head_dim, self.block_size, self.decode_block_n,
+                            self.split_min_keys, self.split_cap, step.row_map is not None, fused,
+                            shared is not None, loops, layers)
         plan.partials, plan.tickets = self._dummy_f32, self._dummy_i32
         if splits == 1:
             return

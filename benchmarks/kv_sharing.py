@@ -4,9 +4,9 @@ kv_sharing="last" against "none". Pure accounting, so it runs on CPU as well as 
     python benchmarks/kv_sharing.py --out benchmarks/results/kv_sharing.json [--budget-gib 64]
 
 The budget becomes blocks exactly as the Engine sizes its pool (KVPool.blocks_for_budget), and the count is
-checked by admitting sequences into the engine's own block manager (SharedKVBlockManager or BlockManager)
+checked by admitting sequences into the engine's own block manager, under each KV layout (cache/layout.py),
 until the next one no longer fits. Prompt tokens keep T x L planes; generated tokens keep L under "last".
-Paper §5.4.2 (Ouro-1.4B): last-loop sharing GSM8K 78.85 vs 78.92 full, MATH-500 80.40 vs 82.40.
+arXiv 2510.25741 §5.4.2 (Ouro-1.4B): last-loop sharing GSM8K 78.85 vs 78.92 full, MATH-500 80.40 vs 82.40.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, write_results  # noqa: E402
 from cache.blocks import BlockManager  # noqa: E402
-from cache.kv_pool import KVPool  # noqa: E402
-from cache.shared_kv import SharedKVBlockManager, kv_bytes_per_token, max_concurrent_sequences  # noqa: E402
+from cache.kv_pool import KVPool, slot_token_bytes  # noqa: E402
+from cache.layout import make_layout  # noqa: E402
 from model.config import OuroConfig  # noqa: E402
 from model.tiny import PRESETS, hf_config  # noqa: E402
-from scheduler.request import Request, SamplingParams  # noqa: E402
+from request import Request, SamplingParams  # noqa: E402
 
 SEQUENCE = 4096
-PAPER = "paper §5.4.2: GSM8K 78.85 (last) vs 78.92 (full), MATH-500 80.40 vs 82.40"
+PAPER = "arXiv 2510.25741 §5.4.2: GSM8K 78.85 (last) vs 78.92 (full), MATH-500 80.40 vs 82.40"
 
 
 def admitted(manager: BlockManager, prompt: int, generated: int) -> int:
@@ -40,7 +40,7 @@ def admitted(manager: BlockManager, prompt: int, generated: int) -> int:
             return count
         manager.append_slots(request, prompt)
         request.num_computed_tokens = prompt
-        request.output_token_ids = [1] * generated
+        request.token_ids += [1] * generated
         if not manager.can_append(request, generated):
             return count
         manager.append_slots(request, generated)
@@ -61,23 +61,24 @@ def main() -> None:
     rows = []
     for preset in args.presets:
         config = OuroConfig.from_dict(hf_config(PRESETS[preset]))
-        blocks = KVPool.blocks_for_budget(config, args.block_size, dtype, budget)
-        loops = config.total_ut_steps
+        loops, layers = config.total_ut_steps, config.num_hidden_layers
+        slot_bytes = slot_token_bytes(config.num_key_value_heads, config.head_dim, dtype)
+        blocks = KVPool.blocks_for_budget(loops * layers * args.block_size * slot_bytes, budget)
+        layouts = {s: make_layout(s, loops, layers, args.block_size) for s in ("none", "last")}
         for prompt in args.prompts:
             generated = SEQUENCE - prompt
             counts = {}
-            for sharing in ("none", "last"):
-                manager = (SharedKVBlockManager(blocks, args.block_size, loops, enable_prefix_caching=False)
-                           if sharing == "last" else BlockManager(blocks, args.block_size, False))
+            for sharing, layout in layouts.items():
+                manager = BlockManager(blocks, args.block_size, False, layout=layout)
                 counts[sharing] = admitted(manager, prompt, generated)
-                assert counts[sharing] == max_concurrent_sequences(blocks, prompt, generated, args.block_size,
-                                                                   loops, sharing)
-            per_sequence = {s: prompt * kv_bytes_per_token(config, dtype, False, s)
-                            + generated * kv_bytes_per_token(config, dtype, True, s) for s in counts}
+                assert counts[sharing] == layout.max_concurrent_sequences(blocks, prompt, generated)
+            per_sequence = {s: prompt * layout.token_bytes(slot_bytes, False)
+                            + generated * layout.token_bytes(slot_bytes, True)
+                            for s, layout in layouts.items()}
             rows.append({"model": preset, "blocks": blocks, "prompt": prompt, "generated": generated,
-                         "bytes_per_prompt_token": kv_bytes_per_token(config, dtype, False, "last"),
-                         "bytes_per_generated_token_none": kv_bytes_per_token(config, dtype, True, "none"),
-                         "bytes_per_generated_token_last": kv_bytes_per_token(config, dtype, True, "last"),
+                         "bytes_per_prompt_token": layouts["last"].token_bytes(slot_bytes, False),
+                         "bytes_per_generated_token_none": layouts["none"].token_bytes(slot_bytes, True),
+                         "bytes_per_generated_token_last": layouts["last"].token_bytes(slot_bytes, True),
                          "gib_per_sequence_none": round(per_sequence["none"] / 2**30, 3),
                          "gib_per_sequence_last": round(per_sequence["last"] / 2**30, 3),
                          "max_sequences_none": counts["none"], "max_sequences_last": counts["last"],

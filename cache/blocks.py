@@ -2,7 +2,9 @@
 prefix cache. It owns block ownership; it never touches KV tensors or decides what runs next.
 
 One block table per request covers all T x L slots: a block id names the same token range in every
-(loop, layer) plane, so one allocation here reserves that range in all of them.
+(loop, layer) plane, so one allocation here reserves that range in all of them. How many blocks a request
+needs, in which of its two tables, and whether generated tokens may be prefix-cached, the KV layout says
+(cache/layout.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import collections
 import dataclasses
 import hashlib
 
-from scheduler.request import Request
+from cache.layout import KVLayout, PagedLayout
+from request import Request
 
 
 @dataclasses.dataclass(slots=True)
@@ -32,17 +35,19 @@ def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 cache_generated: bool = True) -> None:
+                 layout: KVLayout | None = None) -> None:
+        """layout: the KV layout whose blocks this manager hands out (default: paged, one loop)."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"BlockManager.num_blocks must be an integer >= 1, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"BlockManager.block_size must be an integer >= 1, got {block_size!r}")
+        self.layout = layout if layout is not None else PagedLayout(1, 1, block_size)
+        if self.layout.block_size != block_size:
+            raise ValueError(f"BlockManager.block_size {block_size} differs from the layout's "
+                             f"{self.layout.block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # False when generated tokens' K/V is not what a prompt's would be (early:Q, kv_sharing="last"):
-        # then only prompt blocks enter the prefix cache.
-        self.cache_generated = cache_generated
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Insertion order is eviction order: new blocks come from the front, freed ones join the back.
         self.free_block_ids: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(
@@ -76,30 +81,38 @@ class BlockManager:
         return len(request.block_table) * self.block_size
 
     def can_append(self, request: Request, num_new_tokens: int) -> bool:
-        return self._num_missing_blocks(request, num_new_tokens) <= self.num_free_blocks
+        return sum(self.layout.missing_blocks(request, num_new_tokens)) <= self.num_free_blocks
 
     def append_slots(self, request: Request, num_new_tokens: int) -> None:
-        """Grow the request's table to cover num_computed_tokens + num_new_tokens tokens."""
-        missing = self._num_missing_blocks(request, num_new_tokens)
-        assert missing <= self.num_free_blocks, "append_slots without can_append"
-        for _ in range(missing):
-            block_id = next(iter(self.free_block_ids))
-            self._forget_hash(block_id)
-            self._take(block_id)
-            request.block_table.append(block_id)
+        """Grow the request's tables to cover num_computed_tokens + num_new_tokens tokens."""
+        missing = self.layout.missing_blocks(request, num_new_tokens)
+        assert sum(missing) <= self.num_free_blocks, "append_slots without can_append"
+        for table, count in zip((request.block_table, request.generated_block_table), missing):
+            for _ in range(count):
+                block_id = next(iter(self.free_block_ids))
+                self._forget_hash(block_id)
+                self._take(block_id)
+                table.append(block_id)
 
     def free(self, request: Request) -> None:
         """Drop the request's references. Blocks that reach ref 0 become free but keep their hash, so a
-        later request with the same prefix still finds them until they are reused."""
+        later request with the same prefix still finds them until they are reused. Generated pages carry no
+        hash: they are reused before cached prompt blocks."""
+        for block_id in reversed(request.generated_block_table):
+            self._release(block_id, findable=False)
+        request.generated_block_table = []
         for block_id in reversed(request.block_table):  # tail blocks are the least shareable: evict first
-            block = self.blocks[block_id]
-            assert block.ref_count > 0, f"block {block_id} freed more often than taken"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
-                if not self._findable(block):  # reuse blocks the cache cannot hand out before cached ones
-                    self.free_block_ids.move_to_end(block_id, last=False)
+            self._release(block_id, findable=self._findable(self.blocks[block_id]))
         request.block_table = []
+
+    def _release(self, block_id: int, findable: bool) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} freed more often than taken"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None
+            if not findable:  # reuse blocks the cache cannot hand out before cached ones
+                self.free_block_ids.move_to_end(block_id, last=False)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's blocks that became full and computed since the last call."""
@@ -123,11 +136,7 @@ class BlockManager:
             self.hash_to_block_id.setdefault(block.hash, block.block_id)
 
     def _cacheable_tokens(self, request: Request, num_tokens: int) -> int:
-        return num_tokens if self.cache_generated else min(num_tokens, request.num_prompt_tokens)
-
-    def _num_missing_blocks(self, request: Request, num_new_tokens: int) -> int:
-        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
-        return max(0, needed - len(request.block_table))
+        return num_tokens if self.layout.cache_generated else min(num_tokens, request.num_prompt_tokens)
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -1,44 +1,62 @@
-"""The KV tensors: one key and one value pool, each addressed by (slot, block, offset).
+"""The KV tensors: one key and one value pool, each addressed by (slot, block, offset), and the one
+operation that moves K/V between slots (copy-forward after an early exit).
 
 slot = loop * num_layers + layer. A block id names the same token range in every slot, so one block
 table per request serves all T x L slots, and a block costs T * L * 2 * block_size * kv_heads *
-head_dim * dtype bytes.
+head_dim * dtype bytes. Where a token's K/V sits is the KV layout's business (cache/layout.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from model.config import OuroConfig
 
-
-def kv_bytes_per_token(config: OuroConfig, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return config.num_slots * 2 * config.kv_size * element
+def slot_token_bytes(kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K + V bytes of one token in one (loop, layer) slot."""
+    return 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 class KVPool:
-    def __init__(self, config: OuroConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, loops: int, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
-        shape = (config.num_slots, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.loops, self.num_layers = loops, num_layers
+        shape = (loops * num_layers, num_blocks, block_size, kv_heads, head_dim)
         # Unwritten positions are never read (attention masks past each row's context), so no fill.
         self.key_cache = torch.empty(shape, dtype=dtype, device=device)
         self.value_cache = torch.empty(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.bytes_per_token = kv_bytes_per_token(config, dtype)
+        self.slot_token_bytes = slot_token_bytes(kv_heads, head_dim, dtype)
+
+    @property
+    def num_slots(self) -> int:
+        return self.loops * self.num_layers
 
     @property
     def num_bytes(self) -> int:
         return 2 * self.key_cache.numel() * self.key_cache.element_size()
 
     @property
-    def max_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+    def bytes_per_token(self) -> int:
+        """K + V bytes of one token in every slot (a prompt token's cost, in any layout)."""
+        return self.num_slots * self.slot_token_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.num_slots * self.block_size * self.slot_token_bytes
+
+    def copy_forward(self, slots: torch.Tensor, loop: int) -> None:
+        """Every layer's slots of loops > `loop` get the loop-`loop` K/V of the tokens at in-plane indices
+        `slots` ([n] int64, block * block_size + offset): what a token that stopped after `loop` leaves
+        for the deeper loops of later tokens to read."""
+        if loop + 1 >= self.loops or slots.numel() == 0:
+            return
+        for cache in (self.key_cache, self.value_cache):
+            planes = cache.view(self.loops, self.num_layers, -1, *cache.shape[3:])
+            planes[loop + 1:, :, slots] = planes[loop, :, slots].unsqueeze(0)
 
     @staticmethod
-    def blocks_for_budget(config: OuroConfig, block_size: int, dtype: torch.dtype,
-                          budget_bytes: float) -> int:
-        return int(budget_bytes // (kv_bytes_per_token(config, dtype) * block_size))
+    def blocks_for_budget(bytes_per_block: int, budget_bytes: float) -> int:
+        return int(budget_bytes // bytes_per_block)

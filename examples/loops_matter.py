@@ -41,8 +41,7 @@ def engine_accuracy(model_dir: Path, device: str, pairs: list[tuple[int, int]], 
     blocks = 4 * len(pairs)  # a sum and its answer fit in one 16-token block; 4x leaves room
     with Engine(model_dir, device=device, num_kv_blocks=blocks, verbose=False, **engine_args) as engine:
         outputs = engine.generate(prompts, params, use_tqdm=False)
-        early = engine.runner.early_exit
-        loops_run = early.stats.loops_per_token if early is not None else None
+        loops_run = engine.loop_stats.loops_per_token if engine.exit_policy.can_exit else None
     accuracy = sum(out.outputs[0].text == str(a + b) for out, (a, b) in zip(outputs, pairs)) / len(pairs)
     return accuracy, loops_run
 

@@ -1,92 +1,17 @@
-"""Exit policies (ouro.md §4): parsing, the exit pdf, the per-row readout that turns per-loop states into
-logits, and per-token loop traces. It reads `LoopStates`; it never runs the network or decides which
-loops run (model/early_exit.py does that for `early:Q`).
-
-    full          every loop, read out after the last (the default; what vLLM does)
-    threshold:Q   HF's Q-exit: the first loop whose exit CDF reaches Q; Q >= 1 means the last loop
-    step:K        HF's exit_at_step: loop K, 0-based
-    weighted      expected logits, sum_t p(t) lm_head(H[t])
-    early:Q       threshold:Q's readout, but generated tokens stop looping at that loop (engine-wide)
+"""The exit gate's semantics (docs/ouro.md §4): the exit pdf, the per-row readout that turns per-loop states
+into logits under each row's exit policy (request.py: ExitPolicy), and per-token loop traces. It reads
+per-loop states; it never runs the network or decides which loops run (runner/loop_driver.py does).
 
 The exit pdf and CDF are computed in float64, one loop at a time, in the same order as tests/reference.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 
 import torch
 
-KINDS = ("full", "threshold", "step", "weighted", "early")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ExitPolicy:
-    kind: str
-    value: float | int | None = None
-
-    @property
-    def readout_only(self) -> bool:
-        """True when the policy only picks what to read out; early:Q also changes what is computed."""
-        return self.kind != "early"
-
-    def __str__(self) -> str:
-        return self.kind if self.value is None else f"{self.kind}:{self.value}"
-
-
-FULL = ExitPolicy("full")
-
-
-@functools.lru_cache(maxsize=256)
-def parse_exit_policy(spec: str | ExitPolicy, loops: int | None = None,
-                      name: str = "exit_policy") -> ExitPolicy:
-    """'full' | 'threshold:Q' | 'step:K' | 'weighted' | 'early:Q'. With `loops`, step:K is range-checked.
-    Raises ValueError naming `name`."""
-    if isinstance(spec, ExitPolicy):
-        spec = str(spec)
-    usage = "use 'full', 'threshold:Q', 'step:K', 'weighted' or 'early:Q'"
-    if not isinstance(spec, str):
-        raise ValueError(f"{name} must be a string ({usage}), got {spec!r}")
-    kind, colon, arg = spec.strip().partition(":")
-    if kind not in KINDS:
-        raise ValueError(f"{name} {spec!r} is not an exit policy; {usage}")
-    if kind in ("full", "weighted"):
-        if colon:
-            raise ValueError(f"{name} {spec!r}: {kind!r} takes no argument")
-        return ExitPolicy(kind)
-    if kind == "step":
-        try:
-            step = int(arg)
-        except ValueError:
-            raise ValueError(f"{name} {spec!r}: step:K needs an integer loop index K (0-based)") from None
-        if step < 0 or (loops is not None and step >= loops):
-            bound = f"< loops ({loops})" if loops is not None else "a loop index"
-            raise ValueError(f"{name} {spec!r}: K must be >= 0 and {bound}")
-        return ExitPolicy("step", step)
-    try:
-        q = float(arg)
-    except ValueError:
-        raise ValueError(f"{name} {spec!r}: {kind}:Q needs a number Q (an exit CDF level, 0 <= Q; "
-                         "Q >= 1 means the last loop)") from None
-    if not math.isfinite(q) or q < 0:
-        raise ValueError(f"{name} {spec!r}: Q must be a finite number >= 0")
-    return ExitPolicy(kind, q)
-
-
-def request_policy(spec: str | None, engine_policy: ExitPolicy, loops: int) -> ExitPolicy:
-    """The policy one request reads out under: its own readout-only override, else the engine's."""
-    if spec is None:
-        return engine_policy
-    policy = parse_exit_policy(spec, loops, "SamplingParams.exit_policy")
-    if not policy.readout_only:
-        raise ValueError(f"SamplingParams.exit_policy {spec!r}: early:Q changes the K/V every later token "
-                         "reads, so it is engine-wide; pass it as Engine(exit_policy=...)")
-    if not engine_policy.readout_only:
-        raise ValueError(f"SamplingParams.exit_policy {spec!r}: this engine runs {engine_policy}, whose "
-                         "readout is fixed; per-request policies need a readout-only engine policy")
-    return policy
+from request import ExitPolicy, LoopTrace
 
 
 def exit_pdf(gate_logits: torch.Tensor, loops: int | None = None) -> torch.Tensor:
@@ -131,53 +56,8 @@ def exit_loops(policy: ExitPolicy, pdf: torch.Tensor) -> torch.Tensor:
     return torch.full((rows,), loop, dtype=torch.int64, device=pdf.device)
 
 
-@dataclasses.dataclass(slots=True)
-class LoopTrace:
-    """One generated token's loops, as plain lists (one entry per loop this token ran).
-
-    exit_pdf[t]: the gate's exit probability at loop t (float64 math; under early:Q only the loops the
-    token ran, so the list may be shorter and sum to less than 1). exit_loop: the loop whose readout gave
-    the logits (None under "weighted", which mixes every loop). top_token_ids[t] / top_logprobs[t]: the
-    argmax token of loop t's own logits and its log-probability.
-    """
-
-    exit_pdf: list[float]
-    exit_loop: int | None
-    top_token_ids: list[int]
-    top_logprobs: list[float]
-
-
-@dataclasses.dataclass(slots=True)
-class TraceTensors:
-    """A completion's traces stacked, NaN / -1 padded to the longest: exit_pdf, top_logprobs [N, T]
-    float64; top_token_ids [N, T] int64; exit_loop [N] int64 (-1 for None); loops_run [N] int64."""
-
-    exit_pdf: torch.Tensor
-    exit_loop: torch.Tensor
-    loops_run: torch.Tensor
-    top_token_ids: torch.Tensor
-    top_logprobs: torch.Tensor
-
-
-def stack_traces(traces: list[LoopTrace]) -> TraceTensors:
-    width = max((len(t.exit_pdf) for t in traces), default=0)
-
-    def padded(rows: list[list], fill: float | int, dtype: torch.dtype) -> torch.Tensor:
-        values = [row + [fill] * (width - len(row)) for row in rows]
-        return torch.tensor(values, dtype=dtype).view(len(rows), width)
-
-    return TraceTensors(
-        exit_pdf=padded([t.exit_pdf for t in traces], math.nan, torch.float64),
-        exit_loop=torch.tensor([-1 if t.exit_loop is None else t.exit_loop for t in traces],
-                               dtype=torch.int64),
-        loops_run=torch.tensor([len(t.exit_pdf) for t in traces], dtype=torch.int64),
-        top_token_ids=padded([t.top_token_ids for t in traces], -1, torch.int64),
-        top_logprobs=padded([t.top_logprobs for t in traces], math.nan, torch.float64),
-    )
-
-
 def readout_logits(lm_head, hidden: torch.Tensor, gate_logits: torch.Tensor, policies: list[ExitPolicy],
-            traced: list[bool]) -> tuple[torch.Tensor, list[LoopTrace | None]]:
+                   traced: list[bool]) -> tuple[torch.Tensor, list[LoopTrace | None]]:
     """Logits [R, V] (fp32) of the sampling rows under each row's policy, and a trace for each traced row.
 
     hidden [T, R, H], gate_logits [T, R]: LoopStates of the sampling rows only, so no row that does not
@@ -223,3 +103,20 @@ def loop_traces(lm_head, hidden: torch.Tensor, gate_logits: torch.Tensor, pdf: t
     ran = (~gate_logits.isnan()).sum(0).tolist()
     rows = zip(ran, pdf.T.tolist(), exit_loop, top_ids.T.tolist(), top_logprobs.double().T.tolist())
     return [LoopTrace(p[:n], e, ids[:n], lps[:n]) for n, p, e, ids, lps in rows]
+
+
+def constant_gate_bias(exit_loop: int, q: float) -> float:
+    """The gate bias that, with a zero gate weight (lambda constant for every token), makes early:q exit every
+    generated token after loop `exit_loop` (0-based): CDF(t) = 1 - (1 - lambda)^(t+1) first reaches q there.
+    For benchmarks and tests that need a known exit pattern from random weights."""
+    if not 0.0 < q < 1.0 or exit_loop < 0:
+        raise ValueError(f"need 0 < q < 1 and exit_loop >= 0, got q={q!r}, exit_loop={exit_loop!r}")
+    lam = 1.0 - (1.0 - q) ** (1.0 / (exit_loop + 0.5))  # halfway (in log survival) between two loops
+    return math.log(lam / (1.0 - lam))
+
+
+def force_exit_loop(model: torch.nn.Module, exit_loop: int, q: float) -> None:
+    """Zero the exit gate's weight and set its bias to constant_gate_bias(exit_loop, q), in place."""
+    with torch.no_grad():
+        model.early_exit_gate.weight.zero_()
+        model.early_exit_gate.bias.fill_(constant_gate_bias(exit_loop, q))

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -54,6 +56,13 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def stream(self, skip_special_tokens: bool = True) -> Callable[[int], str]:
+        """A fresh incremental decoder (tokenizers' DecodeStream): fed each next token id, it returns the text
+        that token adds, "" while a character's bytes are incomplete. Its pieces add up to a prefix of
+        decode() of the same ids, all of it once the last character is complete."""
+        decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
+        return lambda token_id: decoder.step(self._tok, token_id) or ""
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -1,43 +1,26 @@
 """Continuous batching: each step is one batch within a token budget and a sequence budget. Running
 decodes go first, then prefill chunks (running requests first, then the waiting queue, FCFS), all mixed
 into one forward pass. When blocks run out, the most recently admitted request is preempted and later
-recomputed. It sees token ids, block ids and a detokenize callable; it never touches tensors.
+recomputed. It sees token ids, block ids and a detokenizer; it never touches tensors or the model.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Callable
+from typing import Protocol
 
 from cache.blocks import BlockManager
-from scheduler.request import Request, RequestStatus
+from request import Request, RequestStatus, ScheduledBatch
 
 
-@dataclasses.dataclass(slots=True)
-class ScheduledBatch:
-    """One step. Row i computes num_new_tokens[i] tokens of requests[i], at positions
-    num_computed_tokens .. num_computed_tokens + num_new_tokens[i] - 1 (block_table already covers
-    them), and samples a next token only where sample[i]: its chunk reaches the end of token_ids."""
+class Detokenizer(Protocol):
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of a token list."""
 
-    requests: list[Request] = dataclasses.field(default_factory=list)
-    num_new_tokens: list[int] = dataclasses.field(default_factory=list)
-    sample: list[bool] = dataclasses.field(default_factory=list)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.requests)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
-
-    def samples(self, i: int) -> bool:
-        return self.sample[i]
+    def stream(self) -> Callable[[int], str]:
+        """A fresh incremental decoder: called with each next token id, it returns the text that token adds
+        (possibly "" while a character's bytes are incomplete)."""
 
 
 class Scheduler:
@@ -47,8 +30,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        detokenize: Callable[[list[int]], str],
-        generated_one_per_step: bool = False,
+        detokenizer: Detokenizer,
     ) -> None:
         for name, value in [
             ("max_num_seqs", max_num_seqs),
@@ -61,12 +43,11 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        # A sequence also stops growing when one request alone would fill the whole pool.
-        self.max_seq_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
-        self.detokenize = detokenize
-        # early:Q and kv_sharing="last": a generated token must finish its loops before the next one starts,
-        # so a recomputed request replays its generated tokens one per step, after its prompt.
-        self.generated_one_per_step = generated_one_per_step
+        self.detokenizer = detokenizer
+        # Under early:Q and kv_sharing="last" a generated token must finish its loops before the next one
+        # starts, so a recomputed request replays its generated tokens one per step, after its prompt.
+        self.replay_generated_singly = block_manager.layout.replay_generated_singly
+        self._streams: dict[str, Callable[[int], str]] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -151,7 +132,7 @@ class Scheduler:
                 continue
             if token is None:
                 raise ValueError(f"row of request {request.request_id} samples but got no token")
-            request.output_token_ids.append(token)
+            request.token_ids.append(token)
             self._check_stop(request)
         return self.take_finished()
 
@@ -162,7 +143,7 @@ class Scheduler:
         if num_prompt > self.max_model_len:
             return f"prompt has {num_prompt} tokens, more than max_model_len {self.max_model_len}"
         bm = self.block_manager
-        needed = bm.num_blocks_for(num_prompt + 1)
+        needed = bm.layout.blocks_per_sequence(num_prompt, 1)
         if needed > bm.num_blocks:
             return (
                 f"prompt has {num_prompt} tokens; with one generated token it needs {needed} KV blocks "
@@ -172,7 +153,7 @@ class Scheduler:
 
     def _chunk_len(self, request: Request, budget: int) -> int:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        if self.generated_one_per_step:
+        if self.replay_generated_singly:
             prompt_left = request.num_prompt_tokens - request.num_computed_tokens
             num_new = min(num_new, prompt_left if prompt_left > 0 else 1)
         return num_new
@@ -221,27 +202,38 @@ class Scheduler:
             budget -= num_new
 
     def _check_stop(self, request: Request) -> None:
-        params, output = request.params, request.output_token_ids
-        token = output[-1]
+        """Stop token, stop string, max_tokens, or no room to grow. Text grows by the new token's piece
+        only, and a stop string is searched for only where the new piece could complete it."""
+        params, token = request.params, request.token_ids[-1]
         if token in params.stop_token_ids or (not params.ignore_eos and token in request.eos_token_ids):
             # As vLLM: the stop token's text is left out unless include_stop_str_in_output.
+            output = request.output_token_ids
             text_ids = output if params.include_stop_str_in_output else output[:-1]
             stop_reason = token if token in params.stop_token_ids else None
-            self._finish(request, "stop", stop_reason, self.detokenize(text_ids))
+            self._finish(request, "stop", stop_reason, self.detokenizer.decode(text_ids))
             return
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            stream = self._streams[request.request_id] = self.detokenizer.stream()
+        before = len(request.output_text)
+        request.output_text += stream(token)
         if params.stop:
-            text = self.detokenize(output)
-            found = [(text.find(s), s) for s in params.stop if s in text]
-            if found:
-                start, stop = min(found, key=lambda hit: hit[0])
+            hit = _first_stop(request.output_text, params.stop, before)
+            if hit is not None:
+                start, stop = hit
                 end = start + len(stop) if params.include_stop_str_in_output else start
-                self._finish(request, "stop", stop, text[:end])
+                self._finish(request, "stop", stop, request.output_text[:end])
                 return
-            request.output_text = text
-        if (params.max_tokens is not None and len(output) >= params.max_tokens) or (
-            request.num_tokens >= self.max_seq_len
+        if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) or (
+            request.num_tokens >= self.max_model_len or not self._can_grow(request)
         ):
             self._finish(request, "length")
+
+    def _can_grow(self, request: Request) -> bool:
+        """Would one more token still fit in the whole pool, were this request alone?"""
+        bm = self.block_manager
+        needed = bm.layout.blocks_per_sequence(request.num_prompt_tokens, request.num_output_tokens + 1)
+        return needed <= bm.num_blocks
 
     def _finish(
         self,
@@ -257,9 +249,20 @@ class Scheduler:
             self.waiting.remove(request)
         self.block_manager.free(request)
         del self._unfinished[request.request_id]
+        self._streams.pop(request.request_id, None)
         if text is None:
-            text = self.detokenize(request.output_token_ids) if request.output_token_ids else ""
+            text = self.detokenizer.decode(request.output_token_ids) if request.num_output_tokens else ""
         request.output_text = text
         request.stop_reason = stop_reason
         request.finish(reason, error)
         self._finished.append(request)
+
+
+def _first_stop(text: str, stops: list[str], new_from: int) -> tuple[int, str] | None:
+    """The earliest (start, stop string) in text that ends after position new_from, else None."""
+    best = None
+    for stop in stops:
+        start = text.find(stop, max(0, new_from - len(stop) + 1))
+        if start >= 0 and (best is None or start < best[0]):
+            best = (start, stop)
+    return best

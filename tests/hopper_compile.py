@@ -21,7 +21,9 @@ from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kerne
 OURO = {"HEADS": 16, "KV_HEADS": 16, "HEAD_DIM": 128}
 INDEX_POINTERS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "rows_ptr": "*i32",
                   "query_start_loc_ptr": "*i32", "work_ptr": "*i32", "packed_ptr": "*i32",
-                  "tickets_ptr": "*i32", "slot_mapping_ptr": "*i64", "partials_ptr": "*fp32"}
+                  "tickets_ptr": "*i32", "slot_mapping_ptr": "*i64", "partials_ptr": "*fp32",
+                  "gen_tables_ptr": "*i32", "prompt_lens_ptr": "*i32"}
+WIDE_INTS = {"plane_elems"}  # a pool plane can exceed 2^31 elements: the launcher passes it as i64
 
 
 def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int) -> None:
@@ -33,7 +35,7 @@ def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int) -> None
             signature[name] = INDEX_POINTERS.get(name, "*" + dtype)
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "fp32" if name == "scale" else "i32"
+            signature[name] = "fp32" if name == "scale" else "i64" if name in WIDE_INTS else "i32"
     source = ASTSource(fn, signature, constexprs, attrs)
     options = {"num_warps": num_warps, "num_stages": 2}
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
@@ -44,9 +46,11 @@ def main() -> None:
     for dtype, tile in (("bf16", 64), ("fp32", 32)):
         for row_map in (False, True):
             for fused in (False, True):
-                compile_for_hopper(decode_split_kernel, dtype, {
-                    **OURO, "BLOCK_SIZE": 16, "BLOCK_N": tile, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16,
-                    "ROW_MAP": row_map, "FUSED_MERGE": fused}, 4)
+                for shared in (False, True):
+                    compile_for_hopper(decode_split_kernel, dtype, {
+                        **OURO, "BLOCK_SIZE": 16, "BLOCK_N": tile, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16,
+                        "ROW_MAP": row_map, "FUSED_MERGE": fused, "SHARED": shared,
+                        "LOOPS": 4 if shared else 1, "NUM_LAYERS": 24 if shared else 1}, 4)
         compile_for_hopper(decode_merge_kernel, dtype, {"HEADS": 16, "HEAD_DIM": 128, "SPLIT_MIN_KEYS": 512,
                                                         "SPLIT_CAP": 16}, 4)
         prefill = {**OURO, "BLOCK_M": tile, "BLOCK_N": tile, "DOT_FP32": dtype == "fp32"}

@@ -16,14 +16,14 @@ import torch
 from safetensors.torch import load_file
 
 
-def load_hf_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+def load_hf_tensors(model_dir: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     index = model_dir / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
         else ["model.safetensors"]
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         tensors.update(load_file(str(model_dir / name)))
-    return {k: v.float() for k, v in tensors.items()}
+    return {k: v.to(dtype) for k, v in tensors.items()}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,8 +33,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """x: [S, heads, D]; NeoX rotate-half over all D dims."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2).float() / d))
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2).to(x.dtype) / d))
+    angles = positions.to(x.dtype)[:, None] * inv_freq[None, :]
     cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :]
     sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
@@ -68,10 +68,12 @@ def threshold_exit_loop(gate_logits: torch.Tensor, q: float) -> int:
 
 
 class ReferenceOuro:
-    def __init__(self, model_dir: str | Path, loops: int | None = None) -> None:
+    def __init__(self, model_dir: str | Path, loops: int | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        """dtype float64 gives the exact answer that fp32 runs (the oracle's own, the engine's) round."""
         model_dir = Path(model_dir)
         self.cfg = json.loads((model_dir / "config.json").read_text())
-        self.w = load_hf_tensors(model_dir)
+        self.w = load_hf_tensors(model_dir, dtype)
         self.loops = loops or self.cfg["total_ut_steps"]
         self.layers = self.cfg["num_hidden_layers"]
         self.heads = self.cfg["num_attention_heads"]
@@ -179,7 +181,7 @@ class ReferenceOuro:
                 logits = self.readout(states, gates, policy)
                 exit_loop = self.loops - 1 if kind == "full" else None if kind == "weighted" else \
                     int(arg) if kind == "step" else threshold_exit_loop(gates, float(arg))
-            padded = torch.cat([gates, torch.zeros(self.loops - len(gates))])
+            padded = torch.cat([gates, gates.new_zeros(self.loops - len(gates))])
             traces.append({"exit_pdf": exit_pdf(padded)[:len(gates)].tolist(), "exit_loop": exit_loop,
                            "top_token_ids": [int((h @ self.lm_head.T).argmax()) for h in states]})
             out.append(int(logits.argmax()))

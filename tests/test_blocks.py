@@ -4,7 +4,7 @@ import pytest
 
 import cache.blocks
 from cache.blocks import BlockManager
-from scheduler.request import Request, SamplingParams
+from request import Request, SamplingParams
 
 
 def make_request(token_ids: list[int], request_id: str = "r") -> Request:

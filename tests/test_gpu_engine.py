@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
+from model.exit_policy import force_exit_loop
+from runner.loop_driver import EagerLoops, run_loops
 from tests.conftest import ROOT
 from tests.reference import ReferenceOuro
 from tests.test_engine_parity import PROMPTS
@@ -76,13 +78,12 @@ def test_graph_decode_is_bitwise_equal_to_eager_decode(tiny_checkpoint, dtype, r
         batch = engine.scheduler.schedule()
         assert all(n == 1 for n in batch.num_new_tokens) and len(batch.requests) == rows
         runner = engine.runner
-        input_ids, positions, meta, readout = runner.prepare(batch)
+        inputs = runner.prepare(batch)
         with torch.inference_mode():
-            graph = runner.graphs.replay(input_ids, positions, meta)
+            graph = runner.graphs.replay_step(inputs)
             graph = (graph.hidden.clone(), graph.gate_logits.clone())
-            engine.backend.prepare(meta)
-            eager = engine.model(input_ids, positions, engine.backend.forward,
-                                 torch.tensor(readout, device="cuda"))
+            eager = run_loops(EagerLoops(engine.model, engine.backend), engine.model, inputs,
+                              range(engine.config.total_ut_steps))
         if rows in runner.graphs.buckets:
             assert torch.equal(graph[0], eager.hidden) and torch.equal(graph[1], eager.gate_logits)
         logits_graph = engine.model.compute_logits(graph[0][-1]).argmax(-1)
@@ -96,11 +97,34 @@ def test_graph_and_eager_engines_give_identical_tokens(tiny_checkpoint):
         _tokens(tiny_checkpoint, prompts, dtype="bfloat16", attention="triton", enforce_eager=True)
 
 
+@pytest.mark.parametrize("engine_args", [dict(exit_policy="early:0.5"), dict(kv_sharing="last"),
+                                         dict(exit_policy="early:0.5", kv_sharing="last")])
+@pytest.mark.parametrize("dtype, forced_exit", [("float32", None), ("bfloat16", 1)])
+def test_graph_and_eager_give_identical_tokens_under_early_exit_and_kv_sharing(tiny_checkpoint, engine_args,
+                                                                               dtype, forced_exit):
+    """Per-loop graphs (early:Q) and shared-last graphs against eager steps. In fp32 the random gate exits
+    rows at mixed loops, so graph steps compact rows into smaller buckets; in bf16 every row exits after the
+    same loop, so both paths see the same batch sizes (cuBLAS and the skinny GEMM may round another M
+    differently, and bf16 keeps few bits)."""
+    tokens = {}
+    for eager in (False, True):
+        with Engine(tiny_checkpoint, device="cuda", dtype=dtype, attention="triton", num_kv_blocks=512,
+                    enforce_eager=eager, verbose=False, **engine_args) as engine:
+            assert engine.uses_cuda_graphs != eager
+            if forced_exit is not None:
+                force_exit_loop(engine.model, forced_exit, 0.5)
+            outputs = engine.generate(PROMPTS * 2, GREEDY, use_tqdm=False)  # 8 rows: a bucket
+            tokens[eager] = [o.outputs[0].token_ids for o in outputs]
+            if "exit_policy" in engine_args:
+                assert engine.loop_stats.loops_per_token < engine.config.total_ut_steps
+    assert tokens[False] == tokens[True]
+
+
 GC_SCRIPT = """
 import gc, sys
 import torch
 from engine import Engine
-from model.cuda_graph import DecodeGraphs, collect_garbage
+from runner.cuda_graph import DecodeGraphs, collect_garbage
 
 
 def leave_cyclic_cuda_garbage():
@@ -134,8 +158,8 @@ def garbage_then(collect):
 
 with Engine(sys.argv[1], device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=2,
             num_kv_blocks=64, verbose=False) as engine:
-    args = (engine.model, engine.backend, 2, 8, engine.kv_pool.block_size, engine.kv_pool.num_blocks - 1,
-            engine.device)
+    args = (engine.model, engine.backend, "step", 2, 8, engine.kv_pool.block_size,
+            engine.kv_pool.num_blocks - 1, engine.device)
     mode = sys.argv[2]
     gc.disable()
     try:

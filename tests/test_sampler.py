@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from model.sampler import apply_filters, sample
-from scheduler.request import SamplingParams
+from runner.sampler import apply_filters, sample
+from request import SamplingParams
 
 
 def test_greedy_is_argmax():

@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 
 from cache.blocks import BlockManager
-from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.scheduler import ScheduledBatch, Scheduler
+from request import Request, RequestStatus, SamplingParams, ScheduledBatch
+from scheduler.scheduler import Scheduler
 
 VOCAB = 40
 EOS = 0
@@ -20,6 +20,22 @@ MASK64 = (1 << 64) - 1
 def detokenize(token_ids: list[int]) -> str:
     """EOS has no text; token t >= 1 is a letter, repeated from 27 on: 1 -> "a", 4 -> "d", 28 -> "bb"."""
     return "".join(string.ascii_lowercase[(t - 1) % 26] * (1 + (t - 1) // 26) for t in token_ids if t != EOS)
+
+
+class Letters:
+    """The scheduler's detokenizer for these tests: `detokenize`, whole or one token at a time."""
+
+    def decode(self, token_ids: list[int]) -> str:
+        return detokenize(token_ids)
+
+    def stream(self):
+        return lambda token: detokenize([token])
+
+
+def max_seq_len(scheduler: Scheduler) -> int:
+    """The longest sequence a request may reach: max_model_len, or the whole pool (paged layout)."""
+    bm = scheduler.block_manager
+    return min(scheduler.max_model_len, bm.num_blocks * bm.block_size)
 
 
 def tokens(text: str) -> list[int]:
@@ -78,7 +94,7 @@ def make_scheduler(
     enable_prefix_caching=True,
 ) -> tuple[Scheduler, FakeModel]:
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
-    scheduler = Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, detokenize)
+    scheduler = Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, Letters())
     return scheduler, FakeModel(bm)
 
 
@@ -202,7 +218,7 @@ def test_batched_chunked_outputs_match_each_request_alone(budget):
     finished = drive(scheduler, model)
     for request in requests:
         assert finished[request.request_id] is request
-        assert_same_completion(request, reference(request, scheduler.max_seq_len))
+        assert_same_completion(request, reference(request, max_seq_len(scheduler)))
     assert_all_blocks_free(scheduler)
 
 
@@ -308,7 +324,7 @@ def test_preempted_request_frees_its_blocks_and_resumes_token_identical(enable_p
     drive(scheduler, model, before_step=watch_preemption)
     assert seen and b.num_preemptions >= 1 and a.num_preemptions == 0
     for request in (a, b, c):
-        assert_same_completion(request, reference(request, scheduler.max_seq_len))
+        assert_same_completion(request, reference(request, max_seq_len(scheduler)))
         assert request.finish_reason == "length"
     assert len(a.output_token_ids) == len(b.output_token_ids) == 16
     assert_all_blocks_free(scheduler)
@@ -346,7 +362,7 @@ def test_prefix_cache_hit_skips_the_cached_tokens_and_gives_the_same_tokens_as_a
     drive(scheduler, model)
     assert first.num_cached_tokens == 0
     assert_same_completion(second, first)
-    assert_same_completion(second, reference(second, scheduler.max_seq_len))
+    assert_same_completion(second, reference(second, max_seq_len(scheduler)))
     assert_all_blocks_free(scheduler)
 
 
@@ -363,7 +379,7 @@ def test_running_requests_share_prefix_blocks_that_are_never_written():
     assert [scheduler.block_manager.blocks[i].ref_count for i in b.block_table[:3]] == [2, 2, 2]
     drive(scheduler, model)
     for request in (a, b):
-        assert_same_completion(request, reference(request, scheduler.max_seq_len))
+        assert_same_completion(request, reference(request, max_seq_len(scheduler)))
     assert_all_blocks_free(scheduler)
 
 
@@ -434,7 +450,7 @@ def test_max_model_len_ends_the_sequence_with_length():
 
 def test_sequence_stops_growing_at_the_pool_size():
     scheduler, model = make_scheduler(num_blocks=3, block_size=4, max_model_len=100)
-    assert scheduler.max_seq_len == 12
+    assert max_seq_len(scheduler) == 12
     request = make_request("a", [1] * 5, max_tokens=None, ignore_eos=True)
     scheduler.add(request)
     drive(scheduler, model)
@@ -443,7 +459,7 @@ def test_sequence_stops_growing_at_the_pool_size():
 
 def test_a_request_that_outgrows_the_pool_alone_fails_instead_of_preempting_itself_forever():
     scheduler, model = make_scheduler(num_blocks=3, block_size=4, max_model_len=100)
-    scheduler.max_seq_len = 100  # lift the pool cap that normally ends such a request with "length"
+    scheduler._can_grow = lambda request: True  # lift the pool cap that normally ends it with "length"
     request = make_request("a", [1] * 5, max_tokens=None, ignore_eos=True)
     scheduler.add(request)
     drive(scheduler, model, max_steps=50)
@@ -534,7 +550,7 @@ def test_a_request_id_in_use_is_refused():
 def test_invalid_budgets_raise_naming_the_field(field):
     kwargs = {"max_num_seqs": 4, "max_num_batched_tokens": 16, "max_model_len": 64, field: 0}
     with pytest.raises(ValueError, match=field):
-        Scheduler(BlockManager(8), detokenize=detokenize, **kwargs)
+        Scheduler(BlockManager(8), detokenizer=Letters(), **kwargs)
 
 
 def test_stress_random_requests_in_a_tiny_pool_all_finish_right_and_free_every_block():
@@ -569,13 +585,13 @@ def test_stress_random_requests_in_a_tiny_pool_all_finish_right_and_free_every_b
         if request.num_prompt_tokens > max_model_len:
             assert request.finish_reason == "error" and "max_model_len" in request.error
             continue
-        expected = reference(request, scheduler.max_seq_len)
+        expected = reference(request, max_seq_len(scheduler))
         if request.request_id in aborted:
             assert request.finish_reason == "abort"
             assert expected.output_token_ids[: len(request.output_token_ids)] == request.output_token_ids
             continue
         assert_same_completion(request, expected)
-        assert_finished_at_first_stop(request, scheduler.max_seq_len)
+        assert_finished_at_first_stop(request, max_seq_len(scheduler))
     reasons = Counter(r.finish_reason for r in requests)
     assert reasons["stop"] > 50 and reasons["length"] > 50
     assert_all_blocks_free(scheduler)

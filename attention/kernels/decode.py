@@ -7,6 +7,10 @@ with the same `_merge_splits` arithmetic, so the two paths are bitwise equal.
 
 Partial state, fp32, for P = rows * heads * grid_splits parts: acc [P, D], then max [P], then sum [P].
 Scores are kept in base 2 (q is pre-scaled by scale * log2 e).
+
+With SHARED (kv_sharing="last", attention/base.py SharedKVMetadata) a row's positions from its prompt length
+on are generated tokens, one K/V per layer in generated pages; they are addressed relative to the call's
+own (loop, layer) plane, (group - loop) * num_layers planes away.
 """
 
 import triton
@@ -23,13 +27,28 @@ def split_count(context_len, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constex
 
 
 @triton.jit
-def _key_rows(table, offs_n, end, kv_head, BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr,
-              HEAD_DIM: tl.constexpr):
-    """Offsets of keys offs_n (those below end) in one slot's pages, 64-bit: a pool plane can exceed
-    2^31 elements."""
-    page = tl.load(table + offs_n // BLOCK_SIZE, mask=offs_n < end, other=0).to(tl.int64)
-    token_offset = (offs_n % BLOCK_SIZE) * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-    return page * (BLOCK_SIZE * KV_HEADS * HEAD_DIM) + token_offset
+def _key_rows(table, gen_table, positions, end, prompt_len, loop, plane_elems, kv_head,
+              BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+              SHARED: tl.constexpr, LOOPS: tl.constexpr, NUM_LAYERS: tl.constexpr):
+    """Offsets of the K/V of `positions` (those below end; a vector or one position), from the start of the
+    call's slot plane, 64-bit: a pool plane can exceed 2^31 elements."""
+    PAGE: tl.constexpr = BLOCK_SIZE * KV_HEADS * HEAD_DIM
+    inside = positions < end
+    if SHARED:
+        PAGE_TOKENS: tl.constexpr = LOOPS * BLOCK_SIZE
+        in_prompt = positions < prompt_len
+        g = tl.maximum(positions - prompt_len, 0)
+        prompt_page = tl.load(table + positions // BLOCK_SIZE, mask=inside & in_prompt, other=0)
+        generated_page = tl.load(gen_table + g // PAGE_TOKENS, mask=inside & ~in_prompt, other=0)
+        page = tl.where(in_prompt, prompt_page, generated_page).to(tl.int64)
+        offset = tl.where(in_prompt, positions % BLOCK_SIZE, g % BLOCK_SIZE)
+        planes_away = tl.where(in_prompt, 0, (g % PAGE_TOKENS // BLOCK_SIZE - loop) * NUM_LAYERS)
+        base = planes_away.to(tl.int64) * plane_elems
+    else:
+        page = tl.load(table + positions // BLOCK_SIZE, mask=inside, other=0).to(tl.int64)
+        offset = positions % BLOCK_SIZE
+        base = 0
+    return base + page * PAGE + offset * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
 
 
 @triton.jit
@@ -54,18 +73,22 @@ def _merge_splits(partials_ptr, out_ptr, first, num_splits, num_partials, HEAD_D
     tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["loop"])  # one compiled kernel serves every loop's calls
 def decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, key_cache_ptr, value_cache_ptr,
-    block_tables_ptr, context_lens_ptr, slot_mapping_ptr, rows_ptr, partials_ptr, tickets_ptr,
-    scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt,
+    block_tables_ptr, context_lens_ptr, rows_ptr, partials_ptr, tickets_ptr,
+    gen_tables_ptr, prompt_lens_ptr, loop, plane_elems,
+    scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, stride_gt,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr,
     ROW_MAP: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    SHARED: tl.constexpr, LOOPS: tl.constexpr, NUM_LAYERS: tl.constexpr,
 ):
     """Grid (grid_splits, HEADS, decode rows). Program (s, h, r) attends query head h of decode row r
     over split s of its context. With ROW_MAP, rows_ptr holds (batch row, token) pairs; without it
-    decode row r is batch row r and token r."""
+    decode row r is batch row r and token r. The new token goes to its own position's address in the
+    row's tables (the slot mapping's entry, computed here). gen_tables_ptr, prompt_lens_ptr, loop and
+    plane_elems are read only with SHARED."""
     split = tl.program_id(0)
     head = tl.program_id(1)
     r = tl.program_id(2)
@@ -92,20 +115,27 @@ def decode_split_kernel(
         l_i = tl.zeros([], tl.float32)
         acc = tl.zeros([HEAD_DIM], tl.float32)
         table = block_tables_ptr + row.to(tl.int64) * stride_bt
+        gen_table = gen_tables_ptr
+        prompt_len = 0
+        if SHARED:
+            gen_table = gen_tables_ptr + row.to(tl.int64) * stride_gt
+            prompt_len = tl.load(prompt_lens_ptr + row)
         tile = tl.arange(0, BLOCK_N)
         # Software pipelining by hand (Triton does not pipeline these gathers): while a tile computes, the
         # next tile's K/V and the page ids of the one after are already loading.
         mask_n = start + tile < cached_end
-        rows = _key_rows(table, start + tile, cached_end, kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        rows = _key_rows(table, gen_table, start + tile, cached_end, prompt_len, loop, plane_elems, kv_head,
+                         BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
         k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        rows = _key_rows(table, start + BLOCK_N + tile, cached_end, kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        rows = _key_rows(table, gen_table, start + BLOCK_N + tile, cached_end, prompt_len, loop, plane_elems,
+                         kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
         for n0 in range(start, cached_end, BLOCK_N):
             mask_next = (n0 + BLOCK_N + tile < cached_end)[:, None]
             k_next = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_next, other=0.0)
             v_next = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_next, other=0.0)
-            rows = _key_rows(table, n0 + 2 * BLOCK_N + tile, cached_end, kv_head, BLOCK_SIZE, KV_HEADS,
-                             HEAD_DIM)
+            rows = _key_rows(table, gen_table, n0 + 2 * BLOCK_N + tile, cached_end, prompt_len, loop,
+                             plane_elems, kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
 
             s = tl.where(mask_n, tl.sum(k.to(tl.float32) * q[None, :], 1), float("-inf"))
             # Every tile holds at least one key, so m_new is finite here.
@@ -122,8 +152,8 @@ def decode_split_kernel(
             v_new = tl.load(v_ptr + token * stride_vn + kv_head * stride_vh + offs_d)
             v_new = v_new.to(value_cache_ptr.dtype.element_ty)
             if head % GROUP == 0:
-                dst = tl.load(slot_mapping_ptr + token).to(tl.int64) * (KV_HEADS * HEAD_DIM)
-                dst += kv_head * HEAD_DIM + offs_d
+                dst = _key_rows(table, gen_table, last, context_len, prompt_len, loop, plane_elems, kv_head,
+                                BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS) + offs_d
                 tl.store(key_cache_ptr + dst, k_new)
                 tl.store(value_cache_ptr + dst, v_new)
             s_new = tl.sum(k_new.to(tl.float32) * q, 0)

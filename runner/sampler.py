@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.request import SamplingParams
+from request import SamplingParams
 
 
 def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""Host time per decode step on CPU, with the network's loops stubbed out: what scheduling, preparing the
+step's tensors, reading out, sampling, updating and building outputs cost, at 256 rows and at 512 and 4K
+tokens of context. It must grow with rows, not with context.
+
+    python benchmarks/host_overhead.py --out benchmarks/results/host_overhead.json
+    python benchmarks/host_overhead.py --tree /path/to/an/older/checkout --label before --out ...
+
+The stub replaces OuroForCausalLM.run_loop on this engine's model with the identity, so no attention or
+projection runs and the KV pool is never written (its memory is never touched); embedding, lm_head on
+the sampling rows and greedy sampling still run. --tree imports the engine from another checkout of this
+repository, so that the same measurement runs against an earlier commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def measure(engine, rows: int, context: int, steps: int, seed: int) -> float:
+    """Mean host ms per decode step of `rows` rows whose prompts are `context` tokens long."""
+    from engine import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for _ in range(rows):
+        engine.add_request([rng.randrange(3, engine.config.vocab_size) for _ in range(context)], params)
+    produced = 0
+    while produced < rows:  # prefill (stubbed loops) until every row has its first token
+        produced += sum(1 for out in engine.step() if len(out.outputs[0].token_ids) == 1)
+    for _ in range(4):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed * 1e3 / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent),
+                        help="the checkout whose engine to measure (default: this one)")
+    parser.add_argument("--label", default="after")
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--out", default=None, help="JSON to append this run's rows to")
+    args = parser.parse_args()
+    sys.path.insert(0, args.tree)
+    import torch
+
+    from benchmarks.common import commit, environment
+    from engine import Engine
+    from model.tiny import write_checkpoint
+
+    torch.set_num_threads(1)
+    path = write_checkpoint(Path(tempfile.mkdtemp()), preset="tiny", seed=0)
+    longest = max(args.contexts) + args.steps + 16
+    blocks = args.rows * -(-longest // 16) + 16
+    rows = []
+    with Engine(path, device="cpu", dtype="float32", max_num_seqs=args.rows, max_num_batched_tokens=8192,
+                max_model_len=longest, num_kv_blocks=blocks, enable_prefix_caching=False,
+                verbose=False) as engine:
+        engine.model.run_loop = lambda h, cos, sin, attention, t: h
+        for context in args.contexts:
+            ms = measure(engine, args.rows, context, args.steps, seed=context)
+            rows.append({"label": args.label, "commit": commit(), "rows": args.rows, "context": context,
+                         "host_ms_per_step": round(ms, 3), "us_per_row": round(ms * 1e3 / args.rows, 2)})
+            print(rows[-1], flush=True)
+    if args.out:
+        out = Path(args.out)
+        previous = json.loads(out.read_text()) if out.exists() else {"rows": []}
+        payload = {**environment(), "device": "cpu (host work only; model loops stubbed)",
+                   "rows": previous["rows"] + rows}
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+        lines = ["| label | commit | rows | context | host ms / step | us / row |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['label']} | {r['commit']} | {r['rows']} | {r['context']} | {r['host_ms_per_step']} | "
+                  f"{r['us_per_row']} |" for r in payload["rows"]]
+        out.with_suffix(".md").write_text(
+            f"Host time per decode step, loops stubbed, CPU, torch {payload['torch']}.\n\n"
+            + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

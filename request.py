@@ -1,0 +1,333 @@
+"""The types every package shares: SamplingParams (vLLM's names and meanings), exit policies, the Request
+state machine, the ScheduledBatch a step runs, and what a request gives back (RequestOutput, LoopTrace).
+
+This module is the leaf of the import graph: it imports nothing of the engine, so the scheduler, the KV
+cache and the step runner can all speak of requests without importing each other.
+
+WAITING -> RUNNING -> FINISHED; a preempted request goes back to WAITING and is recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import itertools
+import math
+from typing import Any
+
+import torch
+
+# -- exit policies (docs/ouro.md §4) ------------------------------------------------------------------
+
+EXIT_POLICY_KINDS = ("full", "threshold", "step", "weighted", "early")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExitPolicy:
+    """Which loop's state a token reads out, and (early:Q only) when a generated token stops looping.
+
+        full          every loop, read out after the last (the default; what vLLM does)
+        threshold:Q   HF's Q-exit: the first loop whose exit CDF reaches Q; Q >= 1 means the last loop
+        step:K        HF's exit_at_step: loop K, 0-based
+        weighted      expected logits, sum_t p(t) lm_head(H[t])
+        early:Q       threshold:Q's readout, but generated tokens stop looping at that loop (engine-wide)
+    """
+
+    kind: str
+    value: float | int | None = None
+
+    @property
+    def readout_only(self) -> bool:
+        """True when the policy only picks what to read out; early:Q also changes what is computed."""
+        return self.kind != "early"
+
+    @property
+    def can_exit(self) -> bool:
+        """True when a generated token may stop looping before the last loop (early:Q with Q < 1)."""
+        return self.kind == "early" and float(self.value) < 1.0
+
+    def __str__(self) -> str:
+        return self.kind if self.value is None else f"{self.kind}:{self.value}"
+
+
+FULL = ExitPolicy("full")
+
+
+@functools.lru_cache(maxsize=256)
+def parse_exit_policy(spec: str | ExitPolicy, loops: int | None = None,
+                      name: str = "exit_policy") -> ExitPolicy:
+    """'full' | 'threshold:Q' | 'step:K' | 'weighted' | 'early:Q'. With `loops`, step:K is range-checked.
+    Raises ValueError naming `name`."""
+    if isinstance(spec, ExitPolicy):
+        spec = str(spec)
+    usage = "use 'full', 'threshold:Q', 'step:K', 'weighted' or 'early:Q'"
+    if not isinstance(spec, str):
+        raise ValueError(f"{name} must be a string ({usage}), got {spec!r}")
+    kind, colon, arg = spec.strip().partition(":")
+    if kind not in EXIT_POLICY_KINDS:
+        raise ValueError(f"{name} {spec!r} is not an exit policy; {usage}")
+    if kind in ("full", "weighted"):
+        if colon:
+            raise ValueError(f"{name} {spec!r}: {kind!r} takes no argument")
+        return ExitPolicy(kind)
+    if kind == "step":
+        try:
+            step = int(arg)
+        except ValueError:
+            raise ValueError(f"{name} {spec!r}: step:K needs an integer loop index K (0-based)") from None
+        if step < 0 or (loops is not None and step >= loops):
+            bound = f"< loops ({loops})" if loops is not None else "a loop index"
+            raise ValueError(f"{name} {spec!r}: K must be >= 0 and {bound}")
+        return ExitPolicy("step", step)
+    try:
+        q = float(arg)
+    except ValueError:
+        raise ValueError(f"{name} {spec!r}: {kind}:Q needs a number Q (an exit CDF level, 0 <= Q; "
+                         "Q >= 1 means the last loop)") from None
+    if not math.isfinite(q) or q < 0:
+        raise ValueError(f"{name} {spec!r}: Q must be a finite number >= 0")
+    return ExitPolicy(kind, q)
+
+
+def request_policy(spec: str | None, engine_policy: ExitPolicy, loops: int) -> ExitPolicy:
+    """The policy one request reads out under: its own readout-only override, else the engine's."""
+    if spec is None:
+        return engine_policy
+    policy = parse_exit_policy(spec, loops, "SamplingParams.exit_policy")
+    if not policy.readout_only:
+        raise ValueError(f"SamplingParams.exit_policy {spec!r}: early:Q changes the K/V every later token "
+                         "reads, so it is engine-wide; pass it as Engine(exit_policy=...)")
+    if not engine_policy.readout_only:
+        raise ValueError(f"SamplingParams.exit_policy {spec!r}: this engine runs {engine_policy}, whose "
+                         "readout is fixed; per-request policies need a readout-only engine policy")
+    return policy
+
+
+# -- sampling parameters ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(slots=True)
+class SamplingParams:
+    """vLLM's sampling fields. temperature 0 means greedy; top_k 0 or -1 and top_p 1 disable those filters."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    loop_trace: bool = False  # per token: exit pdf, exit loop, each loop's top token (LoopTrace)
+    exit_policy: str | None = None  # readout-only override: full | threshold:Q | step:K | weighted
+
+    def __post_init__(self) -> None:
+        _check_number("temperature", self.temperature, low=0.0)
+        _check_number("top_p", self.top_p, low=0.0, high=1.0)
+        if self.top_p == 0:
+            raise ValueError("SamplingParams.top_p must be in (0, 1], got 0")
+        _check_int("top_k", self.top_k, low=-1)
+        _check_number("min_p", self.min_p, low=0.0, high=1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be token ids, got {self.stop_token_ids!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0)
+        if self.exit_policy is not None:  # the loop count is checked by the engine
+            parse_exit_policy(self.exit_policy, name="SamplingParams.exit_policy")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+        raise ValueError(f"SamplingParams.{name} must be a number, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"SamplingParams.{name} must be {bound}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"SamplingParams.{name} must be an integer >= {low}, got {value!r}")
+
+
+# -- requests -----------------------------------------------------------------------------------------
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_request_counter = itertools.count()
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Request:
+    """One sequence: its prompt, its generated tokens, and where it is in the state machine.
+
+    token_ids is the whole sequence (prompt, then generated tokens), one list appended in place, so no step
+    rebuilds it. num_computed_tokens counts tokens whose K/V sit in the pool; block_table lists the blocks
+    that hold them (one table for all loop x layer slots); generated_block_table holds the pages of
+    generated tokens under a KV layout that stores them apart (cache/layout.py).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    prompt: str | None = None  # the prompt's text, when it was given as text
+    token_ids: list[int] = dataclasses.field(init=False)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    generated_block_table: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    error: str | None = None
+    output_text: str = ""  # the generated text so far, detokenized incrementally
+    arrival: int = dataclasses.field(default_factory=lambda: next(_request_counter))
+    num_preemptions: int = 0
+    traces: list[Any] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """A copy of the generated tokens."""
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledBatch:
+    """One step. Row i computes num_new_tokens[i] tokens of requests[i], at positions
+    num_computed_tokens .. num_computed_tokens + num_new_tokens[i] - 1 (block_table already covers
+    them), and samples a next token only where sample[i]: its chunk reaches the end of token_ids."""
+
+    requests: list[Request] = dataclasses.field(default_factory=list)
+    num_new_tokens: list[int] = dataclasses.field(default_factory=list)
+    sample: list[bool] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+# -- what comes back ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(slots=True)
+class LoopTrace:
+    """One generated token's loops, as plain lists (one entry per loop this token ran).
+
+    exit_pdf[t]: the gate's exit probability at loop t (float64 math; under early:Q only the loops the
+    token ran, so the list may be shorter and sum to less than 1). exit_loop: the loop whose readout gave
+    the logits (None under "weighted", which mixes every loop). top_token_ids[t] / top_logprobs[t]: the
+    argmax token of loop t's own logits and its log-probability.
+    """
+
+    exit_pdf: list[float]
+    exit_loop: int | None
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclasses.dataclass(slots=True)
+class TraceTensors:
+    """A completion's traces stacked, NaN / -1 padded to the longest: exit_pdf, top_logprobs [N, T]
+    float64; top_token_ids [N, T] int64; exit_loop [N] int64 (-1 for None); loops_run [N] int64."""
+
+    exit_pdf: torch.Tensor
+    exit_loop: torch.Tensor
+    loops_run: torch.Tensor
+    top_token_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+def stack_traces(traces: list[LoopTrace]) -> TraceTensors:
+    width = max((len(t.exit_pdf) for t in traces), default=0)
+
+    def padded(rows: list[list], fill: float | int, dtype: torch.dtype) -> torch.Tensor:
+        values = [row + [fill] * (width - len(row)) for row in rows]
+        return torch.tensor(values, dtype=dtype).view(len(rows), width)
+
+    return TraceTensors(
+        exit_pdf=padded([t.exit_pdf for t in traces], math.nan, torch.float64),
+        exit_loop=torch.tensor([-1 if t.exit_loop is None else t.exit_loop for t in traces],
+                               dtype=torch.int64),
+        loops_run=torch.tensor([len(t.exit_pdf) for t in traces], dtype=torch.int64),
+        top_token_ids=padded([t.top_token_ids for t in traces], -1, torch.int64),
+        top_logprobs=padded([t.top_logprobs for t in traces], math.nan, torch.float64),
+    )
+
+
+@dataclasses.dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    traces: list[LoopTrace] | None = None  # one per token with SamplingParams(loop_trace=True)
+
+    def trace_tensors(self) -> TraceTensors:
+        """The traces stacked into tensors."""
+        return stack_traces(self.traces or [])
+
+
+@dataclasses.dataclass(slots=True)
+class RequestOutput:
+    """vLLM's shape: one per request, outputs[0] the completion so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

@@ -1,0 +1,198 @@
+"""The CUDA-graph capture wrapper, and the captured decode graphs: per batch bucket, the whole T-loop step,
+or each loop alone.
+
+Every capture is preceded by gc.collect() (PyTorch 2.9+ no longer does this; a garbage cycle that
+holds a CUDA graph or tensors of an earlier engine, collected mid-capture, frees device memory
+and aborts the capture) and by a warm-up run outside capture on the same shapes, so no Triton
+compile, autotune or allocator growth happens inside a capture. All graphs share one memory pool,
+largest bucket first. Inputs live in static buffers that a replay fills in place.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Callable
+
+import torch
+
+from attention.base import AttentionBackend, AttentionMetadata, SharedKVMetadata
+from model.ouro import LoopStates, OuroForCausalLM
+from runner.loop_driver import EagerLoops, StepInputs, run_loops
+
+# A padding row's prompt length under kv_sharing="last": longer than any context, so it has no generated
+# tokens and reads only the scratch block.
+PADDING_PROMPT_LEN = 1 << 30
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, capped at max_num_seqs."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += list(range(16, min(max_num_seqs, 64) + 1, 8)) + list(range(80, max_num_seqs + 1, 16))
+    if not sizes or sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+def collect_garbage() -> None:
+    """Free what only the cycle collector can reach, then hand the allocator's cache back to the driver,
+    so the capture's own allocations find room without a cudaFree mid-capture."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def capture(graph: torch.cuda.CUDAGraph, run: Callable[[], object], pool, stream: torch.cuda.Stream,
+            collect: Callable[[], None] = collect_garbage) -> object:
+    """Warm up `run` outside capture, collect garbage, then capture it into `graph`."""
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.synchronize()
+    collect()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        result = run()
+    return result
+
+
+class DecodeGraphs:
+    """Captured decode steps, per batch bucket: either whole steps (mode "step", every loop in one graph) or
+    single loops (mode "loop", one graph per (bucket, loop)), so that a step whose rows stop looping early
+    replays only the loops it needs, on rows compacted into a smaller bucket. In loop mode this object is
+    the loop driver's executor (runner/loop_driver.py: LoopExecutor).
+
+    Inputs live in static buffers sized for the largest bucket; each bucket's graphs read their first rows.
+    Padding rows attend to one token of a scratch block (and, under kv_sharing="last", have no generated
+    tokens)."""
+
+    def __init__(self, model: OuroForCausalLM, backend: AttentionBackend, mode: str, max_num_seqs: int,
+                 max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device,
+                 shared_kv: tuple[int, int, int] | None = None) -> None:
+        """shared_kv: (loops, num_layers, max generated pages per sequence) under kv_sharing="last"."""
+        if mode not in ("step", "loop"):
+            raise ValueError(f"DecodeGraphs mode must be 'step' or 'loop', got {mode!r}")
+        self.model = model
+        self.backend = backend
+        self.mode = mode
+        self.loops = model.config.total_ut_steps
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.buckets = batch_buckets(max_num_seqs)
+        n = self.buckets[-1]
+        dtype = model.embed_tokens.weight.dtype
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.hidden = torch.zeros(n, model.config.hidden_size, dtype=dtype, device=device)
+        self.slot_mapping = torch.full((n,), scratch_block * block_size, dtype=torch.int64, device=device)
+        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int32,
+                                       device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.shared_kv = shared_kv
+        if shared_kv is not None:
+            self.prompt_lens = torch.full((n,), PADDING_PROMPT_LEN, dtype=torch.int32, device=device)
+            self.generated_block_tables = torch.full((n, shared_kv[2]), scratch_block, dtype=torch.int32,
+                                                     device=device)
+        self.readout = torch.arange(n, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, loop; -1: whole step)
+        self.outputs: dict[int, LoopStates] = {}  # mode "step": each bucket's graph-owned states
+        self.pool = None
+        self.rows = self.bucket = 0
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        shared = None
+        if self.shared_kv is not None:
+            loops, layers, _ = self.shared_kv
+            shared = SharedKVMetadata(self.prompt_lens[:bs], self.generated_block_tables[:bs],
+                                      [PADDING_PROMPT_LEN] * bs, loops, layers)
+        return AttentionMetadata(self.query_start_loc[:bs + 1], self.context_lens[:bs],
+                                 self.block_tables[:bs], self.slot_mapping[:bs], [1] * bs, [1] * bs,
+                                 self.block_size, shared)
+
+    def _inputs(self, bs: int) -> StepInputs:
+        return StepInputs(self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.readout[:bs],
+                          list(range(bs)))
+
+    def _step(self, bs: int) -> LoopStates:
+        executor = EagerLoops(self.model, self.backend)
+        return run_loops(executor, self.model, self._inputs(bs), range(self.loops))
+
+    def _loop(self, bs: int, t: int) -> None:
+        model = self.model
+        h = self.hidden[:bs]
+        if t == 0:
+            h.copy_(model.embed_tokens(self.input_ids[:bs]))
+        cos, sin = model.rotary(self.positions[:bs], h.dtype)
+        self.backend.prepare(self._meta(bs))
+        h.copy_(model.run_loop(h, cos, sin, self.backend.forward, t))
+
+    @torch.inference_mode()
+    def capture_all(self, collect: Callable[[], None] = collect_garbage) -> None:
+        stream = torch.cuda.Stream()
+        for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
+            work = [(-1, lambda bs=bs: self._step(bs))] if self.mode == "step" else \
+                [(t, lambda bs=bs, t=t: self._loop(bs, t)) for t in range(self.loops)]
+            for t, run in work:
+                graph = torch.cuda.CUDAGraph()
+                self.backend.capture_begin(bs)
+                try:
+                    result = capture(graph, run, self.pool, stream, collect)
+                finally:
+                    self.backend.capture_end()
+                if t < 0:
+                    self.outputs[bs] = result
+                self.graphs[bs, t] = graph
+                if self.pool is None:
+                    self.pool = graph.pool()
+        torch.cuda.synchronize()
+
+    def bucket_for(self, num_rows: int) -> int | None:
+        for bs in self.buckets:
+            if bs >= num_rows:
+                return bs
+        return None
+
+    def replay_step(self, inputs: StepInputs) -> LoopStates:
+        """Mode "step": one decode step of every row through the smallest bucket that holds them."""
+        self.begin(inputs)
+        self.graphs[self.bucket, -1].replay()
+        states = self.outputs[self.bucket]
+        return LoopStates(states.hidden[:, :self.rows], states.gate_logits[:, :self.rows])
+
+    # -- the loop driver's executor (mode "loop") ------------------------------------------------------
+
+    def begin(self, inputs: StepInputs) -> None:
+        meta = inputs.meta
+        n = meta.num_rows
+        self.input_ids[:n].copy_(inputs.input_ids)
+        self.positions[:n].copy_(inputs.positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.context_lens[:n].copy_(meta.context_lens)
+        self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if meta.shared_kv is not None:
+            tables = meta.shared_kv.generated_block_tables
+            self.prompt_lens[:n].copy_(meta.shared_kv.prompt_lens)
+            self.generated_block_tables[:n, :tables.shape[1]].copy_(tables)
+        self._pad(n)
+
+    def run_loop(self, t: int) -> torch.Tensor:
+        self.graphs[self.bucket, t].replay()
+        return self.hidden[:self.rows]
+
+    def keep(self, rows: list[int]) -> None:
+        index = torch.tensor(rows, dtype=torch.int64).to(self.hidden.device, non_blocking=True)
+        buffers = [self.hidden, self.positions, self.slot_mapping, self.context_lens, self.block_tables]
+        if self.shared_kv is not None:
+            buffers += [self.prompt_lens, self.generated_block_tables]
+        for buffer in buffers:
+            buffer[:len(rows)] = buffer[index]
+        self._pad(len(rows))
+
+    def _pad(self, n: int) -> None:
+        """Rows n..bucket become padding rows (restored here in case a larger batch used them)."""
+        bs = self.bucket = self.bucket_for(n)
+        self.rows = n
+        self.input_ids[n:bs].zero_()
+        self.positions[n:bs].zero_()
+        self.slot_mapping[n:bs].fill_(self.scratch_block * self.block_size)
+        self.context_lens[n:bs].fill_(1)
+        self.block_tables[n:bs].fill_(self.scratch_block)
+        if self.shared_kv is not None:
+            self.prompt_lens[n:bs].fill_(PADDING_PROMPT_LEN)

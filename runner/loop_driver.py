@@ -1,0 +1,198 @@
+"""The loop driver: the one function that runs a looped model's loops over a step's batch.
+
+`run_loops(executor, model, inputs, loops, hook)` runs loops `loops` (a range) through an executor, which
+either runs each loop eagerly (EagerLoops) or replays a captured graph of it (runner/cuda_graph.py), and
+keeps every sampling row's per-loop readout state and gate logit. After each loop an optional hook sees the
+gate logits and may stop rows: early:Q (EarlyExit) stops the generated tokens whose exit CDF reached Q and
+copies their K/V forward through the KV layout. Without a hook every row runs every loop, with no host sync,
+so the whole call can itself be captured into one graph (a whole decode step). Running loops 0..d-1 and
+then d..T-1 from the returned states gives what running 0..T-1 does: a draft of the first d loops is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Protocol
+
+import torch
+
+from attention.base import AttentionBackend, AttentionMetadata
+from cache.kv_pool import KVPool
+from cache.layout import KVLayout
+from model.ouro import LoopStates, OuroForCausalLM
+
+
+@dataclasses.dataclass(slots=True)
+class StepInputs:
+    """One step's batch as tensors, built once (runner/model_runner.py: ModelRunner.prepare)."""
+
+    input_ids: torch.Tensor  # [N] int64, the new tokens of every row, row after row
+    positions: torch.Tensor  # [N] int64
+    meta: AttentionMetadata
+    readout: torch.Tensor  # [R] int64: token index of each sampling row's last new token
+    generated_rows: list[int]  # rows whose one new token is a generated token: those a hook may stop
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class LoopExecutor(Protocol):
+    def begin(self, inputs: StepInputs) -> None:
+        """Embed the step's tokens and make the attention metadata current."""
+
+    def run_loop(self, t: int) -> torch.Tensor:
+        """Loop t over the live rows: [live tokens, H], the loop's post-norm output."""
+
+    def keep(self, rows: list[int]) -> None:
+        """From the next loop on, run only these of the live rows (indices into the live rows, in order)."""
+
+
+class LoopHook(Protocol):
+    def begin(self, inputs: StepInputs) -> None:
+        """A new step starts."""
+
+    def after_loop(self, t: int, gate_logits: torch.Tensor, live: list[int]) -> list[int]:
+        """gate_logits [N]: every token's loop-t gate logit (NaN for tokens of rows no longer live); live: the
+        batch rows that ran loop t. Returns the rows that stop now (their K/V already made whole)."""
+
+
+class EagerLoops:
+    """Each loop as plain calls into the model, through the attention backend."""
+
+    def __init__(self, model: OuroForCausalLM, backend: AttentionBackend) -> None:
+        self.model = model
+        self.backend = backend
+
+    def begin(self, inputs: StepInputs) -> None:
+        self.h = self.model.embed_tokens(inputs.input_ids)
+        self.cos, self.sin = self.model.rotary(inputs.positions, self.h.dtype)
+        self.meta = inputs.meta
+        self.backend.prepare(self.meta)
+
+    def run_loop(self, t: int) -> torch.Tensor:
+        self.h = self.model.run_loop(self.h, self.cos, self.sin, self.backend.forward, t)
+        return self.h
+
+    def keep(self, rows: list[int]) -> None:
+        self.meta, tokens = self.meta.select(rows)
+        self.h, self.cos, self.sin = self.h[tokens], self.cos[tokens], self.sin[tokens]
+        self.backend.prepare(self.meta)
+
+
+def run_loops(executor: LoopExecutor, model: OuroForCausalLM, inputs: StepInputs, loops: range,
+              hook: LoopHook | None = None) -> LoopStates:
+    """Per-loop states of the readout tokens: hidden [len(loops), R, H] and gate logits [len(loops), R]. A row
+    a hook stopped repeats its last loop's hidden state in later loops, with NaN gate logits there."""
+    executor.begin(inputs)
+    readout = inputs.readout
+    hidden, gates = [], []
+    if hook is None:
+        for t in loops:
+            out = executor.run_loop(t)[readout]
+            hidden.append(out)
+            gates.append(model.early_exit_gate(out).squeeze(-1))
+        return LoopStates(torch.stack(hidden), torch.stack(gates))
+    hook.begin(inputs)
+    rows = _LiveRows(inputs.meta.query_starts_cpu, inputs.input_ids.device)
+    state = gate_state = None
+    for t in loops:
+        h = executor.run_loop(t)
+        gate = model.early_exit_gate(h).squeeze(-1)
+        if state is None:
+            state, gate_state = h.clone(), gate.clone()
+        elif rows.all_live:
+            state.copy_(h)
+            gate_state.copy_(gate)
+        else:
+            state.index_copy_(0, rows.token_index, h)
+            gate_state.fill_(math.nan).index_copy_(0, rows.token_index, gate)
+        hidden.append(state[readout])
+        gates.append(gate_state[readout])
+        leaving = hook.after_loop(t, gate_state, rows.live)
+        if leaving:
+            kept = rows.drop(leaving)
+            if not kept:
+                break
+            executor.keep(kept)
+    for _ in range(len(loops) - len(hidden)):  # every row stopped early
+        hidden.append(hidden[-1])
+        gates.append(torch.full_like(gates[-1], math.nan))
+    return LoopStates(torch.stack(hidden), torch.stack(gates))
+
+
+class _LiveRows:
+    """Which batch rows still loop, and where their tokens sit among the step's tokens."""
+
+    def __init__(self, query_starts: list[int], device: torch.device) -> None:
+        self.starts = query_starts
+        self.live = list(range(len(query_starts) - 1))
+        self.all_live = True
+        self.device = device
+        self.token_index: torch.Tensor | None = None
+
+    def drop(self, rows: list[int]) -> list[int]:
+        """Take rows out; the indices, among the rows live before, of those that stay."""
+        gone = set(rows)
+        kept = [i for i, row in enumerate(self.live) if row not in gone]
+        self.live = [self.live[i] for i in kept]
+        self.all_live = False
+        tokens = [t for row in self.live for t in range(self.starts[row], self.starts[row + 1])]
+        self.token_index = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
+        return kept
+
+
+@dataclasses.dataclass(slots=True)
+class LoopStats:
+    """Loops run by decode tokens (generated tokens fed back in), summed since the engine started."""
+
+    decode_tokens: int = 0
+    decode_loops: int = 0
+
+    @property
+    def loops_per_token(self) -> float:
+        return self.decode_loops / self.decode_tokens if self.decode_tokens else math.nan
+
+
+class EarlyExit:
+    """early:Q as an after-loop hook (docs/looped_controls.md): a generated token stops after the first loop
+    t < T-1 whose exit CDF reaches Q, and its deeper slots get what the KV layout says (paged: copies of its
+    loop-t K/V; shared-last: nothing, its shared location already holds loop t). Prompt tokens run every
+    loop. The CDF is float64, advanced loop by loop in the order of model/exit_policy.py: exit_pdf, so the
+    decisions agree with the readout's; one small device-to-host copy per loop reads them."""
+
+    def __init__(self, threshold: float, loops: int, layout: KVLayout, pool: KVPool,
+                 stats: LoopStats) -> None:
+        self.threshold = threshold
+        self.loops = loops
+        self.layout = layout
+        self.pool = pool
+        self.stats = stats
+
+    def begin(self, inputs: StepInputs) -> None:
+        starts = inputs.meta.query_starts_cpu
+        self.rows = inputs.generated_rows
+        self.tokens = {row: starts[row] for row in self.rows}
+        device = inputs.input_ids.device
+        self.token_index = torch.tensor([self.tokens[r] for r in self.rows], dtype=torch.int64).to(device)
+        self.slot_mapping = inputs.meta.slot_mapping
+        self.looping = set(self.rows)
+        self.cdf = torch.zeros(len(self.rows), dtype=torch.float64, device=device)
+        self.survival = torch.ones_like(self.cdf)
+
+    def after_loop(self, t: int, gate_logits: torch.Tensor, live: list[int]) -> list[int]:
+        self.stats.decode_loops += len(self.looping)
+        if t >= self.loops - 1 or not self.looping:
+            return []
+        lam = torch.sigmoid(gate_logits[self.token_index].double())
+        self.cdf = self.cdf + lam * self.survival
+        self.survival = self.survival * (1.0 - lam)
+        reached = (self.cdf >= self.threshold).tolist()  # NaN (a row that stopped) never reaches
+        leaving = [row for row, hit in zip(self.rows, reached) if hit and row in self.looping]
+        if leaving:
+            self.looping.difference_update(leaving)
+            tokens = torch.tensor([self.tokens[r] for r in leaving], dtype=torch.int64)
+            self.layout.copy_forward(self.pool, self.slot_mapping[tokens.to(self.slot_mapping.device)], t)
+        return leaving
+

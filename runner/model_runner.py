@@ -1,0 +1,153 @@
+"""Turns a scheduled batch into tensors once per step, runs the model's loops over it through the loop driver
+(a captured graph where one fits, eagerly otherwise), reads out under each row's exit policy and samples."""
+
+from __future__ import annotations
+
+import torch
+
+from attention.base import AttentionBackend, AttentionMetadata, SharedKVMetadata
+from cache.kv_pool import KVPool
+from cache.layout import KVLayout
+from engine_config import EngineConfig
+from model.exit_policy import readout_logits
+from model.ouro import LoopStates, OuroForCausalLM
+from request import Request, ScheduledBatch, request_policy
+from runner.block_tables import BlockTables
+from runner.cuda_graph import DecodeGraphs
+from runner.loop_driver import EagerLoops, EarlyExit, LoopStats, StepInputs, run_loops
+from runner.sampler import sample
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: OuroForCausalLM, backend: AttentionBackend,
+                 pool: KVPool, layout: KVLayout, scratch_block: int) -> None:
+        """scratch_block: a pool block no request owns, which CUDA-graph padding rows write."""
+        self.config = config
+        self.model = model
+        self.backend = backend
+        self.layout = layout
+        self.device = config.device
+        self.loops = config.loops
+        self.generators: dict[str, torch.Generator] = {}
+        self.loop_stats = LoopStats()
+        bs = config.block_size
+        self.block_tables = BlockTables(-(-config.max_model_len // bs), lambda r: r.block_table)
+        self.max_pages = -(-config.max_model_len // (self.loops * bs))
+        self.generated_tables = (BlockTables(self.max_pages, lambda r: r.generated_block_table)
+                                 if layout.stores_generated_apart else None)
+        self.hook = (EarlyExit(float(config.exit_policy.value), self.loops, layout, pool, self.loop_stats)
+                     if config.exit_policy.can_exit else None)
+        self.eager = EagerLoops(model, backend)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs:
+            self.graphs = self._capture(scratch_block)
+
+    def _capture(self, scratch_block: int) -> DecodeGraphs:
+        """One graph per decode bucket for the whole step; one per (bucket, loop) when rows can stop early."""
+        if self.model.fused_kernels:
+            from model.kernels.gemv import reserve_workspace
+
+            reserve_workspace(self.device)  # the skinny GEMM's split-K tickets, made outside any capture
+        config = self.config
+        shared = (self.loops, config.model.num_hidden_layers, self.max_pages) \
+            if self.generated_tables is not None else None
+        graphs = DecodeGraphs(self.model, self.backend, "loop" if self.hook is not None else "step",
+                              config.max_num_seqs, self.block_tables.width, config.block_size, scratch_block,
+                              self.device, shared)
+        graphs.capture_all()
+        return graphs
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.graphs is not None
+
+    def _tensor(self, values, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Flatten the batch: token ids, positions, slot mapping, per-row lengths and block tables."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        readout: list[int] = []
+        generated_rows: list[int] = []
+        for row, (request, num_new, samples) in enumerate(zip(batch.requests, batch.num_new_tokens,
+                                                               batch.sample)):
+            start = request.num_computed_tokens
+            end = start + num_new
+            input_ids += request.token_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += self.layout.slot_mapping(request, start, end)
+            query_start.append(query_start[-1] + num_new)
+            context_lens.append(end)
+            if samples:
+                readout.append(query_start[-1] - 1)
+            if num_new == 1 and start >= request.num_prompt_tokens:
+                generated_rows.append(row)
+        shared = None
+        if self.generated_tables is not None:
+            prompt_lens = [r.num_prompt_tokens for r in batch.requests]
+            shared = SharedKVMetadata(self._tensor(prompt_lens), self._tensor(self.generated_tables.gather(
+                batch.requests)), prompt_lens, self.loops, self.config.model.num_hidden_layers)
+        meta = AttentionMetadata(
+            query_start_loc=self._tensor(query_start),
+            context_lens=self._tensor(context_lens),
+            block_tables=self._tensor(self.block_tables.gather(batch.requests)),
+            slot_mapping=self._tensor(slot_mapping, torch.int64),
+            query_lens_cpu=list(batch.num_new_tokens),
+            context_lens_cpu=context_lens,
+            block_size=self.config.block_size,
+            shared_kv=shared,
+        )
+        return StepInputs(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
+                          self._tensor(readout, torch.int64), generated_rows)
+
+    def forward(self, inputs: StepInputs) -> LoopStates:
+        """Every loop over the batch (fewer for rows an exit hook stops): a captured graph for a decode step
+        that fits a bucket, else eager."""
+        stats = self.loop_stats
+        stats.decode_tokens += len(inputs.generated_rows)
+        if self.hook is None:
+            stats.decode_loops += self.loops * len(inputs.generated_rows)
+        graphs = self.graphs
+        if graphs is not None and inputs.meta.is_decode and graphs.bucket_for(inputs.meta.num_rows):
+            if graphs.mode == "step":
+                states = graphs.replay_step(inputs)
+                return LoopStates(states.hidden[:, inputs.readout], states.gate_logits[:, inputs.readout])
+            return run_loops(graphs, self.model, inputs, range(self.loops), self.hook)
+        return run_loops(self.eager, self.model, inputs, range(self.loops), self.hook)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """The next token of every request whose chunk reaches the end of its sequence, else None."""
+        states = self.forward(self.prepare(batch))
+        sampling = [r for r, samples in zip(batch.requests, batch.sample) if samples]
+        if not sampling:
+            return [None] * len(batch.requests)
+        engine_policy = self.config.exit_policy
+        policies = [request_policy(r.params.exit_policy, engine_policy, self.loops) for r in sampling]
+        logits, traces = readout_logits(self.model.compute_logits, states.hidden, states.gate_logits,
+                                        policies, [r.params.loop_trace for r in sampling])
+        for request, trace in zip(sampling, traces):
+            if trace is not None:
+                request.traces.append(trace)
+        tokens = iter(sample(logits, [r.params for r in sampling],
+                             [self._generator(r) for r in sampling]).tolist())
+        return [next(tokens) if samples else None for samples in batch.sample]
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        if request.params.seed is None or request.params.greedy:
+            return None
+        if request.request_id not in self.generators:
+            generator = torch.Generator(self.device).manual_seed(request.params.seed)
+            self.generators[request.request_id] = generator
+        return self.generators[request.request_id]
+
+    def release(self, request: Request) -> None:
+        """The request finished: forget its generator and its block-table rows."""
+        self.generators.pop(request.request_id, None)
+        self.block_tables.release(request)
+        if self.generated_tables is not None:
+            self.generated_tables.release(request)

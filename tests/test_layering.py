@@ -1,0 +1,71 @@
+"""The import graph reads top-down: every engine module imports only the layers below it (function-level
+imports included), so no package cycle can come back.
+
+    engine.py
+    runner/                  step execution: runner, loop driver, CUDA graphs, sampler
+    scheduler/, engine_config.py
+    cache/, model/           KV memory; the network and its kernels (neither imports the other)
+    attention/               backends and their kernels
+    request.py               the shared request and batch types: imports nothing of the engine
+"""
+
+import ast
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+ENGINE = {"engine", "engine_config", "request", "runner", "scheduler", "cache", "model", "attention"}
+ALLOWED = {
+    "request": set(),
+    "attention": {"attention"},
+    "cache": {"cache", "request"},
+    "model": {"model", "attention", "request"},
+    "scheduler": {"scheduler", "cache", "request"},
+    "engine_config": {"model", "request"},
+    "runner": {"runner", "engine_config", "model", "cache", "attention", "request"},
+    "engine": ENGINE,
+}
+
+
+def imported_packages(source: str) -> set[str]:
+    """The top-level names a module's source imports, anywhere in it."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def violations(sources: dict[str, str]) -> list[str]:
+    """'path imports package' for every import of an engine package that the module's layer may not make."""
+    found = []
+    for path, source in sorted(sources.items()):
+        layer = Path(path).parts[0].removesuffix(".py")
+        for package in sorted(imported_packages(source) & ENGINE - ALLOWED[layer] - {layer}):
+            found.append(f"{path} imports {package}")
+    return found
+
+
+def engine_sources() -> dict[str, str]:
+    paths = [ROOT / f"{name}.py" for name in ("engine", "engine_config", "request")]
+    for package in ("runner", "scheduler", "cache", "model", "attention"):
+        paths += sorted((ROOT / package).rglob("*.py"))
+    return {str(p.relative_to(ROOT)): p.read_text() for p in paths}
+
+
+def test_no_module_imports_a_layer_above_it():
+    sources = engine_sources()
+    assert len(sources) > 25 and "runner/loop_driver.py" in sources
+    assert violations(sources) == []
+
+
+def test_the_check_catches_upward_and_sideways_imports():
+    bad = {"cache/blocks.py": "from scheduler.scheduler import Scheduler\n",
+           "model/ouro.py": "def f():\n    import cache.kv_pool\n",
+           "request.py": "from model.config import OuroConfig\n",
+           "runner/x.py": "from scheduler import scheduler\n",
+           "scheduler/scheduler.py": "import torch\nfrom request import Request\n"}
+    assert violations(bad) == ["cache/blocks.py imports scheduler", "model/ouro.py imports cache",
+                               "request.py imports model", "runner/x.py imports scheduler"]
