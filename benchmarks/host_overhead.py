@@ -82,9 +82,10 @@ def main() -> None:
         payload = {**environment(), "device": "cpu (host work only; model loops stubbed)",
                    "rows": previous["rows"] + rows}
         out.write_text(json.dumps(payload, indent=2) + "\n")
-        lines = ["| label | commit | rows | context | host ms / step | us / row |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['label']} | {r['commit']} | {r['rows']} | {r['context']} | {r['host_ms_per_step']} | "
-                  f"{r['us_per_row']} |" for r in payload["rows"]]
+        lines = ["| label | commit | rows | context | host ms / step | us / row |",
+                 "|---|---|---|---|---|---|"]
+        lines += [f"| {r['label']} | {r['commit']} | {r['rows']} | {r['context']} | "
+                  f"{r['host_ms_per_step']} | {r['us_per_row']} |" for r in payload["rows"]]
         out.with_suffix(".md").write_text(
             f"Host time per decode step, loops stubbed, CPU, torch {payload['torch']}.\n\n"
             + "\n".join(lines) + "\n")

@@ -2,6 +2,8 @@
 # One device call: the gpu-marked tests, then the benchmarks, each bounded in time; JSON lands in $OUT.
 #   LOOP_ENGINE_COMMIT=<hash> PART=a|b bash benchmarks/run_gpu.sh
 #   a: gpu tests, gemv/attention/fused benchmarks, latency; b: gpu tests, attention sweep, throughput, early exit
+#   loops: gpu tests, early exit and kv_sharing rows; ab: full-policy TPOT of BASE (a checkout) vs this tree
+#   (ABBA), then latency
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -18,6 +20,15 @@ if [ "$PART" = a ]; then
   step 50 python benchmarks/fused_kernels.py --out "$OUT/fused_kernels.json"
   wait
   step 170 python benchmarks/latency.py --preset ouro-1.4b --out "$OUT/latency.json"; cat "$OUT/latency.md"
+elif [ "$PART" = loops ]; then
+  timeout 250 python -m pytest -q -m gpu tests/ --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+  wait
+  step 250 python benchmarks/early_exit.py --preset ouro-1.4b --out "$OUT/early_exit.json"
+elif [ "$PART" = ab ]; then
+  wait
+  step 330 python benchmarks/decode_ab.py --a "${BASE:?set BASE}" --b . --out "$OUT/decode_ab.json"
+  step 200 python benchmarks/latency.py --preset ouro-1.4b --prompts 512 2048 --batches 1 16 64 --modes graph \
+    --out "$OUT/latency.json"
 else
   step 140 python -m pytest -q -m gpu tests/ --timeout 100
   step 110 python benchmarks/attention.py --out "$OUT/attention.json"
