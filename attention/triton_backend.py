@@ -278,7 +278,7 @@ class TritonBackend(AttentionBackend):
         plan.decode = CompiledLaunch(decode_split_kernel, (splits, heads, rows), self.decode_num_warps,
                               self.decode_num_stages, fused)
         row_map = step.row_map if step.row_map is not None else self._dummy_i32
-        plan.decode_mid = (meta.block_tables, meta.context_lens, row_map)
+        plan.decode_mid = (meta.block_tables, meta.context_lens, meta.slot_mapping, row_map)
         shared = meta.shared_kv
         if shared is not None:
             plan.decode_shared = (shared.generated_block_tables, shared.prompt_lens)

@@ -2,8 +2,8 @@
 # One device call: the gpu-marked tests, then the benchmarks, each bounded in time; JSON lands in $OUT.
 #   LOOP_ENGINE_COMMIT=<hash> PART=a|b bash benchmarks/run_gpu.sh
 #   a: gpu tests, gemv/attention/fused benchmarks, latency; b: gpu tests, attention sweep, throughput, early exit
-#   loops: gpu tests, early exit and kv_sharing rows; ab: full-policy TPOT of BASE (a checkout) vs this tree
-#   (ABBA), then latency
+#   loops: gpu tests, early exit and kv_sharing rows, and (with BASE=<an older checkout>) full-policy TPOT
+#   of BASE vs this tree in ABBA order; ab: that comparison, then latency
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -23,7 +23,8 @@ if [ "$PART" = a ]; then
 elif [ "$PART" = loops ]; then
   timeout 250 python -m pytest -q -m gpu tests/ --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   wait
-  step 250 python benchmarks/early_exit.py --preset ouro-1.4b --out "$OUT/early_exit.json"
+  step 150 python benchmarks/early_exit.py --preset ouro-1.4b --out "$OUT/early_exit.json"
+  [ -n "${BASE:-}" ] && step 170 python benchmarks/decode_ab.py --a "$BASE" --b . --out "$OUT/decode_ab.json"
 elif [ "$PART" = ab ]; then
   wait
   step 330 python benchmarks/decode_ab.py --a "${BASE:?set BASE}" --b . --out "$OUT/decode_ab.json"

@@ -17,7 +17,7 @@ import torch
 
 from attention.base import AttentionBackend, AttentionMetadata, SharedKVMetadata
 from model.ouro import LoopStates, OuroForCausalLM
-from runner.loop_driver import EagerLoops, StepInputs, run_loops
+from runner.loop_driver import EagerLoops, LoopOutput, StepInputs, advance_exit_cdf, run_loops
 
 # A padding row's prompt length under kv_sharing="last": longer than any context, so it has no generated
 # tokens and reads only the scratch block.
@@ -64,8 +64,10 @@ class DecodeGraphs:
 
     def __init__(self, model: OuroForCausalLM, backend: AttentionBackend, mode: str, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device,
-                 shared_kv: tuple[int, int, int] | None = None) -> None:
-        """shared_kv: (loops, num_layers, max generated pages per sequence) under kv_sharing="last"."""
+                 shared_kv: tuple[int, int, int] | None = None, exit_threshold: float | None = None) -> None:
+        """shared_kv: (loops, num_layers, max generated pages per sequence) under kv_sharing="last".
+        exit_threshold: early:Q's Q, for mode "loop": each loop's graph then also advances the rows' exit
+        CDF and marks the generated rows that reached Q, so that the host reads one small flag vector."""
         if mode not in ("step", "loop"):
             raise ValueError(f"DecodeGraphs mode must be 'step' or 'loop', got {mode!r}")
         self.model = model
@@ -91,6 +93,12 @@ class DecodeGraphs:
             self.generated_block_tables = torch.full((n, shared_kv[2]), scratch_block, dtype=torch.int32,
                                                      device=device)
         self.readout = torch.arange(n, dtype=torch.int64, device=device)
+        self.exit_threshold = exit_threshold
+        self.gate_logits = torch.zeros(n, dtype=dtype, device=device)
+        self.cdf = torch.zeros(n, dtype=torch.float64, device=device)
+        self.survival = torch.ones(n, dtype=torch.float64, device=device)
+        self.may_exit = torch.zeros(n, dtype=torch.bool, device=device)  # rows of generated tokens
+        self.reached = torch.zeros(n, dtype=torch.bool, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, loop; -1: whole step)
         self.outputs: dict[int, LoopStates] = {}  # mode "step": each bucket's graph-owned states
         self.pool = None
@@ -121,7 +129,13 @@ class DecodeGraphs:
             h.copy_(model.embed_tokens(self.input_ids[:bs]))
         cos, sin = model.rotary(self.positions[:bs], h.dtype)
         self.backend.prepare(self._meta(bs))
-        h.copy_(model.run_loop(h, cos, sin, self.backend.forward, t))
+        out = model.run_loop(h, cos, sin, self.backend.forward, t)
+        h.copy_(out)
+        gate = model.early_exit_gate(out).squeeze(-1)
+        self.gate_logits[:bs].copy_(gate)
+        if self.exit_threshold is not None and t < self.loops - 1:
+            hit = advance_exit_cdf(self.cdf[:bs], self.survival[:bs], gate, self.exit_threshold)
+            torch.logical_and(hit, self.may_exit[:bs], out=self.reached[:bs])
 
     @torch.inference_mode()
     def capture_all(self, collect: Callable[[], None] = collect_garbage) -> None:
@@ -170,15 +184,24 @@ class DecodeGraphs:
             tables = meta.shared_kv.generated_block_tables
             self.prompt_lens[:n].copy_(meta.shared_kv.prompt_lens)
             self.generated_block_tables[:n, :tables.shape[1]].copy_(tables)
+        if self.exit_threshold is not None:
+            may_exit = torch.zeros(n, dtype=torch.bool)
+            may_exit[inputs.generated_rows] = True
+            self.may_exit[:n].copy_(may_exit, non_blocking=True)
+            self.cdf[:n].zero_()
+            self.survival[:n].fill_(1.0)
         self._pad(n)
 
-    def run_loop(self, t: int) -> torch.Tensor:
+    def run_loop(self, t: int) -> LoopOutput:
         self.graphs[self.bucket, t].replay()
-        return self.hidden[:self.rows]
+        decided = self.exit_threshold is not None and t < self.loops - 1
+        return LoopOutput(self.hidden[:self.rows], self.gate_logits[:self.rows],
+                          self.reached[:self.rows] if decided else None)
 
     def keep(self, rows: list[int]) -> None:
         index = torch.tensor(rows, dtype=torch.int64).to(self.hidden.device, non_blocking=True)
-        buffers = [self.hidden, self.positions, self.slot_mapping, self.context_lens, self.block_tables]
+        buffers = [self.hidden, self.positions, self.slot_mapping, self.context_lens, self.block_tables,
+                   self.cdf, self.survival, self.may_exit]
         if self.shared_kv is not None:
             buffers += [self.prompt_lens, self.generated_block_tables]
         for buffer in buffers:
@@ -196,3 +219,4 @@ class DecodeGraphs:
         self.block_tables[n:bs].fill_(self.scratch_block)
         if self.shared_kv is not None:
             self.prompt_lens[n:bs].fill_(PADDING_PROMPT_LEN)
+        self.may_exit[n:bs] = False

@@ -38,12 +38,23 @@ class StepInputs:
         return self.input_ids.shape[0]
 
 
+@dataclasses.dataclass(slots=True)
+class LoopOutput:
+    """What one loop over the live rows gives: h [live tokens, H], the loop's post-norm output; and, where
+    the executor computed them on the device already (a captured loop), the gate logits [live tokens] and
+    which live rows' exit CDF reached the threshold ([live rows] bool)."""
+
+    h: torch.Tensor
+    gate_logits: torch.Tensor | None = None
+    reached: torch.Tensor | None = None
+
+
 class LoopExecutor(Protocol):
     def begin(self, inputs: StepInputs) -> None:
         """Embed the step's tokens and make the attention metadata current."""
 
-    def run_loop(self, t: int) -> torch.Tensor:
-        """Loop t over the live rows: [live tokens, H], the loop's post-norm output."""
+    def run_loop(self, t: int) -> LoopOutput:
+        """Loop t over the live rows."""
 
     def keep(self, rows: list[int]) -> None:
         """From the next loop on, run only these of the live rows (indices into the live rows, in order)."""
@@ -53,9 +64,11 @@ class LoopHook(Protocol):
     def begin(self, inputs: StepInputs) -> None:
         """A new step starts."""
 
-    def after_loop(self, t: int, gate_logits: torch.Tensor, live: list[int]) -> list[int]:
+    def after_loop(self, t: int, gate_logits: torch.Tensor, live: list[int],
+                   reached: torch.Tensor | None) -> list[int]:
         """gate_logits [N]: every token's loop-t gate logit (NaN for tokens of rows no longer live); live: the
-        batch rows that ran loop t. Returns the rows that stop now (their K/V already made whole)."""
+        batch rows that ran loop t; reached: the executor's own exit decisions for them, if it made them.
+        Returns the rows that stop now (their K/V already made whole)."""
 
 
 class EagerLoops:
@@ -71,9 +84,9 @@ class EagerLoops:
         self.meta = inputs.meta
         self.backend.prepare(self.meta)
 
-    def run_loop(self, t: int) -> torch.Tensor:
+    def run_loop(self, t: int) -> LoopOutput:
         self.h = self.model.run_loop(self.h, self.cos, self.sin, self.backend.forward, t)
-        return self.h
+        return LoopOutput(self.h)
 
     def keep(self, rows: list[int]) -> None:
         self.meta, tokens = self.meta.select(rows)
@@ -90,28 +103,29 @@ def run_loops(executor: LoopExecutor, model: OuroForCausalLM, inputs: StepInputs
     hidden, gates = [], []
     if hook is None:
         for t in loops:
-            out = executor.run_loop(t)[readout]
+            out = executor.run_loop(t).h[readout]
             hidden.append(out)
             gates.append(model.early_exit_gate(out).squeeze(-1))
         return LoopStates(torch.stack(hidden), torch.stack(gates))
     hook.begin(inputs)
     rows = _LiveRows(inputs.meta.query_starts_cpu, inputs.input_ids.device)
-    state = gate_state = None
+    state = gate_state = None  # every token's latest loop output and gate, once some row has stopped
     for t in loops:
-        h = executor.run_loop(t)
-        gate = model.early_exit_gate(h).squeeze(-1)
-        if state is None:
-            state, gate_state = h.clone(), gate.clone()
-        elif rows.all_live:
-            state.copy_(h)
-            gate_state.copy_(gate)
+        out = executor.run_loop(t)
+        h = out.h
+        gate = out.gate_logits if out.gate_logits is not None else model.early_exit_gate(h).squeeze(-1)
+        if rows.all_live:
+            hidden.append(h[readout])
+            gates.append(gate[readout])
         else:
             state.index_copy_(0, rows.token_index, h)
             gate_state.fill_(math.nan).index_copy_(0, rows.token_index, gate)
-        hidden.append(state[readout])
-        gates.append(gate_state[readout])
-        leaving = hook.after_loop(t, gate_state, rows.live)
+            hidden.append(state[readout])
+            gates.append(gate_state[readout])
+        leaving = hook.after_loop(t, gate if rows.all_live else gate_state, rows.live, out.reached)
         if leaving:
+            if rows.all_live:  # before the executor compacts h: loop t's output of every token
+                state, gate_state = h.clone(), gate.clone()
             kept = rows.drop(leaving)
             if not kept:
                 break
@@ -174,25 +188,41 @@ class EarlyExit:
         starts = inputs.meta.query_starts_cpu
         self.rows = inputs.generated_rows
         self.tokens = {row: starts[row] for row in self.rows}
-        device = inputs.input_ids.device
-        self.token_index = torch.tensor([self.tokens[r] for r in self.rows], dtype=torch.int64).to(device)
+        self.device = inputs.input_ids.device
         self.slot_mapping = inputs.meta.slot_mapping
         self.looping = set(self.rows)
-        self.cdf = torch.zeros(len(self.rows), dtype=torch.float64, device=device)
-        self.survival = torch.ones_like(self.cdf)
+        self.cdf = None  # made at the first loop whose decisions the executor left to this hook
 
-    def after_loop(self, t: int, gate_logits: torch.Tensor, live: list[int]) -> list[int]:
+    def after_loop(self, t: int, gate_logits: torch.Tensor, live: list[int],
+                   reached: torch.Tensor | None) -> list[int]:
         self.stats.decode_loops += len(self.looping)
         if t >= self.loops - 1 or not self.looping:
             return []
-        lam = torch.sigmoid(gate_logits[self.token_index].double())
-        self.cdf = self.cdf + lam * self.survival
-        self.survival = self.survival * (1.0 - lam)
-        reached = (self.cdf >= self.threshold).tolist()  # NaN (a row that stopped) never reaches
-        leaving = [row for row, hit in zip(self.rows, reached) if hit and row in self.looping]
+        if reached is not None:  # decided on the device, for the live rows (generated rows only)
+            leaving = [row for row, hit in zip(live, reached.tolist()) if hit]
+        else:
+            if self.cdf is None:
+                index = torch.tensor([self.tokens[r] for r in self.rows], dtype=torch.int64)
+                self.token_index = index.to(self.device, non_blocking=True)
+                self.cdf = torch.zeros(len(self.rows), dtype=torch.float64, device=self.device)
+                self.survival = torch.ones_like(self.cdf)
+            hits = advance_exit_cdf(self.cdf, self.survival, gate_logits[self.token_index], self.threshold)
+            # A row that stopped has NaN gates, so its CDF is NaN and never reaches the threshold again.
+            leaving = [row for row, hit in zip(self.rows, hits.tolist()) if hit and row in self.looping]
         if leaving:
             self.looping.difference_update(leaving)
             tokens = torch.tensor([self.tokens[r] for r in leaving], dtype=torch.int64)
             self.layout.copy_forward(self.pool, self.slot_mapping[tokens.to(self.slot_mapping.device)], t)
         return leaving
 
+
+
+def advance_exit_cdf(cdf: torch.Tensor, survival: torch.Tensor, gate_logits: torch.Tensor,
+                     threshold: float) -> torch.Tensor:
+    """One loop of rows' exit CDF, in place, float64, in the order of model/exit_policy.py: exit_pdf (so
+    the decisions are the readout's): p = lambda * S, CDF += p, S *= 1 - lambda. Which rows reached
+    threshold."""
+    lam = torch.sigmoid(gate_logits.double())
+    cdf.add_(lam * survival)
+    survival.mul_(1.0 - lam)
+    return cdf >= threshold

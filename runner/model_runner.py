@@ -11,7 +11,7 @@ from cache.layout import KVLayout
 from engine_config import EngineConfig
 from model.exit_policy import readout_logits
 from model.ouro import LoopStates, OuroForCausalLM
-from request import Request, ScheduledBatch, request_policy
+from request import FULL, ExitPolicy, Request, ScheduledBatch, request_policy
 from runner.block_tables import BlockTables
 from runner.cuda_graph import DecodeGraphs
 from runner.loop_driver import EagerLoops, EarlyExit, LoopStats, StepInputs, run_loops
@@ -51,9 +51,10 @@ class ModelRunner:
         config = self.config
         shared = (self.loops, config.model.num_hidden_layers, self.max_pages) \
             if self.generated_tables is not None else None
+        threshold = self.hook.threshold if self.hook is not None else None
         graphs = DecodeGraphs(self.model, self.backend, "loop" if self.hook is not None else "step",
                               config.max_num_seqs, self.block_tables.width, config.block_size, scratch_block,
-                              self.device, shared)
+                              self.device, shared, threshold)
         graphs.capture_all()
         return graphs
 
@@ -122,12 +123,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """The next token of every request whose chunk reaches the end of its sequence, else None."""
-        states = self.forward(self.prepare(batch))
+        inputs = self.prepare(batch)
+        states = self.forward(inputs)
         sampling = [r for r, samples in zip(batch.requests, batch.sample) if samples]
         if not sampling:
             return [None] * len(batch.requests)
-        engine_policy = self.config.exit_policy
-        policies = [request_policy(r.params.exit_policy, engine_policy, self.loops) for r in sampling]
+        policies = self._readout_policies(batch, inputs.generated_rows)
         logits, traces = readout_logits(self.model.compute_logits, states.hidden, states.gate_logits,
                                         policies, [r.params.loop_trace for r in sampling])
         for request, trace in zip(sampling, traces):
@@ -136,6 +137,21 @@ class ModelRunner:
         tokens = iter(sample(logits, [r.params for r in sampling],
                              [self._generator(r) for r in sampling]).tolist())
         return [next(tokens) if samples else None for samples in batch.sample]
+
+    def _readout_policies(self, batch: ScheduledBatch, generated_rows: list[int]) -> list[ExitPolicy]:
+        """Each sampling row's readout policy. A generated row under early:Q stopped looping exactly where
+        its CDF reached Q (or ran every loop), so its last state is its threshold readout: untraced, it reads
+        out as `full` does, with one lm_head call and no exit-pdf arithmetic."""
+        engine_policy, generated = self.config.exit_policy, set(generated_rows)
+        policies = []
+        for row, (request, samples) in enumerate(zip(batch.requests, batch.sample)):
+            if not samples:
+                continue
+            policy = request_policy(request.params.exit_policy, engine_policy, self.loops)
+            if policy.kind == "early" and row in generated and not request.params.loop_trace:
+                policy = FULL
+            policies.append(policy)
+        return policies
 
     def _generator(self, request: Request) -> torch.Generator | None:
         if request.params.seed is None or request.params.greedy:

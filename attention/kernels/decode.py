@@ -76,7 +76,7 @@ def _merge_splits(partials_ptr, out_ptr, first, num_splits, num_partials, HEAD_D
 @triton.jit(do_not_specialize=["loop"])  # one compiled kernel serves every loop's calls
 def decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, key_cache_ptr, value_cache_ptr,
-    block_tables_ptr, context_lens_ptr, rows_ptr, partials_ptr, tickets_ptr,
+    block_tables_ptr, context_lens_ptr, slot_mapping_ptr, rows_ptr, partials_ptr, tickets_ptr,
     gen_tables_ptr, prompt_lens_ptr, loop, plane_elems,
     scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, stride_gt,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -86,8 +86,8 @@ def decode_split_kernel(
 ):
     """Grid (grid_splits, HEADS, decode rows). Program (s, h, r) attends query head h of decode row r
     over split s of its context. With ROW_MAP, rows_ptr holds (batch row, token) pairs; without it
-    decode row r is batch row r and token r. The new token goes to its own position's address in the
-    row's tables (the slot mapping's entry, computed here). gen_tables_ptr, prompt_lens_ptr, loop and
+    decode row r is batch row r and token r. The new token goes where the slot mapping says; with SHARED a
+    generated token (slot -1) goes to its generated page. gen_tables_ptr, prompt_lens_ptr, loop and
     plane_elems are read only with SHARED."""
     split = tl.program_id(0)
     head = tl.program_id(1)
@@ -152,8 +152,13 @@ def decode_split_kernel(
             v_new = tl.load(v_ptr + token * stride_vn + kv_head * stride_vh + offs_d)
             v_new = v_new.to(value_cache_ptr.dtype.element_ty)
             if head % GROUP == 0:
-                dst = _key_rows(table, gen_table, last, context_len, prompt_len, loop, plane_elems, kv_head,
-                                BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS) + offs_d
+                slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+                dst = slot * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+                if SHARED:
+                    generated = _key_rows(table, gen_table, last, context_len, prompt_len, loop, plane_elems,
+                                          kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
+                    dst = tl.where(slot >= 0, dst, generated)
+                dst += offs_d
                 tl.store(key_cache_ptr + dst, k_new)
                 tl.store(value_cache_ptr + dst, v_new)
             s_new = tl.sum(k_new.to(tl.float32) * q, 0)
