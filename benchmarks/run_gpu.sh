@@ -25,6 +25,13 @@ elif [ "$PART" = loops ]; then
   wait
   step 150 python benchmarks/early_exit.py --preset ouro-1.4b --out "$OUT/early_exit.json"
   [ -n "${BASE:-}" ] && step 170 python benchmarks/decode_ab.py --a "$BASE" --b . --out "$OUT/decode_ab.json"
+elif [ "$PART" = profile ]; then
+  timeout 235 python -m pytest -q -m gpu tests/ --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+  wait
+  step 45 python benchmarks/profile_step.py --policy early:0.5 --forced-exit 1
+  step 40 python benchmarks/profile_step.py --policy full
+  step 115 python benchmarks/early_exit.py --preset ouro-1.4b --out "$OUT/early_exit.json"
+  [ -n "${BASE:-}" ] && step 100 python benchmarks/decode_ab.py --a "$BASE" --b . --out "$OUT/decode_ab.json"
 elif [ "$PART" = ab ]; then
   wait
   step 330 python benchmarks/decode_ab.py --a "${BASE:?set BASE}" --b . --out "$OUT/decode_ab.json"

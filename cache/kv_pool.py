@@ -54,8 +54,10 @@ class KVPool:
         if loop + 1 >= self.loops or slots.numel() == 0:
             return
         for cache in (self.key_cache, self.value_cache):
-            planes = cache.view(self.loops, self.num_layers, -1, *cache.shape[3:])
-            planes[loop + 1:, :, slots] = planes[loop, :, slots].unsqueeze(0)
+            planes = cache.view(self.loops, self.num_layers, -1, *cache.shape[3:])  # [T, L, tokens, kvh, D]
+            source = planes[loop].index_select(1, slots)
+            for deeper in planes[loop + 1:]:
+                deeper.index_copy_(1, slots, source)
 
     @staticmethod
     def blocks_for_budget(bytes_per_block: int, budget_bytes: float) -> int:

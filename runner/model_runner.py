@@ -116,6 +116,8 @@ class ModelRunner:
         if graphs is not None and inputs.meta.is_decode and graphs.bucket_for(inputs.meta.num_rows):
             if graphs.mode == "step":
                 states = graphs.replay_step(inputs)
+                if len(inputs.readout) == inputs.meta.num_rows:  # every row samples: rows are in order
+                    return states
                 return LoopStates(states.hidden[:, inputs.readout], states.gate_logits[:, inputs.readout])
             return run_loops(graphs, self.model, inputs, range(self.loops), self.hook)
         return run_loops(self.eager, self.model, inputs, range(self.loops), self.hook)

@@ -1,0 +1,64 @@
+"""Where a whole decode step's wall time goes, host and device, under an exit policy: torch.profiler with
+CPU and CUDA activities over timed steps, the ops with the most host time and the most device time.
+
+    python benchmarks/profile_step.py --preset ouro-1.4b --policy early:0.5 --forced-exit 1 --batch 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import checkpoint  # noqa: E402
+from engine import Engine, SamplingParams  # noqa: E402
+from model.exit_policy import force_exit_loop  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--preset", default="ouro-1.4b")
+    parser.add_argument("--policy", default="full")
+    parser.add_argument("--forced-exit", type=int, default=None, help="force every exit after this loop")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    path = checkpoint(args.model, args.preset)
+    with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=args.batch, exit_policy=args.policy,
+                max_model_len=args.prompt + 4 * args.steps + 8, enable_prefix_caching=False,
+                verbose=False) as engine:
+        if args.forced_exit is not None:
+            force_exit_loop(engine.model, args.forced_exit, float(args.policy.partition(":")[2]))
+        params = SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True)
+        for _ in range(args.batch):
+            engine.add_request(list(range(3, 3 + args.prompt)), params)
+        for _ in range(args.steps):  # prefill, then warm decode steps
+            engine.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3 / args.steps
+    events = prof.key_averages()
+    print(f"{args.policy} forced {args.forced_exit} batch {args.batch}: {wall:.3f} ms per step (profiled)")
+    for title, key in (("host", "self_cpu_time_total"), ("device", "self_device_time_total")):
+        print(f"-- top {args.top} by {title} time, µs per step (calls per step)")
+        for event in sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)[:args.top]:
+            print(f"{getattr(event, key, 0.0) / args.steps:9.1f}  {event.count / args.steps:6.1f}  "
+                  f"{event.key[:90]}")
+
+
+if __name__ == "__main__":
+    main()
