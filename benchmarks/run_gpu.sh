@@ -32,6 +32,12 @@ elif [ "$PART" = profile ]; then
   step 40 python benchmarks/profile_step.py --policy full
   step 115 python benchmarks/early_exit.py --preset ouro-1.4b --out "$OUT/early_exit.json"
   [ -n "${BASE:-}" ] && step 100 python benchmarks/decode_ab.py --a "$BASE" --b . --out "$OUT/decode_ab.json"
+elif [ "$PART" = final ]; then
+  timeout 170 python -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_triton_gpu.py tests/test_loop_controls.py \
+    --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+  wait
+  step 100 python benchmarks/early_exit.py --preset ouro-1.4b --out "$OUT/early_exit.json"
+  step 110 python benchmarks/decode_ab.py --a "${BASE:?set BASE}" --b . --out "$OUT/decode_ab.json"
 elif [ "$PART" = ab ]; then
   wait
   step 330 python benchmarks/decode_ab.py --a "${BASE:?set BASE}" --b . --out "$OUT/decode_ab.json"

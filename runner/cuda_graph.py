@@ -92,7 +92,6 @@ class DecodeGraphs:
             self.prompt_lens = torch.full((n,), PADDING_PROMPT_LEN, dtype=torch.int32, device=device)
             self.generated_block_tables = torch.full((n, shared_kv[2]), scratch_block, dtype=torch.int32,
                                                      device=device)
-        self.readout = torch.arange(n, dtype=torch.int64, device=device)
         self.exit_threshold = exit_threshold
         self.gate_logits = torch.zeros(n, dtype=dtype, device=device)
         self.cdf = torch.zeros(n, dtype=torch.float64, device=device)
@@ -115,8 +114,8 @@ class DecodeGraphs:
                                  self.block_size, shared)
 
     def _inputs(self, bs: int) -> StepInputs:
-        return StepInputs(self.input_ids[:bs], self.positions[:bs], self._meta(bs), self.readout[:bs],
-                          list(range(bs)))
+        """A whole step's inputs: every row reads out (the runner picks the sampling rows afterwards)."""
+        return StepInputs(self.input_ids[:bs], self.positions[:bs], self._meta(bs), None, list(range(bs)))
 
     def _step(self, bs: int) -> LoopStates:
         executor = EagerLoops(self.model, self.backend)

@@ -30,7 +30,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [N] int64, the new tokens of every row, row after row
     positions: torch.Tensor  # [N] int64
     meta: AttentionMetadata
-    readout: torch.Tensor  # [R] int64: token index of each sampling row's last new token
+    readout: torch.Tensor | None  # [R] int64: token index of each sampling row's last new token; None: all
     generated_rows: list[int]  # rows whose one new token is a generated token: those a hook may stop
 
     @property
@@ -103,7 +103,8 @@ def run_loops(executor: LoopExecutor, model: OuroForCausalLM, inputs: StepInputs
     hidden, gates = [], []
     if hook is None:
         for t in loops:
-            out = executor.run_loop(t).h[readout]
+            out = executor.run_loop(t).h
+            out = out if readout is None else out[readout]
             hidden.append(out)
             gates.append(model.early_exit_gate(out).squeeze(-1))
         return LoopStates(torch.stack(hidden), torch.stack(gates))

@@ -43,12 +43,12 @@ def _key_rows(table, gen_table, positions, end, prompt_len, loop, plane_elems, k
         page = tl.where(in_prompt, prompt_page, generated_page).to(tl.int64)
         offset = tl.where(in_prompt, positions % BLOCK_SIZE, g % BLOCK_SIZE)
         planes_away = tl.where(in_prompt, 0, (g % PAGE_TOKENS // BLOCK_SIZE - loop) * NUM_LAYERS)
-        base = planes_away.to(tl.int64) * plane_elems
+        rows = planes_away.to(tl.int64) * plane_elems + page * PAGE + (offset * (KV_HEADS * HEAD_DIM)
+                                                                          + kv_head * HEAD_DIM)
     else:
         page = tl.load(table + positions // BLOCK_SIZE, mask=inside, other=0).to(tl.int64)
-        offset = positions % BLOCK_SIZE
-        base = 0
-    return base + page * PAGE + offset * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        rows = page * PAGE + ((positions % BLOCK_SIZE) * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM)
+    return rows
 
 
 @triton.jit
@@ -152,13 +152,12 @@ def decode_split_kernel(
             v_new = tl.load(v_ptr + token * stride_vn + kv_head * stride_vh + offs_d)
             v_new = v_new.to(value_cache_ptr.dtype.element_ty)
             if head % GROUP == 0:
-                slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-                dst = slot * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-                if SHARED:
+                dst = tl.load(slot_mapping_ptr + token).to(tl.int64) * (KV_HEADS * HEAD_DIM)
+                if SHARED:  # a generated token's slot is -1: it goes to its generated page
                     generated = _key_rows(table, gen_table, last, context_len, prompt_len, loop, plane_elems,
-                                          kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
-                    dst = tl.where(slot >= 0, dst, generated)
-                dst += offs_d
+                                          0, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
+                    dst = tl.where(dst >= 0, dst, generated)
+                dst += kv_head * HEAD_DIM + offs_d
                 tl.store(key_cache_ptr + dst, k_new)
                 tl.store(value_cache_ptr + dst, v_new)
             s_new = tl.sum(k_new.to(tl.float32) * q, 0)
