@@ -7,7 +7,8 @@ tokens of context. It must grow with rows, not with context.
 
 The stub replaces OuroForCausalLM.run_loop on this engine's model with the identity, so no attention or
 projection runs and the KV pool is never written (its memory is never touched); embedding, lm_head on
-the sampling rows and greedy sampling still run. --tree imports the engine from another checkout of this
+the sampling rows and greedy sampling still run. The model is the tiny random preset with Ouro's 65536
+positions. --tree imports the engine from another checkout of this
 repository, so that the same measurement runs against an earlier commit.
 """
 
@@ -63,7 +64,10 @@ def main() -> None:
     from model.tiny import write_checkpoint
 
     torch.set_num_threads(1)
-    path = write_checkpoint(Path(tempfile.mkdtemp()), preset="tiny", seed=0)
+    path = Path(write_checkpoint(Path(tempfile.mkdtemp()), preset="tiny", seed=0))
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 65536  # Ouro's; the tiny preset's 4096 would cap a 4K context
+    (path / "config.json").write_text(json.dumps(config))
     longest = max(args.contexts) + args.steps + 16
     blocks = args.rows * -(-longest // 16) + 16
     rows = []

@@ -5,7 +5,7 @@
 Two measurements per row. "engine greedy" decodes each prompt "a+b=" with `Engine(loops=N)` and
 compares the text up to the newline with the true sum. "teacher-forced" runs the model once over the
 full line and checks every answer token's argmax; for exact match the two must agree. The gate rows
-use HF's readout semantics (ouro.md §4: every loop runs, each token reads out at the first loop whose
+use HF's readout semantics (docs/ouro.md §4: every loop runs, each token reads out at the first loop whose
 exit CDF reaches Q), and report how many loops the answer digits and plain story text would use.
 The early:Q rows also run `Engine(exit_policy="early:Q")`, which stops a token's loops once its exit CDF
 reaches Q and reports the loops it really ran per generated token.

@@ -18,7 +18,7 @@ redistributed with the repository):
   Pairs whose unordered operands hash into the held-out bucket never appear in training.
 - ChatML conversations that ask for a sum or a story, so `engine.py generate --chat` works.
 
-Objective (ouro.md §4, paper stage I): per token, sum_t p(t) CE_t - beta H(p), with p the exit pdf
+Objective (docs/ouro.md §4, paper stage I): per token, sum_t p(t) CE_t - beta H(p), with p the exit pdf
 of the gate. beta starts at 1 and falls to 0.05 over the first half, so the exit distribution stays
 spread while the deeper loops learn: early on the first loop has the lowest loss, and a small beta
 from step 0 lets p collapse onto it, which then leaves the later loops' readouts untrained.
@@ -284,7 +284,7 @@ def run_model(model: OuroForCausalLM, ids: torch.Tensor):
 
 
 def exit_pdf(gate_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate logits [T, N] -> (p, log p) [T, N], ouro.md §4: p(t) = lambda_t S_{t-1}, p(T) = S_{T-1}.
+    """Gate logits [T, N] -> (p, log p) [T, N], docs/ouro.md §4: p(t) = lambda_t S_{t-1}, p(T) = S_{T-1}.
     Computed in log space, because 1 - sigmoid underflows long before logsigmoid(-x) does."""
     g = gate_logits.float()
     log_survival = torch.cumsum(F.logsigmoid(-g), 0)
@@ -366,7 +366,7 @@ class ItemScores:
         return (self.correct[loop - 1] | ~self.answer).all(1).float().mean().item()
 
     def exit_loops(self, q: float) -> torch.Tensor:
-        """HF's Q-exit (ouro.md §4): the first loop (0-based) whose exit CDF reaches q, else the last."""
+        """HF's Q-exit (docs/ouro.md §4): the first loop (0-based) whose exit CDF reaches q, else the last."""
         cdf = torch.cumsum(self.pdf, 0)
         return (cdf < q).sum(0).clamp(max=self.pdf.shape[0] - 1)
 

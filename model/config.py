@@ -1,6 +1,6 @@
 """The Ouro config, read from a checkpoint's config.json and validated once, at construction.
 
-Every value comes from config.json (ouro.md §1). Nothing falls back to another model's defaults:
+Every value comes from config.json (docs/ouro.md §1). Nothing falls back to another model's defaults:
 a missing or malformed field raises ValueError naming the field.
 """
 
@@ -83,7 +83,7 @@ class OuroConfig:
                 raise ValueError(f"loops must be an integer >= 1, got {loops!r}")
             if loops > self.trained_ut_steps:
                 warnings.warn(f"loops={loops} exceeds the {self.trained_ut_steps} loops this checkpoint "
-                              "was trained with; quality is unvalidated there (ouro.md §3)", stacklevel=2)
+                              "was trained with; quality is unvalidated there (docs/ouro.md §3)", stacklevel=2)
             changes["total_ut_steps"] = loops
         if exit_threshold is not None:
             changes["early_exit_threshold"] = exit_threshold

@@ -56,7 +56,7 @@ def _download(repo_id: str) -> Path:
 
 
 def expected_tensors(config: OuroConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of an Ouro checkpoint (ouro.md §6)."""
+    """HF tensor names and shapes of an Ouro checkpoint (docs/ouro.md §6)."""
     hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.q_size, config.kv_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden),

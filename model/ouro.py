@@ -1,4 +1,4 @@
-"""The Ouro network (ouro.md §2-§4): embed -> T x (L sandwich layers, then the final norm) -> exit gate,
+"""The Ouro network (docs/ouro.md §2-§4): embed -> T x (L sandwich layers, then the final norm) -> exit gate,
 lm_head.
 
 The model never sees the KV cache. It calls `attention(q, k, v, slot)` once per (loop, layer) with
@@ -138,7 +138,7 @@ class OuroForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
                 readout_indices: torch.Tensor | None = None) -> LoopStates:
         """Run all loops over the flattened new tokens. The final norm closes every loop and its
-        output both feeds the next loop and is that loop's readout (ouro.md §3)."""
+        output both feeds the next loop and is that loop's readout (docs/ouro.md §3)."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
         hidden, gate_logits = [], []

@@ -4,7 +4,7 @@
 
 The output (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json) loads exactly as a downloaded checkpoint does. The ouro-* presets have the
-real shapes of ouro.md §1; their weights are random, so only their speed means anything.
+real shapes of docs/ouro.md §1; their weights are random, so only their speed means anything.
 """
 
 from __future__ import annotations

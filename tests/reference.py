@@ -1,7 +1,7 @@
-"""The test oracle: a deliberately plain, dense, fp32 Ouro, written from ouro.md alone.
+"""The test oracle: a deliberately plain, dense, fp32 Ouro, written from docs/ouro.md alone.
 
 No cache, no paging, no fusion: every call recomputes the whole sequence from the raw HF-named
-tensors. Also HF's exit semantics (ouro.md §4): the exit pdf, Q-exit, exit_at_step, weighted logits.
+tensors. Also HF's exit semantics (docs/ouro.md §4): the exit pdf, Q-exit, exit_at_step, weighted logits.
 `decode` is the one stateful path: token by token with an explicit K/V list per (loop, layer) and
 position, for the rules that change what later tokens read (early:Q's copy-forward, kv_sharing="last").
 """

@@ -1,7 +1,7 @@
 """Weight-streaming skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T with M small (1..64).
 
 At decode every projection reads its whole weight for a handful of rows, so the time is the weight's
-bytes over memory bandwidth, and cuBLAS reaches only 21-55% of it at Ouro's shapes (shared/PERF.md).
+bytes over memory bandwidth, and cuBLAS reaches only 21-55% of it at Ouro's shapes (docs/h200.md).
 Design, per program (pid_n, pid_k):
 - it streams a [BLOCK_N, BLOCK_K] tile of W rows per step along its K range, with 16-byte loads along
   K, pipelined NUM_STAGES deep (the loop's loads go through shared memory with async copies);
