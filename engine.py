@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import sys
@@ -131,6 +132,8 @@ class Engine:
                                    detokenize=self.tokenizer.decode, generated_one_per_step=approximate_kv)
         self.runner = ModelRunner(self.model, self.backend, block_size, self.device)
         self.runner.exit_policy = self.exit_policy
+        tokenizer = self.tokenizer
+        self.runner.token_text = functools.lru_cache(maxsize=None)(lambda t: tokenizer.decode([t]))
         if self.kv_sharing == "last":
             self.runner.shared_kv = SharedKVLayout(self.config.total_ut_steps, self.config.num_hidden_layers,
                                                    block_size, self.kv_pool.num_blocks, self.device)
@@ -213,6 +216,10 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         request_policy(params.exit_policy, self.exit_policy, self.config.total_ut_steps)
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.config.vocab_size:
+                raise ValueError(f"SamplingParams.{name}={getattr(params, name)} is more than the vocabulary "
+                                 f"({self.config.vocab_size} tokens)")
         return params
 
     def _add(self, token_ids: list[int], text: str | None, params: SamplingParams,
@@ -263,11 +270,14 @@ class Engine:
 
     def _output(self, request: Request) -> RequestOutput:
         text = request.output_text if request.is_finished else self.tokenizer.decode(request.output_token_ids)
+        params = request.params
         completion = CompletionOutput(0, text, list(request.output_token_ids), request.finish_reason,
-                                      request.stop_reason, request.error, list(request.traces) or None)
+                                      request.stop_reason, request.error, list(request.traces) or None,
+                                      list(request.logprobs) if params.logprobs is not None else None)
+        prompt_logprobs = [None, *request.prompt_logprobs] if params.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, self._prompts.get(request.request_id),
                              request.prompt_token_ids, [completion], request.is_finished,
-                             request.num_cached_tokens)
+                             request.num_cached_tokens, prompt_logprobs)
 
     # -- convenience ---------------------------------------------------------------------------------
 
