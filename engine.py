@@ -1,4 +1,5 @@
-"""loop-engine: the Python API (Engine, in vLLM's shape) and the CLI, `python engine.py generate`.
+"""loop-engine: the Python API (Engine, in vLLM's shape) and the CLI, `python engine.py generate` and
+`python engine.py eval` (a paired eval of two configs, benchmarks/paired_eval.py).
 
     from engine import Engine, SamplingParams
     with Engine() as engine:                     # the embedded tiny checkpoint, offline
@@ -398,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "attention)")
     gen.add_argument("--loop-trace", action="store_true",
                      help="print each generated token's exit loop and exit pdf")
+    sub.add_parser("eval", add_help=False,
+                   help="paired eval of two configs on a frozen protocol (engine.py eval --help)")
     return parser
 
 
@@ -447,6 +450,12 @@ def _print_traces(engine: Engine, completion: CompletionOutput) -> None:
 
 
 def main(argv: Iterable[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["eval"]:  # its own parser; imported only when asked for
+        from benchmarks.paired_eval import main as eval_main
+
+        eval_main(argv[1:])
+        return
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         try:
