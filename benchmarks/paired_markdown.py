@@ -21,7 +21,7 @@ def render(report: PairedReport) -> str:
              f"{p['shots']}-shot, at most {p['max_new_tokens']} new tokens, sampling {p['sampling']}, "
              f"answer rule {p['extract']}, loops {loops}.", "",
              f"Commit {env['commit']}, {env['device']}, torch {env['torch']}, triton {env['triton']}, "
-             f"{env['cpu_threads']} CPU threads, {env['date']}.", "",
+             f"torch CPU threads: {env['cpu_threads']}, {env['date']}.", "",
              "| | A | B |", "|---|---|---|",
              f"| config | `{a['label']}` | `{b['label']}` |",
              f"| accuracy | {a['accuracy']:.3f} ({a['correct']}/{a['items']}) | "

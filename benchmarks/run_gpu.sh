@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the gpu-marked tests, then the benchmarks, each bounded in time; JSON lands in $OUT.
-#   LOOP_ENGINE_COMMIT=<hash> PART=a|b bash benchmarks/run_gpu.sh
+#   LOOP_ENGINE_COMMIT=<hash> PART=a|b|c bash benchmarks/run_gpu.sh
 #   a: gpu tests, gemv/attention/fused benchmarks, latency; b: gpu tests, attention sweep, throughput, early exit
+#   c: the paired eval of CUDA graphs against eager (ABBA timing, token identity; docs/paired_eval.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -18,6 +19,11 @@ if [ "$PART" = a ]; then
   step 50 python benchmarks/fused_kernels.py --out "$OUT/fused_kernels.json"
   wait
   step 170 python benchmarks/latency.py --preset ouro-1.4b --out "$OUT/latency.json"; cat "$OUT/latency.md"
+elif [ "$PART" = c ]; then
+  wait
+  step 500 python engine.py eval --protocol benchmarks/tasks/decode_timing.json \
+    --engine model=/tmp/loop-engine-bench/ouro-1.4b max_num_seqs=64 \
+    --a enforce_eager=false --b enforce_eager=true --abba 2 --out "$OUT/paired-graphs_vs_eager.json"
 else
   step 140 python -m pytest -q -m gpu tests/ --timeout 100
   step 110 python benchmarks/attention.py --out "$OUT/attention.json"
