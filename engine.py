@@ -1,4 +1,5 @@
-"""loop-engine: the Python API (Engine, in vLLM's shape) and the CLI, `python engine.py generate`.
+"""loop-engine: the Python API (Engine, in vLLM's shape) and the CLI, `python engine.py generate` and
+`python engine.py eval` (a paired eval of two configs, benchmarks/paired_eval.py).
 
     from engine import Engine, SamplingParams
     with Engine() as engine:                     # the embedded tiny checkpoint, offline
@@ -88,7 +89,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, self.tokenizer)
         self.runner = ModelRunner(config, self.model, self.backend, self.kv_pool, self.layout,
-                                  scratch_block=num_blocks)
+                                  scratch_block=num_blocks, token_text=self.tokenizer.token_text)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_prefill_tokens = self.num_decode_tokens = 0
@@ -182,6 +183,10 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         request_policy(params.exit_policy, self.exit_policy, self.config.total_ut_steps)
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.config.vocab_size:
+                raise ValueError(f"SamplingParams.{name}={getattr(params, name)} is more than the vocabulary "
+                                 f"({self.config.vocab_size} tokens)")
         return params
 
     def _add(self, token_ids: list[int], text: str | None, params: SamplingParams,
@@ -233,10 +238,13 @@ class Engine:
         return touched
 
     def _output(self, request: Request) -> RequestOutput:
+        params = request.params
         completion = CompletionOutput(0, request.output_text, request.output_token_ids, request.finish_reason,
-                                      request.stop_reason, request.error, list(request.traces) or None)
+                                      request.stop_reason, request.error, list(request.traces) or None,
+                                      list(request.logprobs) if params.logprobs is not None else None)
+        prompt_logprobs = [None, *request.prompt_logprobs] if params.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             request.is_finished, request.num_cached_tokens)
+                             request.is_finished, request.num_cached_tokens, prompt_logprobs)
 
     # -- convenience ---------------------------------------------------------------------------------
 
@@ -351,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="last: generated tokens keep only their last loop's K/V (arXiv 2510.25741 §5.4.2)")
     gen.add_argument("--loop-trace", action="store_true",
                      help="print each generated token's exit loop and exit pdf")
+    sub.add_parser("eval", add_help=False,
+                   help="paired eval of two configs on a frozen protocol (engine.py eval --help)")
     return parser
 
 
@@ -399,6 +409,12 @@ def _print_traces(engine: Engine, completion: CompletionOutput) -> None:
 
 
 def main(argv: Iterable[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["eval"]:  # its own parser; imported only when asked for
+        from benchmarks.paired_eval import main as eval_main
+
+        eval_main(argv[1:])
+        return
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         try:

@@ -120,7 +120,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = None  # per generated token: its logprob and the top N (runner/sampler.py)
+    prompt_logprobs: int | None = None  # per prompt token after the first: the same, given the tokens before
     loop_trace: bool = False  # per token: exit pdf, exit loop, each loop's top token (LoopTrace)
     exit_policy: str | None = None  # readout-only override: full | threshold:Q | step:K | weighted
 
@@ -145,6 +146,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop_token_ids must be token ids, got {self.stop_token_ids!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
         if self.exit_policy is not None:  # the loop count is checked by the engine
             parse_exit_policy(self.exit_policy, name="SamplingParams.exit_policy")
 
@@ -205,6 +208,8 @@ class Request:
     arrival: int = dataclasses.field(default_factory=lambda: next(_request_counter))
     num_preemptions: int = 0
     traces: list[Any] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)  # one per output token
+    prompt_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)  # prompt tokens 1..
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -262,6 +267,17 @@ class ScheduledBatch:
 # -- what comes back ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(slots=True)
+class Logprob:
+    """vLLM's Logprob: a token's log-probability under the raw model distribution (log_softmax of the
+    readout logits, before temperature and the top-k/top-p/min-p filters), its 1-based rank there, and
+    its text decoded alone."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass(slots=True)
 class LoopTrace:
     """One generated token's loops, as plain lists (one entry per loop this token ran).
 
@@ -315,6 +331,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     error: str | None = None
     traces: list[LoopTrace] | None = None  # one per token with SamplingParams(loop_trace=True)
+    # SamplingParams(logprobs=N): per token, {token id: Logprob}, the sampled token first, then the top N.
+    logprobs: list[dict[int, Logprob]] | None = None
 
     def trace_tensors(self) -> TraceTensors:
         """The traces stacked into tensors."""
@@ -331,3 +349,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # SamplingParams(prompt_logprobs=N): None for the first prompt token, then as CompletionOutput.logprobs.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -24,13 +24,15 @@ from pathlib import Path
 
 
 def measure(engine, rows: int, context: int, steps: int, seed: int) -> float:
-    """Mean host ms per decode step of `rows` rows whose prompts are `context` tokens long."""
+    """Mean host ms per decode step of `rows` rows whose prompts are `context` tokens long. Requests run
+    until aborted, so that no row finishes while the later ones are still prefilling: every timed step
+    decodes all `rows` rows."""
     from engine import SamplingParams
 
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    for _ in range(rows):
-        engine.add_request([rng.randrange(3, engine.config.vocab_size) for _ in range(context)], params)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    ids = [engine.add_request([rng.randrange(3, engine.config.vocab_size) for _ in range(context)], params)
+           for _ in range(rows)]
     produced = 0
     while produced < rows:  # prefill (stubbed loops) until every row has its first token
         produced += sum(1 for out in engine.step() if len(out.outputs[0].token_ids) == 1)
@@ -38,8 +40,12 @@ def measure(engine, rows: int, context: int, steps: int, seed: int) -> float:
         engine.step()
     start = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        decoded = len(engine.step())
+        if decoded != rows:
+            raise RuntimeError(f"a timed step decoded {decoded} rows, not {rows}")
     elapsed = time.perf_counter() - start
+    for request_id in ids:
+        engine.abort(request_id)
     while engine.has_unfinished():
         engine.step()
     return elapsed * 1e3 / steps
@@ -68,7 +74,8 @@ def main() -> None:
     config = json.loads((path / "config.json").read_text())
     config["max_position_embeddings"] = 65536  # Ouro's; the tiny preset's 4096 would cap a 4K context
     (path / "config.json").write_text(json.dumps(config))
-    longest = max(args.contexts) + args.steps + 16
+    # The first rows decode while the last ones prefill (8192 tokens a step), then 4 + steps more.
+    longest = max(args.contexts) + -(-args.rows * max(args.contexts) // 8192) + args.steps + 16
     blocks = args.rows * -(-longest // 16) + 16
     rows = []
     with Engine(path, device="cpu", dtype="float32", max_num_seqs=args.rows, max_num_batched_tokens=8192,

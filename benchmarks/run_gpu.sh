@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call: the gpu-marked tests, then the benchmarks, each bounded in time; JSON lands in $OUT.
-#   LOOP_ENGINE_COMMIT=<hash> PART=a|b bash benchmarks/run_gpu.sh
+#   LOOP_ENGINE_COMMIT=<hash> PART=a|b|c bash benchmarks/run_gpu.sh
 #   a: gpu tests, gemv/attention/fused benchmarks, latency; b: gpu tests, attention sweep, throughput, early exit
 #   loops: gpu tests, early exit and kv_sharing rows, and (with BASE=<an older checkout>) full-policy TPOT
 #   of BASE vs this tree in ABBA order; ab: that comparison, then latency
+#   c: the paired eval of CUDA graphs against eager (ABBA timing, token identity; docs/paired_eval.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -43,6 +44,11 @@ elif [ "$PART" = ab ]; then
   step 330 python benchmarks/decode_ab.py --a "${BASE:?set BASE}" --b . --out "$OUT/decode_ab.json"
   step 200 python benchmarks/latency.py --preset ouro-1.4b --prompts 512 2048 --batches 1 16 64 --modes graph \
     --out "$OUT/latency.json"
+elif [ "$PART" = c ]; then
+  wait
+  step 500 python engine.py eval --protocol benchmarks/tasks/decode_timing.json \
+    --engine model=/tmp/loop-engine-bench/ouro-1.4b max_num_seqs=64 \
+    --a enforce_eager=false --b enforce_eager=true --abba 2 --out "$OUT/paired-graphs_vs_eager.json"
 else
   step 140 python -m pytest -q -m gpu tests/ --timeout 100
   step 110 python benchmarks/attention.py --out "$OUT/attention.json"

@@ -66,8 +66,8 @@ class BlockManager:
         """Give a newly admitted request the cached blocks of its longest cached prefix; return how many
         tokens they hold. At least one token is left uncached so that the step still yields logits."""
         assert not request.block_table, f"request {request.request_id} already holds blocks"
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return 0  # as vLLM: prompt logprobs need the logits of every prompt token, so none is cached
         token_ids = request.token_ids
         parent = None
         for i in range(self._cacheable_tokens(request, len(token_ids) - 1) // self.block_size):

@@ -83,7 +83,8 @@ class OuroConfig:
                 raise ValueError(f"loops must be an integer >= 1, got {loops!r}")
             if loops > self.trained_ut_steps:
                 warnings.warn(f"loops={loops} exceeds the {self.trained_ut_steps} loops this checkpoint "
-                              "was trained with; quality is unvalidated there (docs/ouro.md §3)", stacklevel=2)
+                              "was trained with; quality is unvalidated there (docs/ouro.md §3)",
+                              stacklevel=2)
             changes["total_ut_steps"] = loops
         if exit_threshold is not None:
             changes["early_exit_threshold"] = exit_threshold

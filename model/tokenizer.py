@@ -46,6 +46,7 @@ class Tokenizer:
         stop = _ids(generation.get("eos_token_id")) + _ids(model_config.get("eos_token_id"))
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stop))
         self._template = None
+        self._token_texts: dict[int, str] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -56,6 +57,13 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text decoded alone (vLLM's Logprob.decoded_token), decoded once per token id."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id])
+        return text
 
     def stream(self, skip_special_tokens: bool = True) -> Callable[[int], str]:
         """A fresh incremental decoder (tokenizers' DecodeStream): fed each next token id, it returns the text

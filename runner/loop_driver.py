@@ -30,8 +30,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [N] int64, the new tokens of every row, row after row
     positions: torch.Tensor  # [N] int64
     meta: AttentionMetadata
-    readout: torch.Tensor | None  # [R] int64: token index of each sampling row's last new token; None: all
+    readout: torch.Tensor | None  # [R] int64: the tokens that read out (each sampling row's last); None: all
     generated_rows: list[int]  # rows whose one new token is a generated token: those a hook may stop
+    reads_out_every_token: bool = False  # readout is 0..N-1, in order
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from attention.base import AttentionBackend, AttentionMetadata, SharedKVMetadata
@@ -15,14 +17,17 @@ from request import FULL, ExitPolicy, Request, ScheduledBatch, request_policy
 from runner.block_tables import BlockTables
 from runner.cuda_graph import DecodeGraphs
 from runner.loop_driver import EagerLoops, EarlyExit, LoopStats, StepInputs, run_loops
-from runner.sampler import sample
+from runner.sampler import logprob_dicts, logprobs_topn, sample
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: OuroForCausalLM, backend: AttentionBackend,
-                 pool: KVPool, layout: KVLayout, scratch_block: int) -> None:
-        """scratch_block: a pool block no request owns, which CUDA-graph padding rows write."""
+                 pool: KVPool, layout: KVLayout, scratch_block: int,
+                 token_text: Callable[[int], str] | None = None) -> None:
+        """scratch_block: a pool block no request owns, which CUDA-graph padding rows write. token_text: one
+        token's text, for Logprob.decoded_token."""
         self.config = config
+        self.token_text = token_text
         self.model = model
         self.backend = backend
         self.layout = layout
@@ -73,6 +78,7 @@ class ModelRunner:
         query_start = [0]
         context_lens: list[int] = []
         readout: list[int] = []
+        prompt_readout: list[int] = []  # tokens whose next prompt token's logprob is asked for, after readout
         generated_rows: list[int] = []
         for row, (request, num_new, samples) in enumerate(zip(batch.requests, batch.num_new_tokens,
                                                                batch.sample)):
@@ -85,6 +91,8 @@ class ModelRunner:
             context_lens.append(end)
             if samples:
                 readout.append(query_start[-1] - 1)
+            first = query_start[-2] - start
+            prompt_readout += [first + p for p in prompt_logprob_positions(request, start, end)]
             if num_new == 1 and start >= request.num_prompt_tokens:
                 generated_rows.append(row)
         shared = None
@@ -102,8 +110,10 @@ class ModelRunner:
             block_size=self.config.block_size,
             shared_kv=shared,
         )
+        readout += prompt_readout
         return StepInputs(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
-                          self._tensor(readout, torch.int64), generated_rows)
+                          self._tensor(readout, torch.int64), generated_rows,
+                          readout == list(range(len(input_ids))))
 
     def forward(self, inputs: StepInputs) -> LoopStates:
         """Every loop over the batch (fewer for rows an exit hook stops): a captured graph for a decode step
@@ -116,7 +126,7 @@ class ModelRunner:
         if graphs is not None and inputs.meta.is_decode and graphs.bucket_for(inputs.meta.num_rows):
             if graphs.mode == "step":
                 states = graphs.replay_step(inputs)
-                if len(inputs.readout) == inputs.meta.num_rows:  # every row samples: rows are in order
+                if inputs.reads_out_every_token:
                     return states
                 return LoopStates(states.hidden[:, inputs.readout], states.gate_logits[:, inputs.readout])
             return run_loops(graphs, self.model, inputs, range(self.loops), self.hook)
@@ -124,21 +134,56 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """The next token of every request whose chunk reaches the end of its sequence, else None."""
+        """The next token of every request whose chunk reaches the end of its sequence, else None. Logprobs
+        asked for by SamplingParams(logprobs, prompt_logprobs) are appended to the requests."""
         inputs = self.prepare(batch)
         states = self.forward(inputs)
         sampling = [r for r, samples in zip(batch.requests, batch.sample) if samples]
+        rows = len(sampling)  # the readout's first rows; prompt-logprob tokens follow
+        if len(inputs.readout) > rows:
+            prompt_states = LoopStates(states.hidden[:, rows:], states.gate_logits[:, rows:])
+            self._attach_prompt_logprobs(batch, prompt_states)
         if not sampling:
             return [None] * len(batch.requests)
         policies = self._readout_policies(batch, inputs.generated_rows)
-        logits, traces = readout_logits(self.model.compute_logits, states.hidden, states.gate_logits,
-                                        policies, [r.params.loop_trace for r in sampling])
+        logits, traces = readout_logits(self.model.compute_logits, states.hidden[:, :rows],
+                                        states.gate_logits[:, :rows], policies,
+                                        [r.params.loop_trace for r in sampling])
         for request, trace in zip(sampling, traces):
             if trace is not None:
                 request.traces.append(trace)
-        tokens = iter(sample(logits, [r.params for r in sampling],
-                             [self._generator(r) for r in sampling]).tolist())
+        sampled = sample(logits, [r.params for r in sampling], [self._generator(r) for r in sampling])
+        self._attach_logprobs(sampling, logits, sampled)
+        tokens = iter(sampled.tolist())
         return [next(tokens) if samples else None for samples in batch.sample]
+
+    def _attach_logprobs(self, sampling: list[Request], logits: torch.Tensor, sampled: torch.Tensor) -> None:
+        """SamplingParams(logprobs=N): the sampled token's logprob and the top N, appended to the request."""
+        rows = [i for i, r in enumerate(sampling) if r.params.logprobs is not None]
+        if not rows:
+            return
+        counts = [sampling[i].params.logprobs for i in rows]
+        top = logprobs_topn(logits[rows], sampled[rows], max(counts))
+        for i, entry in zip(rows, logprob_dicts(top, counts, self.token_text)):
+            sampling[i].logprobs.append(entry)
+
+    def _attach_prompt_logprobs(self, batch: ScheduledBatch, states: LoopStates) -> None:
+        """SamplingParams(prompt_logprobs=N): each prompt token's logprob given the tokens before it, read out
+        under the request's exit policy from the states of the prompt readout tokens (prepare's order)."""
+        requests, next_tokens = [], []
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            start = request.num_computed_tokens
+            for p in prompt_logprob_positions(request, start, start + num_new):
+                requests.append(request)
+                next_tokens.append(request.prompt_token_ids[p + 1])
+        engine_policy = self.config.exit_policy
+        policies = [request_policy(r.params.exit_policy, engine_policy, self.loops) for r in requests]
+        logits, _ = readout_logits(self.model.compute_logits, states.hidden, states.gate_logits, policies,
+                                   [False] * len(requests))
+        counts = [r.params.prompt_logprobs for r in requests]
+        top = logprobs_topn(logits, torch.tensor(next_tokens, device=logits.device), max(counts))
+        for request, entry in zip(requests, logprob_dicts(top, counts, self.token_text)):
+            request.prompt_logprobs.append(entry)
 
     def _readout_policies(self, batch: ScheduledBatch, generated_rows: list[int]) -> list[ExitPolicy]:
         """Each sampling row's readout policy. A generated row under early:Q stopped looping exactly where
@@ -169,3 +214,11 @@ class ModelRunner:
         self.block_tables.release(request)
         if self.generated_tables is not None:
             self.generated_tables.release(request)
+
+
+def prompt_logprob_positions(request: Request, start: int, end: int) -> range:
+    """Positions in [start, end) whose logits give a prompt token's logprob (position p predicts token p + 1)
+    and that are not recorded yet (a preempted request recomputes its prompt)."""
+    if request.params.prompt_logprobs is None:
+        return range(0)
+    return range(max(start, len(request.prompt_logprobs)), min(end, request.num_prompt_tokens - 1))
