@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -322,6 +324,38 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def engine_arguments() -> list[str]:
+    """The keyword arguments an Engine takes (verbose aside)."""
+    return [name for name in inspect.signature(Engine.__init__).parameters if name not in ("self", "verbose")]
+
+
+def check_engine_kwargs(kwargs: dict[str, Any], flag: str) -> None:
+    """Raise ValueError naming `--flag` for a key that is no Engine argument."""
+    known = engine_arguments()
+    for key in kwargs:
+        if key not in known:
+            raise ValueError(f"--{flag}: {key!r} is not an Engine argument; choose from {', '.join(known)}")
+
+
+def engine_kwargs(pairs: Iterable[str], flag: str) -> dict[str, Any]:
+    """KEY=VALUE strings from a command line as Engine keyword arguments. A value is read as JSON when it
+    parses (4, 0.5, true and null are numbers, booleans and None), else kept as a string. A pair without a
+    key, an unknown key or a repeated one raises ValueError naming `--flag`."""
+    kwargs: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--{flag}: {pair!r} must be KEY=VALUE")
+        if key in kwargs:
+            raise ValueError(f"--{flag}: {key!r} is given twice")
+        try:
+            kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key] = value
+    check_engine_kwargs(kwargs, flag)
+    return kwargs
 
 
 def _progress(total: int):

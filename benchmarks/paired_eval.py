@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
-import json
 import sys
 import time
 from pathlib import Path
@@ -34,12 +32,8 @@ from benchmarks.common import environment  # noqa: E402
 from benchmarks.eval_protocol import EvalItem, Protocol, load_protocol  # noqa: E402
 from benchmarks.eval_task import AnswerRule  # noqa: E402
 from benchmarks.paired_report import PairedReport, Side, pair_items  # noqa: E402
-from engine import Engine  # noqa: E402
+from engine import Engine, check_engine_kwargs, engine_kwargs  # noqa: E402
 from request import SamplingParams  # noqa: E402
-
-ENGINE_ARGS = [name for name in inspect.signature(Engine.__init__).parameters
-               if name not in ("self", "verbose")]
-
 
 def paired_eval(protocol: str | Path | Protocol, a: dict[str, Any], b: dict[str, Any], *,
                 common: dict[str, Any] | None = None, task: str | Path | None = None, abba_rounds: int = 1,
@@ -49,7 +43,7 @@ def paired_eval(protocol: str | Path | Protocol, a: dict[str, Any], b: dict[str,
     abba_rounds 0 skips the timing."""
     protocol = protocol if isinstance(protocol, Protocol) else load_protocol(protocol, task)
     for flag, args in (("a", a), ("b", b), ("common", common or {})):
-        check_engine_args(args, flag)
+        check_engine_kwargs(args, flag)
     every = protocol.items()
     items = every[:limit] if limit is not None else every
     base = {"loops": protocol.loops} if protocol.loops is not None else {}
@@ -92,34 +86,14 @@ def label(args: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in args.items()) or "defaults"
 
 
-def check_engine_args(args: dict[str, Any], flag: str) -> None:
-    for key in args:
-        if key not in ENGINE_ARGS:
-            raise ValueError(f"--{flag}: {key!r} is not an Engine argument; choose from "
-                             f"{', '.join(ENGINE_ARGS)}")
-
-
 def parse_config(tokens: Iterable[str], flag: str) -> dict[str, Any]:
-    """KEY=VALUE Engine arguments (a value is read as JSON when it parses, so 4, 0.5, true and null are
-    numbers, booleans and None; else it is a string); a token without "=" is the model (a checkpoint
+    """KEY=VALUE Engine arguments (engine.engine_kwargs); a token without "=" is the model (a checkpoint
     directory or a Hugging Face id)."""
-    config: dict[str, Any] = {}
-    for token in tokens:
-        key, eq, value = token.partition("=")
-        if not eq:
-            key, value = "model", token
-        elif not key:
-            raise ValueError(f"--{flag}: {token!r} has no KEY before '='")
-        else:
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                pass
-        if key in config:
-            raise ValueError(f"--{flag}: {key!r} is given twice")
-        config[key] = value
-    check_engine_args(config, flag)
-    return config
+    tokens = list(tokens)
+    models = [token for token in tokens if "=" not in token]
+    if len(models) > 1:
+        raise ValueError(f"--{flag}: 'model' is given twice")
+    return engine_kwargs([t for t in tokens if "=" in t] + [f"model={m}" for m in models], flag)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,6 @@ its batch finish as usual.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 from pathlib import Path
@@ -41,7 +40,7 @@ import ray
 import ray.data
 from ray.data import SaveMode
 
-from engine import Engine, RequestOutput, SamplingParams
+from engine import Engine, RequestOutput, SamplingParams, engine_kwargs
 
 OUTPUT_COLUMNS = ("prompt", "text", "token_ids", "finish_reason", "error", "loops", "exit_policy",
                   "mean_loops_run", "mean_readout_loops")
@@ -183,21 +182,12 @@ def write_results(ds: ray.data.Dataset, output: str | Path, output_format: str =
 
 
 def parse_engine_args(pairs: list[str]) -> dict[str, Any]:
-    """["block_size=32", "kv_sharing=last"] -> {"block_size": 32, "kv_sharing": "last"}: each value is
-    read as JSON if it parses, else kept as a string."""
-    kwargs: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--engine-arg {pair!r} must be KEY=VALUE")
+    """["block_size=32", "kv_sharing=last"] -> {"block_size": 32, "kv_sharing": "last"}
+    (engine.engine_kwargs); the Engine arguments that have their own flag here are refused."""
+    kwargs = engine_kwargs(pairs, "engine-arg")
+    for key in kwargs:
         if key in OWN_FLAGS:
             raise ValueError(f"--engine-arg {key}: use --{key.replace('_', '-')} instead")
-        if key not in inspect.signature(Engine).parameters:
-            raise ValueError(f"--engine-arg {key}: Engine has no argument {key!r}")
-        try:
-            kwargs[key] = json.loads(value)
-        except json.JSONDecodeError:
-            kwargs[key] = value
     return kwargs
 
 

@@ -126,7 +126,7 @@ def test_engine_args_parse_as_json_else_string():
         ray_batch.parse_engine_args(["loops"])
     with pytest.raises(ValueError, match="use --exit-policy instead"):
         ray_batch.parse_engine_args(["exit_policy=full"])
-    with pytest.raises(ValueError, match="Engine has no argument 'loop'"):
+    with pytest.raises(ValueError, match="'loop' is not an Engine argument"):
         ray_batch.parse_engine_args(["loop=3"])
 
 
