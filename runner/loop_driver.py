@@ -30,7 +30,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [N] int64, the new tokens of every row, row after row
     positions: torch.Tensor  # [N] int64
     meta: AttentionMetadata
-    readout: torch.Tensor | None  # [R] int64: the tokens that read out (each sampling row's last); None: all
+    # [R] int64: the tokens that read out (each sampling row's last). None: every token, only for a whole
+    # step without a hook (a captured step graph), whose executor returns a fresh tensor per loop.
+    readout: torch.Tensor | None
     generated_rows: list[int]  # rows whose one new token is a generated token: those a hook may stop
     reads_out_every_token: bool = False  # readout is 0..N-1, in order
 
@@ -100,12 +102,14 @@ def run_loops(executor: LoopExecutor, model: OuroForCausalLM, inputs: StepInputs
     """Per-loop states of the readout tokens: hidden [len(loops), R, H] and gate logits [len(loops), R]. A row
     a hook stopped repeats its last loop's hidden state in later loops, with NaN gate logits there."""
     executor.begin(inputs)
-    readout = inputs.readout
+
+    def read(x: torch.Tensor) -> torch.Tensor:  # the readout tokens' rows of a per-token tensor
+        return x if inputs.readout is None else x[inputs.readout]
+
     hidden, gates = [], []
     if hook is None:
         for t in loops:
-            out = executor.run_loop(t).h
-            out = out if readout is None else out[readout]
+            out = read(executor.run_loop(t).h)
             hidden.append(out)
             gates.append(model.early_exit_gate(out).squeeze(-1))
         return LoopStates(torch.stack(hidden), torch.stack(gates))
@@ -117,13 +121,13 @@ def run_loops(executor: LoopExecutor, model: OuroForCausalLM, inputs: StepInputs
         h = out.h
         gate = out.gate_logits if out.gate_logits is not None else model.early_exit_gate(h).squeeze(-1)
         if rows.all_live:
-            hidden.append(h[readout])
-            gates.append(gate[readout])
+            hidden.append(read(h))
+            gates.append(read(gate))
         else:
             state.index_copy_(0, rows.token_index, h)
             gate_state.fill_(math.nan).index_copy_(0, rows.token_index, gate)
-            hidden.append(state[readout])
-            gates.append(gate_state[readout])
+            hidden.append(read(state))
+            gates.append(read(gate_state))
         leaving = hook.after_loop(t, gate if rows.all_live else gate_state, rows.live, out.reached)
         if leaving:
             if rows.all_live:  # before the executor compacts h: loop t's output of every token
