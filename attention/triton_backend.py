@@ -15,6 +15,10 @@ heads fill the SMs by themselves and split_min_keys (512) keeps each program str
 merge traffic stays small. Rows are deliberately left out of the count: it depends on the row's own
 context only, so a row's output is the same bits in any batch and in eager and graph mode alike (the
 graph's grid simply has room for the longest context its block table can hold).
+
+kv_sharing="last" (SharedKVMetadata): the decode kernel reads a row's generated tokens from their pages and
+stores a generated token there (its slot mapping is -1, which kv_store skips); prefill rows hold prompt
+tokens only, so the prefill kernels never see generated pages.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What runs next: requests and their state machine, and the continuous-batching scheduler.
+"""What runs next: the continuous-batching scheduler (the request types it moves are request.py's).
 
-This package never imports the model; it sees token ids, block ids and a detokenize callable.
+This package never imports the model or the step runner; it sees token ids, block ids and a detokenizer.
 """
