@@ -174,6 +174,11 @@ class DecodeGraphs:
     def begin(self, inputs: StepInputs) -> None:
         meta = inputs.meta
         n = meta.num_rows
+        if inputs.hidden is not None:  # a run that starts at a later loop: its graphs read self.hidden
+            if self.mode == "step":
+                raise ValueError("a whole-step graph starts from the embeddings; run later loops in "
+                                 "loop mode")
+            self.hidden[:n].copy_(inputs.hidden)
         self.input_ids[:n].copy_(inputs.input_ids)
         self.positions[:n].copy_(inputs.positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)

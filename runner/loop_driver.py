@@ -5,8 +5,9 @@ either runs each loop eagerly (EagerLoops) or replays a captured graph of it (ru
 keeps every sampling row's per-loop readout state and gate logit. After each loop an optional hook sees the
 gate logits and may stop rows: early:Q (EarlyExit) stops the generated tokens whose exit CDF reached Q and
 copies their K/V forward through the KV layout. Without a hook every row runs every loop, with no host sync,
-so the whole call can itself be captured into one graph (a whole decode step). Running loops 0..d-1 and
-then d..T-1 from the returned states gives what running 0..T-1 does: a draft of the first d loops is exact.
+so the whole call can itself be captured into one graph (a whole decode step). Running loops 0..d-1, then
+loops d..T-1 from loop d-1's output (StepInputs.hidden), gives bit for bit what running 0..T-1 does: each loop
+reads only its own slots' K/V and the previous loop's output, so a draft of the first d loops is exact.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class StepInputs:
     readout: torch.Tensor | None
     generated_rows: list[int]  # rows whose one new token is a generated token: those a hook may stop
     reads_out_every_token: bool = False  # readout is 0..N-1, in order
+    # [N, H]: the state the first loop starts from (a later loop's input, e.g. to verify a draft of the first
+    # loops); None: the tokens' embeddings.
+    hidden: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +86,7 @@ class EagerLoops:
         self.backend = backend
 
     def begin(self, inputs: StepInputs) -> None:
-        self.h = self.model.embed_tokens(inputs.input_ids)
+        self.h = inputs.hidden if inputs.hidden is not None else self.model.embed_tokens(inputs.input_ids)
         self.cos, self.sin = self.model.rotary(inputs.positions, self.h.dtype)
         self.meta = inputs.meta
         self.backend.prepare(self.meta)
