@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import importlib.util
 import inspect
 import itertools
 import json
@@ -35,12 +37,58 @@ from runner.loop_driver import LoopStats
 from runner.model_runner import ModelRunner
 from scheduler.scheduler import Scheduler
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "DEFAULT_MODEL"]
+__all__ = ["Engine", "LLM", "SamplingParams", "RequestOutput", "DEFAULT_MODEL"]
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "model" / "checkpoints" / "tiny-ouro"
 CPU_KV_BUDGET_BYTES = 256 * 2**20
 
-Prompt = str | list[int]
+# A prompt as vLLM takes it: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
+Prompt = str | list[int] | dict[str, Any]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+Prepared = tuple[list[int], str | None, SamplingParams]  # a prompt's token ids, its text, its checked params
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class SequenceGroup:
+    """One request as its caller sees it: the n sequences sampled from its prompt (one scheduler Request
+    each), and the inbox of the call that reads its outputs (generate(), a stream(), or step())."""
+
+    request_id: str
+    requests: list[Request]
+    inbox: dict[str, SequenceGroup]
+
+    @property
+    def finished(self) -> bool:
+        return all(r.is_finished for r in self.requests)
+
+
+# A call's groups whose requests advanced or finished since it last looked, by request id, oldest first.
+Inbox = dict[str, SequenceGroup]
+
+
+def sequence_ids(request_id: str, n: int) -> list[str]:
+    """The scheduler ids of a request's n sequences: its own id when n == 1, else vLLM's f"{i}_{id}"."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+
+
+def sequence_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sequence `index`'s own parameters: n = 1 and, with a seed, seed + index (vLLM's derivation, so
+    sample i of a seeded request is reproducible on its own)."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                    for t in value)
+
+
+def _take_all(inbox: Inbox) -> list[SequenceGroup]:
+    groups = list(inbox.values())
+    inbox.clear()
+    return groups
 
 
 class Engine:
@@ -49,6 +97,8 @@ class Engine:
     Construction resolves and validates every option once (engine_config.EngineConfig), then builds each
     component from that frozen config: attention backend, model, KV pool and layout, block manager,
     scheduler, and the step runner (which captures CUDA graphs on CUDA)."""
+
+    _closed = False
 
     def __init__(self, model: str | Path | None = None, device: str | torch.device | None = None,
                  dtype: str | torch.dtype = "auto", attention: str = "auto", loops: int | None = None,
@@ -92,7 +142,10 @@ class Engine:
                                    config.max_model_len, self.tokenizer)
         self.runner = ModelRunner(config, self.model, self.backend, self.kv_pool, self.layout,
                                   scratch_block=num_blocks, token_text=self.tokenizer.token_text)
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}  # every sequence the scheduler may still hand back, by id
+        self._groups: dict[str, SequenceGroup] = {}  # by request id, until its finished output is handed out
+        self._group_of: dict[str, SequenceGroup] = {}  # by sequence id, as long as the group
+        self._step_inbox: Inbox = {}  # add_request()'s groups, read by step()
         self._ids = itertools.count()
         self.num_prefill_tokens = self.num_decode_tokens = 0
         if verbose:
@@ -164,21 +217,44 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------------
 
-    def _encode(self, prompt: Prompt, index: int) -> tuple[list[int], str | None]:
+    def _encode(self, prompt: Prompt, name: str) -> tuple[list[int], str | None]:
+        """A prompt's token ids and its text (None for token ids). `name` (prompts[i], or prompt) names
+        it in the error."""
+        if isinstance(prompt, dict):
+            keys = sorted(prompt)
+            unknown = [k for k in keys if k not in PROMPT_KEYS]
+            if unknown or len(keys) != 1:
+                problem = f"unknown keys {unknown}" if unknown else f"keys {keys}"
+                raise ValueError(f"{name} has {problem}: a dict prompt holds exactly one of 'prompt' (text) "
+                                 "or 'prompt_token_ids' (a list of token ids)")
+            key, value = keys[0], prompt[keys[0]]
+            if key == "prompt" and not isinstance(value, str):
+                raise ValueError(f"{name}['prompt'] must be a string, got {type(value).__name__}")
+            if key == "prompt_token_ids" and not _is_token_ids(value):
+                raise ValueError(f"{name}['prompt_token_ids'] must be a list of token ids")
+            prompt = value
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt), prompt
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in prompt):
+        if _is_token_ids(prompt):
             return list(prompt), None
-        raise ValueError(f"prompts[{index}] must be a string or a list of token ids, "
-                         f"got {type(prompt).__name__}")
+        raise ValueError(f"{name} must be a string, a list of token ids, or a dict with 'prompt' or "
+                         f"'prompt_token_ids', got {type(prompt).__name__}")
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue one request; returns its id. A bad prompt fails this request alone
-        (finish_reason 'error')."""
-        token_ids, text = self._encode(prompt, 0)
-        return self._add(token_ids, text, self._check_params(params), request_id)
+        """Queue one request for step(); returns its id, under which step() hands back its outputs (with
+        n > 1, all n completions together). A bad prompt fails this request alone (finish_reason 'error');
+        a request_id in use raises ValueError and adds nothing."""
+        self._check_open()
+        token_ids, text = self._encode(prompt, "prompt")
+        params = self._check_params(params)
+        if request_id is None:
+            request_id = self._new_ids([params.n])[0]
+        elif not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        elif not self._id_is_free(request_id, params.n):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        return self._add(request_id, token_ids, text, params, self._step_inbox).request_id
 
     def _check_params(self, params: SamplingParams | None) -> SamplingParams:
         params = params if params is not None else SamplingParams()
@@ -191,30 +267,60 @@ class Engine:
                                  f"({self.config.vocab_size} tokens)")
         return params
 
-    def _add(self, token_ids: list[int], text: str | None, params: SamplingParams,
-             request_id: str | None = None) -> str:
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params, eos_token_ids=self.tokenizer.stop_token_ids,
-                          prompt=text)
-        self._requests[request_id] = request
+    def _id_is_free(self, request_id: str, n: int) -> bool:
+        """Neither the id nor its sequences' ids name a request, sequence or unread group."""
+        return all(i not in self._requests and i not in self._groups and i not in self._group_of
+                   for i in (request_id, *sequence_ids(request_id, n)))
+
+    def _new_ids(self, ns: list[int]) -> list[str]:
+        """Automatic ids for requests of ns[i] sequences: the counter's next values, skipping any a caller
+        chose, so an automatic id never clashes. Digit strings, so they never clash with each other's
+        sequence ids (f"{i}_{id}") either."""
+        ids = []
+        for n in ns:
+            request_id = str(next(self._ids))
+            while not self._id_is_free(request_id, n):
+                request_id = str(next(self._ids))
+            ids.append(request_id)
+        return ids
+
+    def _add(self, request_id: str, token_ids: list[int], text: str | None, params: SamplingParams,
+             inbox: Inbox) -> SequenceGroup:
+        """Queue the request's n sequences (ids checked by the caller); `inbox` gets its outputs."""
         bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
         error = f"prompt token id {bad[0]} is outside the vocabulary (vocab_size {self.config.vocab_size})" \
             if bad else None
-        self.scheduler.add(request, error)
-        return request_id
+        group = self._groups[request_id] = SequenceGroup(request_id, [], inbox)
+        for index, sequence_id in enumerate(sequence_ids(request_id, params.n)):
+            request = Request(sequence_id, token_ids, sequence_params(params, index),
+                              eos_token_ids=self.tokenizer.stop_token_ids, prompt=text)
+            group.requests.append(request)
+            self._requests[sequence_id] = request
+            self._group_of[sequence_id] = group
+            self.scheduler.add(request, error)
+        return group
 
     def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+        """Finish a request (every one of its n sequences) with finish_reason "abort"; its last output
+        goes where its others go. An id that is unknown or finished is ignored."""
+        self._check_open()
+        group = self._groups.get(request_id)
+        for sequence_id in [r.request_id for r in group.requests] if group is not None else [request_id]:
+            self.scheduler.abort(sequence_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while a request waits or runs, or step() has an output it has not handed back."""
+        self._check_open()
+        return self.scheduler.has_unfinished() or bool(self._step_inbox)
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration: schedule, run the model's loops once, update. Returns an output for every
-        request that advanced or finished in this step."""
-        return [self._output(r) for r in self._step()]
+        request added with add_request() that advanced or finished since the last step(), this one's
+        included (a generate() or stream() in progress may have advanced them); the requests of a
+        generate() or stream() go to that call."""
+        self._check_open()
+        self._deliver(self._step())
+        return [self._hand_out(group) for group in _take_all(self._step_inbox)]
 
     def _step(self) -> list[Request]:
         """One iteration; the requests that advanced or finished in it. Outputs are built by the caller,
@@ -239,84 +345,185 @@ class Engine:
             self._requests.pop(r.request_id, None)
         return touched
 
-    def _output(self, request: Request) -> RequestOutput:
-        params = request.params
-        completion = CompletionOutput(0, request.output_text, request.output_token_ids, request.finish_reason,
-                                      request.stop_reason, request.error, list(request.traces) or None,
-                                      list(request.logprobs) if params.logprobs is not None else None)
-        prompt_logprobs = [None, *request.prompt_logprobs] if params.prompt_logprobs is not None else None
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             request.is_finished, request.num_cached_tokens, prompt_logprobs)
+    def _deliver(self, touched: list[Request]) -> None:
+        """Put the group of each request that advanced or finished into the inbox of the call that reads
+        it. A request whose group is gone (its call ended and aborted it) goes nowhere."""
+        for request in touched:
+            group = self._group_of.get(request.request_id)
+            if group is not None and request in group.requests:
+                group.inbox[group.request_id] = group
+
+    def _hand_out(self, group: SequenceGroup) -> RequestOutput:
+        """The group's output; once it has finished, the group is forgotten (its ids become free)."""
+        output = self._output(group)
+        if output.finished:
+            self._forget(group)
+        return output
+
+    def _forget(self, group: SequenceGroup) -> None:
+        del self._groups[group.request_id]
+        for request in group.requests:
+            del self._group_of[request.request_id]
+        group.inbox.pop(group.request_id, None)
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        first = group.requests[0]
+        params = first.params
+        completions = [CompletionOutput(index, r.output_text, r.output_token_ids, r.finish_reason,
+                                        r.stop_reason, r.error, list(r.traces) or None,
+                                        list(r.logprobs) if params.logprobs is not None else None)
+                       for index, r in enumerate(group.requests)]
+        prompt_logprobs = [None, *first.prompt_logprobs] if params.prompt_logprobs is not None else None
+        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions,
+                             group.finished, first.num_cached_tokens, prompt_logprobs)
 
     # -- convenience ---------------------------------------------------------------------------------
 
-    def _add_all(self, prompts: Prompt | list[Prompt],
-                 params: SamplingParams | list[SamplingParams] | None) -> list[str]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+    def _prepare(self, prompts: Prompt | list[Prompt],
+                 params: SamplingParams | list[SamplingParams] | None) -> list[Prepared]:
+        """Every prompt encoded and every parameter set checked, before anything is added: a bad input adds
+        nothing."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
-        if isinstance(params, list):
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+        if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-            per_prompt = params
+            per_prompt = list(params)
         else:
             per_prompt = [params] * len(prompts)
-        # Validate every prompt and parameter set before adding any, so a bad input adds nothing.
-        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        encoded = [self._encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         checked = [self._check_params(sp) for sp in per_prompt]
-        return [self._add(ids, text, sp) for (ids, text), sp in zip(encoded, checked)]
+        return [(ids, text, sp) for (ids, text), sp in zip(encoded, checked)]
+
+    def _add_all(self, prepared: list[Prepared], inbox: Inbox, groups: list[SequenceGroup]) -> None:
+        """Add every prepared prompt under a fresh automatic id, appending each group to `groups` as it is
+        added (so an interrupted call still knows what to abort)."""
+        ids = self._new_ids([params.n for _, _, params in prepared])
+        for request_id, (token_ids, text, params) in zip(ids, prepared):
+            groups.append(self._add(request_id, token_ids, text, params, inbox))
+
+    def _abandon(self, groups: list[SequenceGroup]) -> None:
+        """A generate() or stream() call has ended: abort and forget the groups it has not handed out, so
+        none holds KV blocks or runs in a later step."""
+        if self._closed:
+            return
+        for group in groups:
+            if self._groups.get(group.request_id) is group:
+                for request in group.requests:
+                    self.scheduler.abort(request.request_id)
+                self._forget(group)
 
     def stream(self, prompts: Prompt | list[Prompt],
                sampling_params: SamplingParams | list[SamplingParams] | None = None
                ) -> Iterator[RequestOutput]:
-        """Incremental outputs as they are produced: each carries the completion so far."""
-        ids = set(self._add_all(prompts, sampling_params))
-        while ids:
-            for request in self._step():
-                if request.request_id in ids:
-                    if request.is_finished:
-                        ids.discard(request.request_id)
-                    yield self._output(request)
+        """Incremental outputs as they are produced: each carries every completion so far (n of them),
+        and a request's last output has finished=True. Prompts and parameters are checked here; the
+        requests are added when iteration starts. Leaving early (break, an exception, closing the
+        generator) aborts this call's unfinished requests. Streams may interleave with each other and with
+        generate(): each call gets its own requests' outputs (latest state first come, first served)."""
+        self._check_open()
+        return self._stream(self._prepare(prompts, sampling_params))
+
+    def _stream(self, prepared: list[Prepared]) -> Iterator[RequestOutput]:
+        inbox: Inbox = {}
+        groups: list[SequenceGroup] = []
+        try:
+            self._add_all(prepared, inbox, groups)
+            unfinished = len(groups)
+            while unfinished:
+                if not inbox:
+                    self._deliver(self._step())
+                while inbox:
+                    output = self._hand_out(inbox.pop(next(iter(inbox))))
+                    unfinished -= output.finished
+                    yield output
+        finally:
+            self._abandon(groups)
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in input order."""
-        ids = self._add_all(prompts, sampling_params)
-        wanted = set(ids)
+        """One RequestOutput per prompt, in input order, each with its n completions. use_tqdm: a progress
+        bar in generated tokens, with tok/s. Any early exit (an exception, KeyboardInterrupt) aborts this
+        call's unfinished requests."""
+        self._check_open()
+        prepared = self._prepare(prompts, sampling_params)
+        inbox: Inbox = {}
+        groups: list[SequenceGroup] = []
         results: dict[str, RequestOutput] = {}
-        bar = _progress(len(ids)) if use_tqdm else None
-        prefill0, decode0, start = self.num_prefill_tokens, self.num_decode_tokens, time.perf_counter()
-        while len(results) < len(ids):
-            for request in self._step():
-                if request.is_finished and request.request_id in wanted:
-                    results[request.request_id] = self._output(request)
-                    if bar is not None:
-                        bar.update(1)
-            if bar is not None:
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix_str(f"prefill {(self.num_prefill_tokens - prefill0) / elapsed:.0f} tok/s, "
-                                    f"decode {(self.num_decode_tokens - decode0) / elapsed:.0f} tok/s",
-                                    refresh=False)
-        if bar is not None:
-            bar.close()
-        return [results[i] for i in ids]
+        progress = None
+        try:
+            self._add_all(prepared, inbox, groups)
+            if use_tqdm:
+                progress = TokenProgress(groups, self.max_model_len, self.num_prefill_tokens)
+            while len(results) < len(groups):
+                if not inbox:
+                    self._deliver(self._step())
+                for group in _take_all(inbox):
+                    if progress is not None:
+                        progress.advance(group)
+                    if group.finished:
+                        results[group.request_id] = self._hand_out(group)
+                if progress is not None:
+                    progress.show_prompt_rate(self.num_prefill_tokens)
+        finally:
+            self._abandon(groups)
+            if progress is not None:
+                progress.close()
+        return [results[group.request_id] for group in groups]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Render each conversation with the checkpoint's chat template (ChatML if none), then generate."""
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Render each conversation with `chat_template` (a jinja2 string), else the checkpoint's chat
+        template, else ChatML, then generate. chat_template_kwargs: extra variables for the template."""
+        self._check_open()
+        if chat_template is not None and (not isinstance(chat_template, str) or not chat_template):
+            raise ValueError(f"chat_template must be a non-empty string (a jinja2 template), "
+                             f"got {chat_template!r}")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, "
+                             f"got {type(chat_template_kwargs).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                prompts.append(self.tokenizer.apply_chat_template(
+                    conversation, add_generation_prompt, chat_template=chat_template,
+                    **(chat_template_kwargs or {})))
+            except ValueError as err:
+                raise ValueError(f"conversation {i}: {err}") from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def get_tokenizer(self) -> Tokenizer:
+        """The tokenizer: encode, decode, apply_chat_template, stop_token_ids."""
+        self._check_open()
+        return self.tokenizer
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Engine is closed")
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only when an attribute is missing: after close() every instance attribute is.
+        if self._closed and not name.startswith("__"):
+            raise RuntimeError("Engine is closed")
+        raise AttributeError(f"'Engine' object has no attribute {name!r}")
+
     def close(self) -> None:
-        """Free the model and the KV pool (device memory included)."""
-        for name in ("runner", "scheduler", "block_manager", "backend", "kv_pool", "model"):
-            if hasattr(self, name):
-                delattr(self, name)
+        """Free the model, the KV pool (device memory included) and the rest of the engine's state; any
+        later use raises RuntimeError("Engine is closed"). Closing twice does nothing."""
+        if self._closed:
+            return
+        cuda = self.device.type == "cuda"
+        self.__dict__.clear()
+        self._closed = True
         gc.collect()
-        if self.device.type == "cuda":
+        if cuda:
             torch.cuda.empty_cache()
 
     def __enter__(self) -> Engine:
@@ -358,9 +565,55 @@ def engine_kwargs(pairs: Iterable[str], flag: str) -> dict[str, Any]:
     return kwargs
 
 
-def _progress(total: int):
-    from tqdm.auto import tqdm
-    return tqdm(total=total, desc="requests", dynamic_ncols=True)
+LLM = Engine  # vLLM's name: `from engine import LLM`
+
+
+class TokenProgress:
+    """generate()'s progress bar, in generated tokens (tqdm shows tok/s). Its total starts at the most each
+    request may generate (n x max_tokens, capped by max_model_len) and drops by what a request leaves unused
+    when it finishes, so the bar moves with the tokens and ends at 100%."""
+
+    def __init__(self, groups: list[SequenceGroup], max_model_len: int, prompt_tokens: int) -> None:
+        """prompt_tokens: the engine's count of prompt tokens computed so far, for the prompt tok/s."""
+        self.budget = {g.request_id: sum(_token_budget(r, max_model_len) for r in g.requests) for g in groups}
+        self.counted = dict.fromkeys(self.budget, 0)
+        self.bar = progress_bar_class()(total=sum(self.budget.values()), desc="generating", unit="tok",
+                                        dynamic_ncols=True)
+        self.start, self.prompt_tokens0 = time.perf_counter(), prompt_tokens
+
+    def advance(self, group: SequenceGroup) -> None:
+        done = sum(r.num_output_tokens for r in group.requests)
+        new = done - self.counted[group.request_id]
+        self.counted[group.request_id] = done
+        if group.finished:
+            self.bar.total -= self.budget[group.request_id] - done
+        self.bar.update(new)
+
+    def show_prompt_rate(self, prompt_tokens: int) -> None:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"prompt {(prompt_tokens - self.prompt_tokens0) / elapsed:.0f} tok/s",
+                                 refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _token_budget(request: Request, max_model_len: int) -> int:
+    room = max(max_model_len - request.num_prompt_tokens, 0)
+    return room if request.params.max_tokens is None else min(request.params.max_tokens, room)
+
+
+def progress_bar_class() -> type:
+    """tqdm's notebook widget inside a Jupyter kernel that has ipywidgets, else the plain text bar: without
+    ipywidgets, tqdm.auto warns ("IProgress not found") and draws no widget."""
+    ipython = sys.modules.get("IPython")  # a Jupyter kernel has imported it; a script need not
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is not None and "IPKernelApp" in getattr(shell, "config", {}) \
+            and importlib.util.find_spec("ipywidgets") is not None:
+        from tqdm.notebook import tqdm
+    else:
+        from tqdm import tqdm
+    return tqdm
 
 
 # -- CLI -------------------------------------------------------------------------------------------

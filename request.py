@@ -106,9 +106,19 @@ def request_policy(spec: str | None, engine_policy: ExitPolicy, loops: int) -> E
 
 # -- sampling parameters ----------------------------------------------------------------------------
 
+GREEDY_BELOW = 1e-5  # vLLM's rule: a temperature below this is greedy (dividing by it would overflow fp32)
+MAX_SEED = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
+
+
 @dataclasses.dataclass(slots=True)
 class SamplingParams:
-    """vLLM's sampling fields. temperature 0 means greedy; top_k 0 or -1 and top_p 1 disable those filters."""
+    """vLLM's sampling fields and meanings. temperature < 1e-5 (0 included) is greedy; top_k 0 or -1 and
+    top_p 1 disable those filters. n > 1 samples n sequences from one prompt; with a seed, sample i uses
+    seed + i (as vLLM does). Penalties (vLLM's semantics, applied before temperature and the filters):
+    repetition_penalty divides a positive logit (multiplies a negative one) of every token seen in the
+    prompt or the output; frequency_penalty subtracts penalty x count and presence_penalty subtracts penalty
+    once, for each token in the output. min_tokens: stop tokens, EOS and stop strings take effect only
+    after that many generated tokens."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -124,6 +134,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token after the first: the same, given the tokens before
     loop_trace: bool = False  # per token: exit pdf, exit loop, each loop's top token (LoopTrace)
     exit_policy: str | None = None  # readout-only override: full | threshold:Q | step:K | weighted
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, low=0.0)
@@ -132,10 +148,26 @@ class SamplingParams:
             raise ValueError("SamplingParams.top_p must be in (0, 1], got 0")
         _check_int("top_k", self.top_k, low=-1)
         _check_number("min_p", self.min_p, low=0.0, high=1.0)
+        _check_int("n", self.n, low=1)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0)
+            if self.seed + self.n - 1 > MAX_SEED:
+                raise ValueError(f"SamplingParams.seed must be at most 2**64 - n = {MAX_SEED - self.n + 1} "
+                                 f"(torch.Generator's range; sample i of n uses seed + i), got {self.seed}")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must be at most max_tokens "
+                             f"({self.max_tokens})")
+        _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, low=0.0)
+        if self.repetition_penalty == 0:
+            raise ValueError("SamplingParams.repetition_penalty must be > 0, got 0")
+        for name in ("ignore_eos", "include_stop_str_in_output", "loop_trace", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -153,12 +185,17 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty changes the logits (they need the request's tokens)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def _check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-        raise ValueError(f"SamplingParams.{name} must be a number, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
     if value < low or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"SamplingParams.{name} must be {bound}, got {value!r}")

@@ -76,14 +76,17 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+                            chat_template: str | None = None, **kwargs: Any) -> str:
+        """The conversation rendered with `chat_template` (a jinja2 string) if given, else the checkpoint's
+        template, else ChatML."""
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                     or not isinstance(message.get("content"), str):
                 raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content'")
-        if not self.chat_template:
+        if chat_template is None and not self.chat_template:
             return render_chatml(messages, add_generation_prompt)
-        return self._compiled_template().render(
+        template = self._compile(chat_template) if chat_template is not None else self._compiled_template()
+        return template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self._special("bos_token"), eos_token=self._special("eos_token"), **kwargs)
 
@@ -93,15 +96,19 @@ class Tokenizer:
 
     def _compiled_template(self):
         if self._template is None:
-            from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(message: str) -> None:
-                raise TemplateError(message)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
-            env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False,
-                                                                          indent=indent)
-            self._template = env.from_string(self.chat_template)
+            self._template = self._compile(self.chat_template)
         return self._template
+
+    @staticmethod
+    def _compile(source: str):
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False,
+                                                                      indent=indent)
+        return env.from_string(source)

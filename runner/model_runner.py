@@ -17,7 +17,7 @@ from request import FULL, ExitPolicy, Request, ScheduledBatch, request_policy
 from runner.block_tables import BlockTables
 from runner.cuda_graph import DecodeGraphs
 from runner.loop_driver import EagerLoops, EarlyExit, LoopStats, StepInputs, run_loops
-from runner.sampler import logprob_dicts, logprobs_topn, sample
+from runner.sampler import logprob_dicts, logprobs_topn, process_logits, sample
 
 
 class ModelRunner:
@@ -152,7 +152,8 @@ class ModelRunner:
         for request, trace in zip(sampling, traces):
             if trace is not None:
                 request.traces.append(trace)
-        sampled = sample(logits, [r.params for r in sampling], [self._generator(r) for r in sampling])
+        sampled = sample(process_logits(logits, sampling), [r.params for r in sampling],
+                         [self._generator(r) for r in sampling])
         self._attach_logprobs(sampling, logits, sampled)
         tokens = iter(sampled.tolist())
         return [next(tokens) if samples else None for samples in batch.sample]

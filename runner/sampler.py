@@ -1,7 +1,11 @@
-"""Next-token sampling: greedy argmax, or temperature / top-k / top-p / min-p with exponential-noise
-(Gumbel-max) sampling, with per-request seeded generators; and logprobs in vLLM's shape.
+"""Next-token sampling: the logits processors that read a request's tokens (min_tokens, then the
+repetition, frequency and presence penalties), then greedy argmax, or temperature / top-k / top-p / min-p
+with exponential-noise (Gumbel-max) sampling, with per-request seeded generators; and logprobs in vLLM's
+shape.
 
 argmax(p / E), E ~ Exp(1), draws from p exactly; it needs no host sync and no torch.multinomial.
+A temperature below request.GREEDY_BELOW is greedy, as in vLLM: logits / 1e-39 overflow fp32 to inf and
+the softmax to NaN.
 Logprobs are of the raw model distribution (vLLM's default, logprobs_mode="raw_logprobs"): log_softmax
 of the readout logits before temperature and the filters, so they do not change with the sampling knobs.
 """
@@ -13,12 +17,71 @@ from typing import Callable
 
 import torch
 
-from request import Logprob, SamplingParams
+from request import Logprob, Request, SamplingParams
+
+
+def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Row r's logits [R, V] under requests[r]'s min_tokens and penalties, in vLLM's order (min_tokens, then
+    penalties); float32 where any row changes, else `logits` itself. Greedy rows are processed too."""
+    suppress = [_stop_ids_to_suppress(r) for r in requests]
+    penalized = [r.params.penalized for r in requests]
+    if not any(suppress) and not any(penalized):
+        return logits
+    logits = logits.float().clone()
+    vocab = logits.shape[-1]
+    for row, ids in enumerate(suppress):
+        ids = [t for t in ids if t < vocab]
+        if ids:
+            logits[row, ids] = float("-inf")
+    rows = [i for i, p in enumerate(penalized) if p]
+    if rows:
+        chosen = [requests[i] for i in rows]
+        prompts, outputs = [r.prompt_token_ids for r in chosen], [r.output_token_ids for r in chosen]
+        logits[rows] = apply_penalties(logits[rows], [r.params for r in chosen], prompts, outputs)
+    return logits
+
+
+def _stop_ids_to_suppress(request: Request) -> list[int]:
+    """The tokens that would stop a request still short of min_tokens (vLLM's MinTokensLogitsProcessor)."""
+    params = request.params
+    if request.num_output_tokens >= params.min_tokens:
+        return []
+    eos = () if params.ignore_eos else request.eos_token_ids
+    return [*params.stop_token_ids, *eos]
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
+                    output_ids: list[list[int]]) -> torch.Tensor:
+    """vLLM's penalties on logits [R, V] float32: repetition over the prompt and the output (a seen token's
+    logit divided by the penalty when positive, multiplied when not), then frequency (penalty x the token's
+    count in the output) and presence (penalty once per token in the output) subtracted."""
+    device, (rows, vocab) = logits.device, logits.shape
+    output_counts = _token_counts(output_ids, rows, vocab, device)
+    seen = (output_counts > 0) | (_token_counts(prompt_ids, rows, vocab, device) > 0)
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    penalty = torch.where(seen, repetition, 1.0)
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    return logits - frequency * output_counts - presence * (output_counts > 0)
+
+
+def _token_counts(token_ids: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float32: how often each token occurs in each row's list (padding counts in an extra
+    column, dropped)."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    padded = torch.full((rows, width), vocab, dtype=torch.int64)
+    for row, ids in enumerate(token_ids):
+        padded[row, :len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
+    counts = torch.zeros(rows, vocab + 1, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones(rows, width, device=device))
+    return counts[:, :vocab]
 
 
 def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, as vLLM applies them. logits: [R, V] float32."""
-    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+    """Temperature, then top-k, top-p and min-p, as vLLM applies them. logits: [R, V] float32. A greedy
+    row divides by 1 (its draw is replaced by the argmax)."""
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
     logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]

@@ -15,10 +15,10 @@ from request import Request, RequestStatus, ScheduledBatch
 
 
 class Detokenizer(Protocol):
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of a token list."""
 
-    def stream(self) -> Callable[[int], str]:
+    def stream(self, skip_special_tokens: bool = True) -> Callable[[int], str]:
         """A fresh incremental decoder: called with each next token id, it returns the text that token adds
         (possibly "" while a character's bytes are incomplete)."""
 
@@ -203,21 +203,26 @@ class Scheduler:
 
     def _check_stop(self, request: Request) -> None:
         """Stop token, stop string, max_tokens, or no room to grow. Text grows by the new token's piece
-        only, and a stop string is searched for only where the new piece could complete it."""
+        only, and a stop string is searched for only where the new piece could complete it. As vLLM, stop
+        tokens and strings count only from the token after the first min_tokens."""
         params, token = request.params, request.token_ids[-1]
-        if token in params.stop_token_ids or (not params.ignore_eos and token in request.eos_token_ids):
+        may_stop = request.num_output_tokens > params.min_tokens
+        if may_stop and (token in params.stop_token_ids
+                         or (not params.ignore_eos and token in request.eos_token_ids)):
             # As vLLM: the stop token's text is left out unless include_stop_str_in_output.
             output = request.output_token_ids
             text_ids = output if params.include_stop_str_in_output else output[:-1]
             stop_reason = token if token in params.stop_token_ids else None
-            self._finish(request, "stop", stop_reason, self.detokenizer.decode(text_ids))
+            self._finish(request, "stop", stop_reason,
+                         self.detokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens))
             return
         stream = self._streams.get(request.request_id)
         if stream is None:
-            stream = self._streams[request.request_id] = self.detokenizer.stream()
+            stream = self._streams[request.request_id] = self.detokenizer.stream(
+                skip_special_tokens=params.skip_special_tokens)
         before = len(request.output_text)
         request.output_text += stream(token)
-        if params.stop:
+        if params.stop and may_stop:
             hit = _first_stop(request.output_text, params.stop, before)
             if hit is not None:
                 start, stop = hit
@@ -251,7 +256,9 @@ class Scheduler:
         del self._unfinished[request.request_id]
         self._streams.pop(request.request_id, None)
         if text is None:
-            text = self.detokenizer.decode(request.output_token_ids) if request.num_output_tokens else ""
+            text = self.detokenizer.decode(request.output_token_ids,
+                                           skip_special_tokens=request.params.skip_special_tokens) \
+                if request.num_output_tokens else ""
         request.output_text = text
         request.stop_reason = stop_reason
         request.finish(reason, error)

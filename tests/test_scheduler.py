@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from cache.blocks import BlockManager
+from model.tokenizer import Tokenizer
 from request import Request, RequestStatus, SamplingParams, ScheduledBatch
 from scheduler.scheduler import Scheduler
 
@@ -25,10 +26,10 @@ def detokenize(token_ids: list[int]) -> str:
 class Letters:
     """The scheduler's detokenizer for these tests: `detokenize`, whole or one token at a time."""
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return detokenize(token_ids)
 
-    def stream(self):
+    def stream(self, skip_special_tokens: bool = True):
         return lambda token: detokenize([token])
 
 
@@ -441,6 +442,35 @@ def test_stop_token_id_stops_with_that_token_as_reason(include):
 def test_stop_beats_length_on_the_same_token():
     request = run_scripted([5, 6, 7], max_tokens=2, stop_token_ids=[6])
     assert (request.finish_reason, request.stop_reason) == ("stop", 6)
+
+
+@pytest.mark.parametrize("stop, expected", [(["fg"], ("stop", None, "fgh")), (["gh"], ("stop", "gh", "f"))])
+def test_min_tokens_defers_eos_and_stop_strings_until_after_that_many_tokens(stop, expected):
+    request = run_scripted([6, EOS, 7, 8, EOS, 9], max_tokens=20, min_tokens=3, stop=stop)
+    assert (request.finish_reason, request.stop_reason, request.output_text) == expected
+    assert request.output_token_ids == ([6, EOS, 7, 8, EOS] if expected[1] is None else [6, EOS, 7, 8])
+
+
+def test_min_tokens_defers_a_stop_token_id():
+    request = run_scripted([7, 7, 7, 8], max_tokens=20, min_tokens=2, stop_token_ids=[7])
+    assert (request.finish_reason, request.stop_reason, request.output_token_ids) == ("stop", 7, [7, 7, 7])
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("ending", ["length", "stop string"])
+def test_skip_special_tokens_decides_whether_special_tokens_reach_the_text(tiny_checkpoint, skip, ending):
+    tokenizer = Tokenizer(tiny_checkpoint)
+    script = [*tokenizer.encode("hi"), tokenizer.token_to_id("<|im_start|>"), *tokenizer.encode(" bye")]
+    bm = BlockManager(64, 4, True)
+    scheduler = Scheduler(bm, 8, 32, 256, tokenizer)
+    stop = {"stop": ["bye"], "include_stop_str_in_output": True} if ending == "stop string" else {}
+    params = SamplingParams(temperature=0, max_tokens=len(script), skip_special_tokens=skip, **stop)
+    request = Request("s", [5, 6], params, eos_token_ids=(0,))
+    scheduler.add(request)
+    drive(scheduler, FakeModel(bm, {"s": script}))
+    assert request.finish_reason == ending.split()[0] and request.output_token_ids == script
+    assert request.output_text == tokenizer.decode(script, skip_special_tokens=skip)
+    assert ("<|im_start|>" in request.output_text) is not skip
 
 
 def test_max_model_len_ends_the_sequence_with_length():
