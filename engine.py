@@ -27,7 +27,7 @@ from cache.kv_pool import KVPool
 from cache.layout import KV_SHARING, make_layout
 from engine_config import EngineConfig
 from model.config import OuroConfig
-from model.loader import load_model, resolve_model_dir
+from model.loader import load_model
 from model.ouro import fused_kernels_available
 from model.tokenizer import Tokenizer
 from request import CompletionOutput, ExitPolicy, Request, RequestOutput, SamplingParams, request_policy
@@ -58,13 +58,16 @@ class Engine:
                  enable_prefix_caching: bool = True,
                  packed_prefill: bool = False, enforce_eager: bool = False,
                  exit_policy: str | None = None, kv_sharing: str = "none", verbose: bool = True) -> None:
-        model_dir = resolve_model_dir(model if model is not None else DEFAULT_MODEL)
+        if not isinstance(verbose, bool):
+            raise ValueError(f"verbose must be True or False, got {verbose!r}")
         self.engine_config = config = EngineConfig.resolve(
-            model_dir, device, dtype, loops, exit_threshold, exit_policy, attention=attention,
+            model if model is not None else DEFAULT_MODEL, device, dtype, loops, exit_threshold, exit_policy,
+            attention=attention,
             block_size=block_size, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             packed_prefill=packed_prefill, enforce_eager=enforce_eager, kv_sharing=kv_sharing)
+        model_dir = config.model_dir
         self.config: OuroConfig = config.model
         self.tokenizer = Tokenizer(model_dir)
         self.backend = select(config.attention, config.device, {"packed_prefill": config.packed_prefill})
