@@ -118,7 +118,7 @@ def test_a_link_out_of_the_checkpoint_is_refused(tiny_checkpoint, tmp_path):
     shutil.copy(tiny_checkpoint / "model.safetensors", outside)
     path = _shard(tiny_checkpoint, tmp_path / "ckpt", "linked.safetensors")
     (path / "linked.safetensors").symlink_to(outside)
-    with pytest.raises(ValueError, match=r"'linked\.safetensors', a link to .*elsewhere\.safetensors, outside"):
+    with pytest.raises(ValueError, match=r"'linked\.safetensors', a link to .*elsewhere\.safetensors, out"):
         _load(path)
 
 
