@@ -148,7 +148,8 @@ class ModelRunner:
         policies = self._readout_policies(batch, inputs.generated_rows)
         logits, traces = readout_logits(self.model.compute_logits, states.hidden[:, :rows],
                                         states.gate_logits[:, :rows], policies,
-                                        [r.params.loop_trace for r in sampling])
+                                        [r.params.loop_trace for r in sampling],
+                                        self.config.model.early_exit_threshold)
         for request, trace in zip(sampling, traces):
             if trace is not None:
                 request.traces.append(trace)
@@ -179,7 +180,7 @@ class ModelRunner:
         engine_policy = self.config.exit_policy
         policies = [request_policy(r.params.exit_policy, engine_policy, self.loops) for r in requests]
         logits, _ = readout_logits(self.model.compute_logits, states.hidden, states.gate_logits, policies,
-                                   [False] * len(requests))
+                                   [False] * len(requests), self.config.model.early_exit_threshold)
         counts = [r.params.prompt_logprobs for r in requests]
         top = logprobs_topn(logits, torch.tensor(next_tokens, device=logits.device), max(counts))
         for request, entry in zip(requests, logprob_dicts(top, counts, self.token_text)):
