@@ -30,9 +30,11 @@ from model.config import OuroConfig
 from model.loader import load_model
 from model.ouro import fused_kernels_available
 from model.tokenizer import Tokenizer
-from request import CompletionOutput, ExitPolicy, Request, RequestOutput, SamplingParams, request_policy
+from request import (CompletionOutput, ExitPolicy, Request, RequestOutput, SamplingParams, ScheduledBatch,
+                     request_policy)
+from runner.interrupts import deferred_interrupts
 from runner.loop_driver import LoopStats
-from runner.model_runner import ModelRunner
+from runner.model_runner import ModelRunner, StepResult
 from scheduler.scheduler import Scheduler
 
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "DEFAULT_MODEL"]
@@ -96,6 +98,8 @@ class Engine:
         self.runner = ModelRunner(config, self.model, self.backend, self.kv_pool, self.layout,
                                   scratch_block=num_blocks, token_text=self.tokenizer.token_text)
         self._requests: dict[str, Request] = {}
+        self._unreported: list[Request] = []  # finished, but their outputs never reached the caller
+        self._handed_back: list[Request] = []  # what the last _step() returned, until step() delivered it
         self._ids = itertools.count()
         self.num_prefill_tokens = self.num_decode_tokens = 0
         if verbose:
@@ -209,30 +213,72 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+        with deferred_interrupts():
+            self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._unreported)
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration: schedule, run the model's loops once, update. Returns an output for every
-        request that advanced or finished in this step."""
-        return [self._output(r) for r in self._step()]
+        request that advanced or finished in this step. If the outputs never reach the caller (an exception
+        while building them, KeyboardInterrupt included), the finished requests among them come back from the
+        next step instead."""
+        self._handed_back = []
+        try:
+            outputs = [self._output(r) for r in self._step()]
+            self._handed_back = []
+        except BaseException:
+            self._requeue_handed_back()
+            raise
+        return outputs
 
     def _step(self) -> list[Request]:
-        """One iteration; the requests that advanced or finished in it. Outputs are built by the caller,
-        only for the requests it hands out."""
-        batch = self.scheduler.schedule()
-        touched: list[Request] = []
+        """One iteration; the requests that advanced or finished in it, after those finished earlier whose
+        outputs never reached a caller. Outputs are built by the caller, only for the requests it hands out;
+        a caller that fails to deliver them calls _requeue_handed_back().
+
+        A step applies whole or not at all. schedule() and the commit (the scheduler's update and the runner's
+        commit) run with Ctrl-C deferred (runner/interrupts.py); the model's run between them changes no
+        request, and the runner undoes what it does change (seeded generators, loop counters) if the step
+        stops there. What schedule() decided (admissions, block allocations, preemptions) stands: each is a
+        consistent state that the next schedule() starts from, and none changes a request's tokens, text or
+        logprobs. A failure of one request (its sampling, its detokenizing) finishes it alone with
+        finish_reason "error"."""
+        self._handed_back = []
+        with deferred_interrupts():
+            batch = self.scheduler.schedule()
+        result = None
         if batch.requests:
-            for request, num_new in zip(batch.requests, batch.num_new_tokens):
-                if request.num_computed_tokens >= request.num_prompt_tokens:
-                    self.num_decode_tokens += num_new
-                else:
-                    self.num_prefill_tokens += num_new
-            sampled = self.runner.run(batch)
-            finished = self.scheduler.update(batch, sampled)
-            touched = [r for r, token in zip(batch.requests, sampled) if token is not None or r.is_finished]
+            try:
+                result = self.runner.run(batch)
+            except BaseException:
+                self.runner.rollback()
+                raise
+        try:
+            with deferred_interrupts():
+                touched = self._commit(batch, result)
+        except BaseException:  # before the commit: nothing applied; after it (a deferred Ctrl-C): all of it
+            self.runner.rollback()
+            self._requeue_handed_back()
+            raise
+        return touched
+
+    def _commit(self, batch: ScheduledBatch, result: StepResult | None) -> list[Request]:
+        """Apply the step (nothing, if the scheduler's update raises) and hand back what it touched."""
+        touched: list[Request] = []
+        if result is not None:
+            decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
+            before = [r.num_tokens for r in batch.requests]
+            finished = self.scheduler.update(batch, result.tokens, result.errors)
+            self.runner.commit(result)
+            touched = [r for r, n in zip(batch.requests, before) if r.num_tokens > n or r.is_finished]
+            for row, (is_decode, num_new) in enumerate(zip(decode, batch.num_new_tokens)):
+                if row not in result.errors:
+                    if is_decode:
+                        self.num_decode_tokens += num_new
+                    else:
+                        self.num_prefill_tokens += num_new
         else:
             finished = self.scheduler.take_finished()
         seen = {id(r) for r in touched}
@@ -240,7 +286,15 @@ class Engine:
         for r in finished:
             self.runner.release(r)
             self._requests.pop(r.request_id, None)
+        touched, self._unreported = self._unreported + touched, []
+        self._handed_back = touched
         return touched
+
+    def _requeue_handed_back(self) -> None:
+        """The last _step()'s requests did not reach the caller: its finished ones come back next step."""
+        with deferred_interrupts():
+            self._unreported += [r for r in self._handed_back if r.is_finished]
+            self._handed_back = []
 
     def _output(self, request: Request) -> RequestOutput:
         params = request.params
