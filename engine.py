@@ -29,12 +29,14 @@ from cache.kv_pool import KVPool
 from cache.layout import KV_SHARING, make_layout
 from engine_config import EngineConfig
 from model.config import OuroConfig
-from model.loader import load_model, resolve_model_dir
+from model.loader import load_model
 from model.ouro import fused_kernels_available
 from model.tokenizer import Tokenizer
-from request import CompletionOutput, ExitPolicy, Request, RequestOutput, SamplingParams, request_policy
+from request import (CompletionOutput, ExitPolicy, Request, RequestOutput, SamplingParams, ScheduledBatch,
+                     request_policy)
+from runner.interrupts import deferred_interrupts
 from runner.loop_driver import LoopStats
-from runner.model_runner import ModelRunner
+from runner.model_runner import ModelRunner, StepResult
 from scheduler.scheduler import Scheduler
 
 __all__ = ["Engine", "LLM", "SamplingParams", "RequestOutput", "DEFAULT_MODEL"]
@@ -108,13 +110,16 @@ class Engine:
                  enable_prefix_caching: bool = True,
                  packed_prefill: bool = False, enforce_eager: bool = False,
                  exit_policy: str | None = None, kv_sharing: str = "none", verbose: bool = True) -> None:
-        model_dir = resolve_model_dir(model if model is not None else DEFAULT_MODEL)
+        if not isinstance(verbose, bool):
+            raise ValueError(f"verbose must be True or False, got {verbose!r}")
         self.engine_config = config = EngineConfig.resolve(
-            model_dir, device, dtype, loops, exit_threshold, exit_policy, attention=attention,
+            model if model is not None else DEFAULT_MODEL, device, dtype, loops, exit_threshold, exit_policy,
+            attention=attention,
             block_size=block_size, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             packed_prefill=packed_prefill, enforce_eager=enforce_eager, kv_sharing=kv_sharing)
+        model_dir = config.model_dir
         self.config: OuroConfig = config.model
         self.tokenizer = Tokenizer(model_dir)
         self.backend = select(config.attention, config.device, {"packed_prefill": config.packed_prefill})
@@ -146,6 +151,8 @@ class Engine:
         self._groups: dict[str, SequenceGroup] = {}  # by request id, until its finished output is handed out
         self._group_of: dict[str, SequenceGroup] = {}  # by sequence id, as long as the group
         self._step_inbox: Inbox = {}  # add_request()'s groups, read by step()
+        self._unreported: list[Request] = []  # finished, but their outputs never reached a caller
+        self._handed_back: list[Request] = []  # what the last _step() returned, until it was delivered
         self._ids = itertools.count()
         self.num_prefill_tokens = self.num_decode_tokens = 0
         if verbose:
@@ -305,37 +312,84 @@ class Engine:
         goes where its others go. An id that is unknown or finished is ignored."""
         self._check_open()
         group = self._groups.get(request_id)
-        for sequence_id in [r.request_id for r in group.requests] if group is not None else [request_id]:
-            self.scheduler.abort(sequence_id)
+        with deferred_interrupts():
+            for sequence_id in [r.request_id for r in group.requests] if group is not None else [request_id]:
+                self.scheduler.abort(sequence_id)
 
     def has_unfinished(self) -> bool:
         """True while a request waits or runs, or step() has an output it has not handed back."""
         self._check_open()
-        return self.scheduler.has_unfinished() or bool(self._step_inbox)
+        return self.scheduler.has_unfinished() or bool(self._step_inbox) or bool(self._unreported)
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration: schedule, run the model's loops once, update. Returns an output for every
         request added with add_request() that advanced or finished since the last step(), this one's
         included (a generate() or stream() in progress may have advanced them); the requests of a
-        generate() or stream() go to that call."""
+        generate() or stream() go to that call. If the outputs never reach the caller (an exception while
+        building them, KeyboardInterrupt included), the next step() hands them out."""
         self._check_open()
-        self._deliver(self._step())
-        return [self._hand_out(group) for group in _take_all(self._step_inbox)]
+        self._advance()
+        return self._hand_out_all(self._step_inbox)
+
+    def _advance(self) -> None:
+        """One iteration, its outputs put in the inboxes of the calls that own them. If they are not
+        delivered (a failure after the step applied, KeyboardInterrupt included), its finished requests come
+        back from the next iteration."""
+        try:
+            touched = self._step()
+            with deferred_interrupts():
+                self._deliver(touched)
+                self._handed_back = []
+        except BaseException:
+            self._requeue_handed_back()
+            raise
 
     def _step(self) -> list[Request]:
-        """One iteration; the requests that advanced or finished in it. Outputs are built by the caller,
-        only for the requests it hands out."""
-        batch = self.scheduler.schedule()
-        touched: list[Request] = []
+        """One iteration; the requests that advanced or finished in it, after those finished earlier whose
+        outputs never reached a caller. Outputs are built by the caller, only for the requests it hands out;
+        a caller that fails to deliver them calls _requeue_handed_back().
+
+        A step applies whole or not at all. schedule() and the commit (the scheduler's update and the runner's
+        commit) run with Ctrl-C deferred (runner/interrupts.py); the model's run between them changes no
+        request, and the runner undoes what it does change (seeded generators, loop counters) if the step
+        stops there. What schedule() decided (admissions, block allocations, preemptions) stands: each is a
+        consistent state that the next schedule() starts from, and none changes a request's tokens, text or
+        logprobs. A failure of one request (its sampling, its detokenizing) finishes it alone with
+        finish_reason "error"."""
+        self._handed_back = []
+        with deferred_interrupts():
+            batch = self.scheduler.schedule()
+        result = None
         if batch.requests:
-            for request, num_new in zip(batch.requests, batch.num_new_tokens):
-                if request.num_computed_tokens >= request.num_prompt_tokens:
-                    self.num_decode_tokens += num_new
-                else:
-                    self.num_prefill_tokens += num_new
-            sampled = self.runner.run(batch)
-            finished = self.scheduler.update(batch, sampled)
-            touched = [r for r, token in zip(batch.requests, sampled) if token is not None or r.is_finished]
+            try:
+                result = self.runner.run(batch)
+            except BaseException:
+                self.runner.rollback()
+                raise
+        try:
+            with deferred_interrupts():
+                touched = self._commit(batch, result)
+        except BaseException:  # before the commit: nothing applied; after it (a deferred Ctrl-C): all of it
+            self.runner.rollback()
+            self._requeue_handed_back()
+            raise
+        return touched
+
+    def _commit(self, batch: ScheduledBatch, result: StepResult | None) -> list[Request]:
+        """Apply the step (nothing, if the scheduler's update raises) and hand back what it touched."""
+        touched: list[Request] = []
+        if result is not None:
+            decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
+            before = [r.num_tokens for r in batch.requests]
+            finished = self.scheduler.update(batch, result.tokens, result.errors)
+            self.runner.commit(result)
+            touched = [r for r, n in zip(batch.requests, before) if r.num_tokens > n or r.is_finished]
+            for row, (is_decode, num_new) in enumerate(zip(decode, batch.num_new_tokens)):
+                if row not in result.errors:
+                    if is_decode:
+                        self.num_decode_tokens += num_new
+                    else:
+                        self.num_prefill_tokens += num_new
         else:
             finished = self.scheduler.take_finished()
         seen = {id(r) for r in touched}
@@ -343,6 +397,8 @@ class Engine:
         for r in finished:
             self.runner.release(r)
             self._requests.pop(r.request_id, None)
+        touched, self._unreported = self._unreported + touched, []
+        self._handed_back = touched
         return touched
 
     def _deliver(self, touched: list[Request]) -> None:
@@ -352,6 +408,18 @@ class Engine:
             group = self._group_of.get(request.request_id)
             if group is not None and request in group.requests:
                 group.inbox[group.request_id] = group
+
+    def _hand_out_all(self, inbox: Inbox) -> list[RequestOutput]:
+        """Every group in the inbox as an output; the inbox is emptied only once all are built, so an
+        exception while building them leaves them for the next call."""
+        groups = list(inbox.values())
+        outputs = [self._output(group) for group in groups]
+        with deferred_interrupts():
+            for group, output in zip(groups, outputs):
+                inbox.pop(group.request_id, None)
+                if output.finished:
+                    self._forget(group)
+        return outputs
 
     def _hand_out(self, group: SequenceGroup) -> RequestOutput:
         """The group's output; once it has finished, the group is forgotten (its ids become free)."""
@@ -376,6 +444,12 @@ class Engine:
         prompt_logprobs = [None, *first.prompt_logprobs] if params.prompt_logprobs is not None else None
         return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions,
                              group.finished, first.num_cached_tokens, prompt_logprobs)
+
+    def _requeue_handed_back(self) -> None:
+        """The last _step()'s requests did not reach their inboxes: its finished ones come back next step."""
+        with deferred_interrupts():
+            self._unreported += [r for r in self._handed_back if r.is_finished]
+            self._handed_back = []
 
     # -- convenience ---------------------------------------------------------------------------------
 
@@ -435,7 +509,7 @@ class Engine:
             unfinished = len(groups)
             while unfinished:
                 if not inbox:
-                    self._deliver(self._step())
+                    self._advance()
                 while inbox:
                     output = self._hand_out(inbox.pop(next(iter(inbox))))
                     unfinished -= output.finished
@@ -461,7 +535,7 @@ class Engine:
                 progress = TokenProgress(groups, self.max_model_len, self.num_prefill_tokens)
             while len(results) < len(groups):
                 if not inbox:
-                    self._deliver(self._step())
+                    self._advance()
                 for group in _take_all(inbox):
                     if progress is not None:
                         progress.advance(group)

@@ -1,17 +1,27 @@
 """EngineConfig: every Engine option, resolved and validated once, at construction, then frozen. The
 components are built from it and read it; none sets attributes on another.
 
-It imports the checkpoint's own config (model/config.py) and the shared request types (request.py) only.
+Options are checked in two rounds, both before any weight is read: the plain ones (types, ranges, names)
+before the model directory is resolved, so a typo never waits for a download; those that depend on the
+checkpoint (max_model_len, step:K, dtype "auto") once its config.json is read.
+
+It imports the checkpoint's own config and locator (model/), the attention backend registry and the shared
+request types (request.py) only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from attention.base import available
 from model.config import OuroConfig
+from model.loader import resolve_model_dir
 from request import ExitPolicy, parse_exit_policy
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -39,18 +49,11 @@ class EngineConfig:
     kv_sharing: str = "none"
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            _check_positive(name, getattr(self, name))
-        if self.num_kv_blocks is not None:
-            _check_positive("num_kv_blocks", self.num_kv_blocks)
+        check_options(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                         if f.name not in ("model_dir", "model", "device", "dtype")})
         if self.max_model_len > self.model.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the checkpoint's "
                              f"max_position_embeddings {self.model.max_position_embeddings}")
-        utilization = self.gpu_memory_utilization
-        if not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
-        if self.kv_sharing not in KV_SHARING:
-            raise ValueError(f"kv_sharing must be 'none' or 'last', got {self.kv_sharing!r}")
         # step:K is range-checked against this engine's loop count.
         parse_exit_policy(self.exit_policy, self.model.total_ut_steps)
 
@@ -65,25 +68,61 @@ class EngineConfig:
         return not self.exit_policy.can_exit
 
     @classmethod
-    def resolve(cls, model_dir: Path, device: str | torch.device | None = None,
+    def resolve(cls, model: str | os.PathLike, device: str | torch.device | None = None,
                 dtype: str | torch.dtype = "auto", loops: int | None = None,
                 exit_threshold: float | None = None, exit_policy: str | None = None,
-                **options) -> EngineConfig:
-        """The config of an Engine: the device and dtype resolved ("auto"), the checkpoint's config read
-        with the loop override, and the exit policy parsed. `options` are the remaining fields."""
-        device = resolve_device(device)
-        model = OuroConfig.from_file(model_dir / "config.json").with_overrides(loops, exit_threshold)
+                **options: Any) -> EngineConfig:
+        """The config of an Engine. The plain options are checked first; then `model` (a directory or a
+        Hugging Face id) is resolved, its config.json read with the loop override, the device and dtype
+        resolved ("auto") and the exit policy parsed. `options` are the remaining fields."""
+        check_options(loops=loops, exit_threshold=exit_threshold, dtype=dtype,
+                      exit_policy=exit_policy, **options)
         if exit_policy is not None and exit_threshold is not None:
             raise ValueError("pass exit_policy or exit_threshold (= exit_policy='threshold:Q'), not both")
+        device = resolve_device(device)
+        model_dir = resolve_model_dir(model)
+        config = OuroConfig.from_file(model_dir / "config.json").with_overrides(loops, exit_threshold)
         if exit_policy is None:
             exit_policy = "full" if exit_threshold is None else f"threshold:{exit_threshold}"
-        policy = parse_exit_policy(exit_policy, model.total_ut_steps)
-        # As before this config existed: no max_model_len, or a larger one, means the checkpoint's limit.
-        limit, given = model.max_position_embeddings, options.get("max_model_len")
-        if given is None or (isinstance(given, int) and given > limit):
-            options["max_model_len"] = limit
-        return cls(model_dir, model, device, resolve_dtype(dtype, model, device), exit_policy=policy,
+        policy = parse_exit_policy(exit_policy, config.total_ut_steps)
+        if options.get("max_model_len") is None:  # as vLLM: the checkpoint's own limit
+            options["max_model_len"] = config.max_position_embeddings
+        return cls(model_dir, config, device, resolve_dtype(dtype, config, device), exit_policy=policy,
                    **options)
+
+
+def check_options(**values: Any) -> None:
+    """Types, ranges and names of the options that need no checkpoint; ValueError naming the option.
+    Options absent from `values` are not checked."""
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if name in values:
+            _check_positive(name, values[name])
+    for name in ("num_kv_blocks", "max_model_len", "loops"):
+        if values.get(name) is not None:
+            _check_positive(name, values[name])
+    for name in ("enable_prefix_caching", "packed_prefill", "enforce_eager"):
+        if name in values and not isinstance(values[name], bool):
+            raise ValueError(f"{name} must be True or False, got {values[name]!r}")
+    if "gpu_memory_utilization" in values:
+        utilization = values["gpu_memory_utilization"]
+        if not _is_number(utilization) or not 0.0 < utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+    if "kv_sharing" in values and values["kv_sharing"] not in KV_SHARING:
+        raise ValueError(f"kv_sharing must be 'none' or 'last', got {values['kv_sharing']!r}")
+    threshold = values.get("exit_threshold")
+    if threshold is not None and (not _is_number(threshold) or not 0 <= threshold < math.inf):
+        raise ValueError(f"exit_threshold must be a finite number >= 0, got {threshold!r}")
+    if values.get("exit_policy") is not None:
+        parse_exit_policy(values["exit_policy"])  # its syntax; step:K's range once the loops are known
+    if "dtype" in values:
+        _check_dtype(values["dtype"])
+    if "attention" in values:
+        attention = values["attention"]
+        if not isinstance(attention, str):
+            raise ValueError(f"attention must be a backend name, got {attention!r}")
+        if attention != "auto" and attention not in available():
+            raise ValueError(f"unknown attention backend {attention!r}; available: auto, "
+                             f"{', '.join(available())}")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -102,19 +141,28 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype, config: OuroConfig, device: torch.device) -> torch.dtype:
     """"auto": the checkpoint's half dtype on CUDA, float32 on CPU (where bf16 matmuls are slow)."""
+    _check_dtype(dtype)
     if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported; use float32, float16 or bfloat16")
         return dtype
     if dtype == "auto":
         if device.type == "cpu":
             return torch.float32
         return torch.bfloat16 if config.torch_dtype == "float32" else DTYPES[config.torch_dtype]
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, float16 or bfloat16")
     return DTYPES[dtype]
+
+
+def _check_dtype(dtype: object) -> None:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, float16 or bfloat16")
+    elif not isinstance(dtype, str) or (dtype != "auto" and dtype not in DTYPES):
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, float16 or bfloat16")
 
 
 def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

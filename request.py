@@ -20,7 +20,7 @@ import torch
 
 # -- exit policies (docs/ouro.md §4) ------------------------------------------------------------------
 
-EXIT_POLICY_KINDS = ("full", "threshold", "step", "weighted", "early")
+EXIT_POLICY_KINDS = ("full", "threshold", "step", "weighted", "early", "hf")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -32,6 +32,11 @@ class ExitPolicy:
         step:K        HF's exit_at_step: loop K, 0-based
         weighted      expected logits, sum_t p(t) lm_head(H[t])
         early:Q       threshold:Q's readout, but generated tokens stop looping at that loop (engine-wide)
+        hf, hf:Q      the official remote code's Q-exit bit for bit: its exit CDF in the model dtype, Q from
+                      the config's early_exit_threshold (hf) or given (hf:Q); in bf16 the CDF can round to 1
+                      before the last loop, so even Q = 1 may read out an earlier loop
+
+    threshold:Q computes the CDF in float64, where Q = 1 is never reached early; hf keeps HF's rounding.
     """
 
     kind: str
@@ -57,16 +62,18 @@ FULL = ExitPolicy("full")
 @functools.lru_cache(maxsize=256)
 def parse_exit_policy(spec: str | ExitPolicy, loops: int | None = None,
                       name: str = "exit_policy") -> ExitPolicy:
-    """'full' | 'threshold:Q' | 'step:K' | 'weighted' | 'early:Q'. With `loops`, step:K is range-checked.
-    Raises ValueError naming `name`."""
+    """'full' | 'threshold:Q' | 'step:K' | 'weighted' | 'early:Q' | 'hf' | 'hf:Q'. With `loops`, step:K is
+    range-checked. Raises ValueError naming `name`."""
     if isinstance(spec, ExitPolicy):
         spec = str(spec)
-    usage = "use 'full', 'threshold:Q', 'step:K', 'weighted' or 'early:Q'"
+    usage = "use 'full', 'threshold:Q', 'step:K', 'weighted', 'early:Q', 'hf' or 'hf:Q'"
     if not isinstance(spec, str):
         raise ValueError(f"{name} must be a string ({usage}), got {spec!r}")
     kind, colon, arg = spec.strip().partition(":")
     if kind not in EXIT_POLICY_KINDS:
         raise ValueError(f"{name} {spec!r} is not an exit policy; {usage}")
+    if kind == "hf" and not colon:
+        return ExitPolicy("hf")  # Q: the config's early_exit_threshold, read at readout
     if kind in ("full", "weighted"):
         if colon:
             raise ValueError(f"{name} {spec!r}: {kind!r} takes no argument")
@@ -133,7 +140,7 @@ class SamplingParams:
     logprobs: int | None = None  # per generated token: its logprob and the top N (runner/sampler.py)
     prompt_logprobs: int | None = None  # per prompt token after the first: the same, given the tokens before
     loop_trace: bool = False  # per token: exit pdf, exit loop, each loop's top token (LoopTrace)
-    exit_policy: str | None = None  # readout-only override: full | threshold:Q | step:K | weighted
+    exit_policy: str | None = None  # readout-only override: full | threshold:Q | step:K | weighted | hf[:Q]
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -18,7 +18,7 @@ import torch
 @dataclasses.dataclass(slots=True)
 class Capabilities:
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
-    head_dims: tuple[int, ...] = (32, 64, 128, 256)
+    head_dims: tuple[int, ...] | None = None  # None: any head_dim
     devices: tuple[str, ...] = ("cpu", "cuda")
     kv_formats: tuple[str, ...] = ("paged",)
     cuda_graphs: bool = False
@@ -144,8 +144,9 @@ class AttentionBackend(ABC):
         caps = self.capabilities
         if dtype not in caps.dtypes:
             raise ValueError(f"attention backend {self.name!r} does not support dtype {dtype}")
-        if head_dim not in caps.head_dims:
-            raise ValueError(f"attention backend {self.name!r} does not support head_dim {head_dim}")
+        if caps.head_dims is not None and head_dim not in caps.head_dims:
+            raise ValueError(f"attention backend {self.name!r} does not support head_dim {head_dim} (it "
+                             f"supports {', '.join(map(str, caps.head_dims))}); attention='torch' runs any")
         if device.type not in caps.devices:
             raise ValueError(f"attention backend {self.name!r} does not run on device {device.type!r}")
 

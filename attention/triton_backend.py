@@ -97,6 +97,7 @@ class _Plan:
 @register
 class TritonBackend(AttentionBackend):
     name = "triton"
+    # The kernels tile head_dim with tl.arange, which needs a power of two; these are the ones tested.
     default_capabilities = Capabilities(head_dims=(32, 64, 128, 256), cuda_graphs=True,
                                         kv_formats=("paged", "shared-last"))
     optional_capabilities = frozenset({"packed_prefill"})

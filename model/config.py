@@ -40,24 +40,37 @@ class OuroConfig:
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "max_position_embeddings", "total_ut_steps"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"config field {name!r} must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"config field 'num_attention_heads' ({self.num_attention_heads}) must be a multiple "
                 f"of 'num_key_value_heads' ({self.num_key_value_heads})")
+        if self.head_dim % 2:  # RoPE rotates the two halves of every head
+            raise ValueError(f"config field 'head_dim' must be even (RoPE rotates its two halves), "
+                             f"got {self.head_dim}")
         if self.hidden_act != "silu":
             raise ValueError(f"config field 'hidden_act' must be 'silu' (Ouro's SwiGLU), "
                              f"got {self.hidden_act!r}")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"config field {name!r} must be a positive number, got {value!r}")
+            if not _is_number(value) or not 0 < value < math.inf:
+                raise ValueError(f"config field {name!r} must be a finite positive number, got {value!r}")
         threshold = self.early_exit_threshold
-        if threshold is not None and (not isinstance(threshold, (int, float)) or not 0 <= threshold
-                                      or math.isnan(threshold)):
-            raise ValueError(f"config field 'early_exit_threshold' must be a number >= 0 or null, "
+        if threshold is not None and (not _is_number(threshold) or not 0 <= threshold < math.inf):
+            raise ValueError(f"config field 'early_exit_threshold' must be a finite number >= 0 or null, "
                              f"got {threshold!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(f"config field 'tie_word_embeddings' must be true or false, "
+                             f"got {self.tie_word_embeddings!r}")
+        for i in self.eos_token_ids:
+            if not _is_int(i) or not 0 <= i < self.vocab_size:
+                raise ValueError(f"config field 'eos_token_id' must be token ids below vocab_size "
+                                 f"({self.vocab_size}), got {i!r}")
+        bos = self.bos_token_id
+        if bos is not None and (not _is_int(bos) or not 0 <= bos < self.vocab_size):
+            raise ValueError(f"config field 'bos_token_id' must be a token id below vocab_size "
+                             f"({self.vocab_size}) or null, got {bos!r}")
         if self.torch_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"config field 'torch_dtype' must be float32, float16 or bfloat16, "
                              f"got {self.torch_dtype!r}")
@@ -123,22 +136,24 @@ def _fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
     if raw.get("rope_scaling") not in (None, {}):
         raise ValueError(f"config field 'rope_scaling' is not supported (Ouro uses default RoPE), "
                          f"got {raw['rope_scaling']!r}")
-    if raw.get("use_sliding_window", False):
-        raise ValueError("config field 'use_sliding_window' must be false: Ouro uses full attention")
+    if raw.get("use_sliding_window", False) is not False:
+        raise ValueError(f"config field 'use_sliding_window' must be false: Ouro uses full attention, "
+                         f"got {raw['use_sliding_window']!r}")
     for name in ("attention_bias", "mlp_bias"):
-        if raw.get(name, False):
-            raise ValueError(f"config field {name!r} must be false: Ouro's projections have no bias")
+        if raw.get(name, False) is not False:
+            raise ValueError(f"config field {name!r} must be false: Ouro's projections have no bias, "
+                             f"got {raw[name]!r}")
     heads = raw["num_attention_heads"]
     hidden = raw["hidden_size"]
     head_dim = raw.get("head_dim")
     if head_dim is None:  # Qwen2's definition, which Ouro's config class inherits
-        if not isinstance(heads, int) or not isinstance(hidden, int) or heads < 1 or hidden % heads:
+        if not _is_int(heads) or not _is_int(hidden) or heads < 1 or hidden % heads:
             raise ValueError("config field 'head_dim' is absent and hidden_size / num_attention_heads "
                              "is not a whole number")
         head_dim = hidden // heads
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    if not all(isinstance(i, int) and i >= 0 for i in eos_ids):
+    if not all(_is_int(i) for i in eos_ids):
         raise ValueError(f"config field 'eos_token_id' must be a token id or a list of them, got {eos!r}")
     return dict(
         vocab_size=raw["vocab_size"],
@@ -152,11 +167,20 @@ def _fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
         max_position_embeddings=raw["max_position_embeddings"],
         rms_norm_eps=raw["rms_norm_eps"],
         rope_theta=raw["rope_theta"],
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
         total_ut_steps=raw["total_ut_steps"],
-        trained_ut_steps=raw["total_ut_steps"] if isinstance(raw["total_ut_steps"], int) else 0,
-        early_exit_threshold=raw.get("early_exit_threshold"),
+        trained_ut_steps=raw["total_ut_steps"] if _is_int(raw["total_ut_steps"]) else 0,
+        early_exit_threshold=raw.get("early_exit_threshold", 1.0),  # the HF config class's default
         eos_token_ids=eos_ids,
         bos_token_id=raw.get("bos_token_id"),
         torch_dtype=raw.get("torch_dtype", raw.get("dtype", "bfloat16")),
     )
+
+
+def _is_int(value: Any) -> bool:
+    """JSON true/false are Python bools, which are ints; a config integer is never one."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -2,7 +2,8 @@
 into logits under each row's exit policy (request.py: ExitPolicy), and per-token loop traces. It reads
 per-loop states; it never runs the network or decides which loops run (runner/loop_driver.py does).
 
-The exit pdf and CDF are computed in float64, one loop at a time, in the same order as tests/reference.py.
+The exit pdf and CDF are computed in float64, one loop at a time, in the same order as tests/reference.py;
+only the `hf` policy computes them in the model dtype, as the official remote code does.
 """
 
 from __future__ import annotations
@@ -47,8 +48,33 @@ def threshold_exit_loops(pdf: torch.Tensor, q: float) -> torch.Tensor:
     return exit_loop
 
 
+def hf_exit_loops(gate_logits: torch.Tensor, q: float | None) -> torch.Tensor:
+    """[T, R] gate logits in the model dtype -> [R] int64: the official remote code's Q-exit, with its
+    arithmetic in the model dtype and in its order: lambda = sigmoid(gate); p(t) = lambda * S, S = S * (1 -
+    lambda), the last loop taking S; CDF = torch.cumsum over the loops, compared with q in the model dtype
+    (a Python float meets a tensor in the tensor's dtype); the first loop whose CDF >= q, else the last.
+    Every op is elementwise per row or a scan along the loops, so a row's bits do not depend on the batch.
+    q None (a config whose early_exit_threshold is null): HF reads out the last loop."""
+    loops, rows = gate_logits.shape
+    if q is None:
+        return torch.full((rows,), loops - 1, dtype=torch.int64, device=gate_logits.device)
+    remaining = torch.ones_like(gate_logits[0])
+    pdf = []
+    for t in range(loops):
+        lam = torch.sigmoid(gate_logits[t])
+        if t < loops - 1:
+            pdf.append(lam * remaining)
+            remaining = remaining * (1.0 - lam)
+        else:
+            pdf.append(remaining)
+    reached = torch.cumsum(torch.stack(pdf, dim=1), dim=1) >= q  # [R, T]
+    exit_loop = torch.argmax(reached.float(), dim=1)
+    exit_loop[~reached.any(dim=1)] = loops - 1
+    return exit_loop
+
+
 def exit_loops(policy: ExitPolicy, pdf: torch.Tensor) -> torch.Tensor:
-    """[R] int64 readout loop of each row under a non-weighted policy."""
+    """[R] int64 readout loop of each row under a policy other than weighted and hf."""
     loops, rows = pdf.shape
     if policy.kind in ("threshold", "early"):
         return threshold_exit_loops(pdf, float(policy.value))
@@ -57,12 +83,14 @@ def exit_loops(policy: ExitPolicy, pdf: torch.Tensor) -> torch.Tensor:
 
 
 def readout_logits(lm_head, hidden: torch.Tensor, gate_logits: torch.Tensor, policies: list[ExitPolicy],
-                   traced: list[bool]) -> tuple[torch.Tensor, list[LoopTrace | None]]:
+                   traced: list[bool], config_threshold: float | None = 1.0
+                   ) -> tuple[torch.Tensor, list[LoopTrace | None]]:
     """Logits [R, V] (fp32) of the sampling rows under each row's policy, and a trace for each traced row.
 
-    hidden [T, R, H], gate_logits [T, R]: LoopStates of the sampling rows only, so no row that does not
-    sample pays for a readout. Loops a row did not run (early:Q) have NaN gates and repeat the hidden state
-    of its last loop. `lm_head` maps [*, H] -> [*, V].
+    hidden [T, R, H], gate_logits [T, R] (the model dtype): LoopStates of the sampling rows only, so no row
+    that does not sample pays for a readout. Loops a row did not run (early:Q) have NaN gates and repeat the
+    hidden state of its last loop. `lm_head` maps [*, H] -> [*, V]. config_threshold: the checkpoint's
+    early_exit_threshold, the Q of a plain `hf` policy.
     """
     loops, rows = gate_logits.shape
     if not any(traced) and all(p.kind == "full" for p in policies):
@@ -70,8 +98,11 @@ def readout_logits(lm_head, hidden: torch.Tensor, gate_logits: torch.Tensor, pol
     pdf = exit_pdf(gate_logits)
     loop_of = torch.full((rows,), loops - 1, dtype=torch.int64, device=hidden.device)
     for policy in set(policies):
-        if policy.kind != "weighted":
-            chosen = [r for r, p in enumerate(policies) if p == policy]
+        chosen = [r for r, p in enumerate(policies) if p == policy]
+        if policy.kind == "hf":
+            q = config_threshold if policy.value is None else float(policy.value)
+            loop_of[chosen] = hf_exit_loops(gate_logits[:, chosen], q).to(hidden.device)
+        elif policy.kind != "weighted":
             loop_of[chosen] = exit_loops(policy, pdf[:, chosen]).to(hidden.device)
     logits = lm_head(hidden[loop_of, torch.arange(rows, device=hidden.device)]).float()
     weighted = [r for r, p in enumerate(policies) if p.kind == "weighted"]

@@ -11,7 +11,7 @@ import json
 import os
 import re
 import warnings
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 from safetensors import safe_open
@@ -27,6 +27,8 @@ _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloa
 
 def resolve_model_dir(model: str | os.PathLike) -> Path:
     """A local directory as is; an HF repo id through huggingface_hub (respects HF_HOME, HF_HUB_OFFLINE)."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a checkpoint directory or a Hugging Face repo id, got {model!r}")
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -80,18 +82,47 @@ def expected_tensors(config: OuroConfig) -> dict[str, tuple[int, ...]]:
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
-    """tensor name -> the safetensors file holding it (single-file or sharded checkpoint)."""
+    """tensor name -> the safetensors file holding it (single-file or sharded checkpoint). Every file must lie
+    inside the checkpoint (weight_file)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, AttributeError) as err:
+            raise ValueError(f"{index} is not a JSON object with a 'weight_map': {err}") from None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no 'weight_map' object")
-        return {name: model_dir / file for name, file in weight_map.items()}
+        files: dict[str, Path] = {}
+        for name, file in weight_map.items():
+            files[name] = weight_file(model_dir, file, f"{index}: the entry for tensor {name!r}")
+        return files
     single = model_dir / "model.safetensors"
     if not single.is_file():
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    single = weight_file(model_dir, "model.safetensors", str(single))
     with safe_open(single, framework="pt") as f:
         return {name: single for name in f.keys()}
+
+
+def weight_file(model_dir: Path, file: object, what: str) -> Path:
+    """model_dir / file, refused (ValueError naming `what`) unless it stays inside the checkpoint: a relative
+    path without '..' whose symlinks, if any, resolve inside the directory. A Hugging Face cache snapshot
+    links its files into the repository's blobs/ folder, so there the repository folder is the bound."""
+    if not isinstance(file, str) or not file:
+        raise ValueError(f"{what} must be a file name, got {file!r}")
+    relative = PurePosixPath(file.replace("\\", "/"))
+    if relative.is_absolute() or PureWindowsPath(file).drive or ".." in relative.parts:
+        raise ValueError(f"{what} is {file!r}, which leaves the checkpoint directory; index entries must "
+                         "be paths inside it")
+    root = model_dir.resolve()
+    bounds = [root]
+    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
+        bounds.append(root.parent.parent)
+    path = model_dir / relative
+    target = path.resolve()
+    if not any(target.is_relative_to(bound) for bound in bounds):
+        raise ValueError(f"{what} is {file!r}, a link to {target}, outside the checkpoint directory {root}")
+    return path
 
 
 def check_tensors(config: OuroConfig, files: dict[str, Path]) -> None:

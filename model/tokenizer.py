@@ -1,30 +1,52 @@
-"""tokenizer.json through `tokenizers`, the chat template through jinja2 (as transformers renders it),
-and the stop ids from generation_config.json and config.json."""
+"""tokenizer.json through `tokenizers`, the chat template through jinja2 (as transformers renders it, in a
+sandbox bounded in time and output size), and the stop ids from generation_config.json and config.json."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+# A chat template renders in about a millisecond; these bounds stop one that loops or grows without end.
+TEMPLATE_SECONDS = 2.0
+TEMPLATE_MAX_CHARS = 4 * 2**20
+
 
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return data
 
 
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list) else [value]
+def _ids(value: Any, path: Path, field: str) -> list[int]:
+    ids = [] if value is None else list(value) if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: field {field!r} must be a token id or a list of them, got {value!r}")
+    return ids
+
+
+def _templates(value: Any, path: Path) -> str | dict[str, str] | None:
+    """tokenizer_config.json's chat_template: one template, or HF's named list [{"name", "template"}]."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in value):
+        return {t["name"]: t["template"] for t in value}
+    raise ValueError(f"{path}: 'chat_template' must be a string or a list of {{\"name\", \"template\"}} "
+                     f"objects, got {value!r:.200}")
 
 
 def render_chatml(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -39,13 +61,15 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
         self._tok = _HFTokenizer.from_file(str(path))
-        self.config = _read_json(model_dir / "tokenizer_config.json")
-        self.chat_template = self.config.get("chat_template")
-        generation = _read_json(model_dir / "generation_config.json")
-        model_config = _read_json(model_dir / "config.json")
-        stop = _ids(generation.get("eos_token_id")) + _ids(model_config.get("eos_token_id"))
+        self.config_path = model_dir / "tokenizer_config.json"
+        self.config = _read_json(self.config_path)
+        # One template, or several by name (transformers picks "default", or "tool_use" when given tools).
+        self.chat_template = _templates(self.config.get("chat_template"), self.config_path)
+        stop = []
+        for name in ("generation_config.json", "config.json"):
+            stop += _ids(_read_json(model_dir / name).get("eos_token_id"), model_dir / name, "eos_token_id")
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stop))
-        self._template = None
+        self._compiled: dict[str, Any] = {}
         self._token_texts: dict[int, str] = {}
 
     @property
@@ -77,38 +101,116 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                             chat_template: str | None = None, **kwargs: Any) -> str:
-        """The conversation rendered with `chat_template` (a jinja2 string) if given, else the checkpoint's
-        template, else ChatML."""
+        """The conversation as one prompt string, through the checkpoint's chat template (ChatML if it has
+        none). chat_template: the name of one of the checkpoint's named templates, or a template's source,
+        as in transformers. Template errors, and templates that run past TEMPLATE_SECONDS or
+        TEMPLATE_MAX_CHARS, raise ValueError naming where the template came from."""
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                     or not isinstance(message.get("content"), str):
                 raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content'")
-        if chat_template is None and not self.chat_template:
+        source, origin = self._pick_template(chat_template, kwargs.get("tools") is not None)
+        if source is None:
             return render_chatml(messages, add_generation_prompt)
-        template = self._compile(chat_template) if chat_template is not None else self._compiled_template()
-        return template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self._special("bos_token"), eos_token=self._special("eos_token"), **kwargs)
+        context = dict(kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
+                       bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
+        try:
+            return _render_bounded(self._compile(source), context)
+        except _TemplateTooCostly as err:
+            raise ValueError(f"chat template {origin}: {err}") from None
+        except Exception as err:  # jinja2's errors, and whatever the template's own calls raise
+            raise ValueError(f"chat template {origin}: {type(err).__name__}: {err}") from None
+
+    def _pick_template(self, chat_template: str | None, tools: bool) -> tuple[str | None, str]:
+        """(template source or None for ChatML, where it comes from), as transformers chooses."""
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"chat_template must be a template name or source, got {chat_template!r}")
+        templates = self.chat_template
+        if isinstance(templates, dict):
+            if chat_template in templates:
+                return templates[chat_template], f"{chat_template!r} of {self.config_path}"
+            if chat_template is None:
+                for name in (["tool_use"] if tools else []) + ["default"]:
+                    if name in templates:
+                        return templates[name], f"{name!r} of {self.config_path}"
+                raise ValueError(f"{self.config_path} has named chat templates ({', '.join(templates)}) and "
+                                 "no 'default'; pass chat_template=<name>")
+        if chat_template is not None:
+            return chat_template, "given as chat_template"
+        return templates, f"of {self.config_path}"
 
     def _special(self, key: str) -> str:
         value = self.config.get(key) or ""
         return value.get("content", "") if isinstance(value, dict) else value
 
-    def _compiled_template(self):
-        if self._template is None:
-            self._template = self._compile(self.chat_template)
-        return self._template
+    def _compile(self, source: str):
+        template = self._compiled.get(source)
+        if template is None:
+            if len(self._compiled) >= 16:  # templates passed per call: keep the cache small
+                self._compiled.clear()
+            template = self._compiled[source] = _environment().from_string(source)
+        return template
 
-    @staticmethod
-    def _compile(source: str):
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
+class _TemplateTooCostly(Exception):
+    pass
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False,
-                                                                      indent=indent)
-        return env.from_string(source)
+
+def _environment():
+    """transformers' template environment: jinja2's immutable sandbox, trim_blocks and lstrip_blocks,
+    raise_exception() and a tojson filter that keeps non-ASCII text; here also with `*` and `**` bounded, so
+    that no single expression builds a string past TEMPLATE_MAX_CHARS."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+            if operator == "**" and isinstance(right, int) and abs(right) > 64:
+                raise _TemplateTooCostly(f"exponent {right} is too large")
+            if operator == "*":
+                for seq, count in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(count, int) \
+                            and len(seq) * count > TEMPLATE_MAX_CHARS:
+                        raise _TemplateTooCostly(f"a repeated sequence would pass {TEMPLATE_MAX_CHARS} items")
+            return super().call_binop(context, operator, left, right)
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    return env
+
+
+def _render_bounded(template, context: dict[str, Any]) -> str:
+    """Render chunk by chunk, stopping past TEMPLATE_MAX_CHARS of output or TEMPLATE_SECONDS. The clock is
+    read from a trace function on the template's own frames (jinja2 compiles it to Python), so a loop that
+    emits nothing is stopped too."""
+    deadline = time.monotonic() + TEMPLATE_SECONDS
+    lines = 0
+
+    def watch(frame, event: str, arg: Any):
+        nonlocal lines
+        lines += 1
+        if lines % 1024 == 0 and time.monotonic() > deadline:
+            raise _TemplateTooCostly(f"rendering took longer than {TEMPLATE_SECONDS} s")
+        return watch
+
+    def trace(frame, event: str, arg: Any):
+        return watch if frame.f_code.co_filename == "<template>" else None
+
+    chunks, size = [], 0
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        for chunk in template.generate(**context):
+            size += len(chunk)
+            if size > TEMPLATE_MAX_CHARS:
+                raise _TemplateTooCostly(f"its output exceeds {TEMPLATE_MAX_CHARS} characters")
+            chunks.append(chunk)
+    finally:
+        sys.settrace(previous)
+    return "".join(chunks)

@@ -1,8 +1,15 @@
 """Turns a scheduled batch into tensors once per step, runs the model's loops over it through the loop driver
-(a captured graph where one fits, eagerly otherwise), reads out under each row's exit policy and samples."""
+(a captured graph where one fits, eagerly otherwise), reads out under each row's exit policy and samples.
+
+A run changes no request: what the step adds to them comes back in a StepResult, which `commit` appends once
+the scheduler has applied the step. Until then `rollback` puts back the little a run does change (seeded
+generators, loop counters), so a step cut short (KeyboardInterrupt included) leaves no trace. A row whose
+readout or sampling fails ends in StepResult.errors; the other rows are sampled without it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -13,11 +20,36 @@ from cache.layout import KVLayout
 from engine_config import EngineConfig
 from model.exit_policy import readout_logits
 from model.ouro import LoopStates, OuroForCausalLM
-from request import FULL, ExitPolicy, Request, ScheduledBatch, request_policy
+from request import FULL, ExitPolicy, Logprob, LoopTrace, Request, ScheduledBatch, request_policy
 from runner.block_tables import BlockTables
 from runner.cuda_graph import DecodeGraphs
 from runner.loop_driver import EagerLoops, EarlyExit, LoopStats, StepInputs, run_loops
 from runner.sampler import logprob_dicts, logprobs_topn, process_logits, sample
+
+
+@dataclasses.dataclass(slots=True)
+class StepResult:
+    """One step's outcome, before any request changes. Per batch row: the next token (None where the row does
+    not sample or failed), why it failed, and what commit() appends to its request: the sampled token's loop
+    trace and logprobs, the prompt logprobs of its chunk."""
+
+    tokens: list[int | None]
+    errors: dict[int, str] = dataclasses.field(default_factory=dict)
+    traces: dict[int, LoopTrace] = dataclasses.field(default_factory=dict)
+    logprobs: dict[int, dict[int, Logprob]] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: dict[int, list[dict[int, Logprob]]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(slots=True)
+class _Staged:
+    """What a run changed outside its StepResult, to undo; and the requests' lengths it started from."""
+
+    batch: ScheduledBatch
+    num_tokens: list[int]
+    num_computed: list[int]
+    generators: dict[str, torch.Tensor | None]  # request_id -> generator state before (None: no generator)
+    decode_tokens: int
+    decode_loops: int
 
 
 class ModelRunner:
@@ -35,6 +67,7 @@ class ModelRunner:
         self.loops = config.loops
         self.generators: dict[str, torch.Generator] = {}
         self.loop_stats = LoopStats()
+        self._staged: _Staged | None = None
         bs = config.block_size
         self.block_tables = BlockTables(-(-config.max_model_len // bs), lambda r: r.block_table)
         self.max_pages = -(-config.max_model_len // (self.loops * bs))
@@ -133,70 +166,154 @@ class ModelRunner:
         return run_loops(self.eager, self.model, inputs, range(self.loops), self.hook)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """The next token of every request whose chunk reaches the end of its sequence, else None. Logprobs
-        asked for by SamplingParams(logprobs, prompt_logprobs) are appended to the requests."""
-        inputs = self.prepare(batch)
-        states = self.forward(inputs)
-        sampling = [r for r, samples in zip(batch.requests, batch.sample) if samples]
-        rows = len(sampling)  # the readout's first rows; prompt-logprob tokens follow
-        if len(inputs.readout) > rows:
-            prompt_states = LoopStates(states.hidden[:, rows:], states.gate_logits[:, rows:])
-            self._attach_prompt_logprobs(batch, prompt_states)
-        if not sampling:
-            return [None] * len(batch.requests)
-        policies = self._readout_policies(batch, inputs.generated_rows)
-        logits, traces = readout_logits(self.model.compute_logits, states.hidden[:, :rows],
-                                        states.gate_logits[:, :rows], policies,
-                                        [r.params.loop_trace for r in sampling])
-        for request, trace in zip(sampling, traces):
-            if trace is not None:
-                request.traces.append(trace)
-        sampled = sample(process_logits(logits, sampling), [r.params for r in sampling],
-                         [self._generator(r) for r in sampling])
-        self._attach_logprobs(sampling, logits, sampled)
-        tokens = iter(sampled.tolist())
-        return [next(tokens) if samples else None for samples in batch.sample]
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        """The next token of every request whose chunk reaches the end of its sequence (None elsewhere), and
+        the logprobs, prompt logprobs and traces its SamplingParams ask for, staged for commit()."""
+        self._stage(batch)
+        try:
+            inputs = self.prepare(batch)
+            states = self.forward(inputs)
+            result = StepResult([None] * batch.num_seqs)
+            sampling = [row for row, samples in enumerate(batch.sample) if samples]
+            if len(inputs.readout) > len(sampling):  # the readout's first rows sample; prompt tokens follow
+                self._isolated(batch, result, self._prompt_logprobs, "prompt logprobs", LoopStates(
+                    states.hidden[:, len(sampling):], states.gate_logits[:, len(sampling):]),
+                    list(range(batch.num_seqs)))
+            rows = [row for row in sampling if row not in result.errors]
+            if rows:
+                self._isolated(batch, result, self._sample_rows, "sampling", states, rows)
+            return result
+        except BaseException:
+            self.rollback()
+            raise
 
-    def _attach_logprobs(self, sampling: list[Request], logits: torch.Tensor, sampled: torch.Tensor) -> None:
-        """SamplingParams(logprobs=N): the sampled token's logprob and the top N, appended to the request."""
-        rows = [i for i, r in enumerate(sampling) if r.params.logprobs is not None]
-        if not rows:
+    def commit(self, result: StepResult) -> None:
+        """The scheduler applied the step: append its traces and logprobs to the requests it advanced."""
+        staged, self._staged = self._staged, None
+        if staged is None:
             return
-        counts = [sampling[i].params.logprobs for i in rows]
-        top = logprobs_topn(logits[rows], sampled[rows], max(counts))
-        for i, entry in zip(rows, logprob_dicts(top, counts, self.token_text)):
-            sampling[i].logprobs.append(entry)
+        for row, request in enumerate(staged.batch.requests):
+            if request.num_tokens == staged.num_tokens[row] + 1:  # its sampled token was appended
+                if row in result.traces:
+                    request.traces.append(result.traces[row])
+                if row in result.logprobs:
+                    request.logprobs.append(result.logprobs[row])
+            if row in result.prompt_logprobs and request.num_computed_tokens > staged.num_computed[row]:
+                request.prompt_logprobs.extend(result.prompt_logprobs[row])
 
-    def _attach_prompt_logprobs(self, batch: ScheduledBatch, states: LoopStates) -> None:
+    def rollback(self) -> None:
+        """The last run's step will not be applied: its generators and loop counters go back."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            self._restore_generators(staged.generators)
+            self.loop_stats.decode_tokens, self.loop_stats.decode_loops = \
+                staged.decode_tokens, staged.decode_loops
+
+    def _stage(self, batch: ScheduledBatch) -> None:
+        generators = {}
+        for request, samples in zip(batch.requests, batch.sample):
+            if samples and request.params.seed is not None and not request.params.greedy:
+                generator = self.generators.get(request.request_id)
+                generators[request.request_id] = generator.get_state() if generator is not None else None
+        self._staged = _Staged(batch, [r.num_tokens for r in batch.requests],
+                               [r.num_computed_tokens for r in batch.requests], generators,
+                               self.loop_stats.decode_tokens, self.loop_stats.decode_loops)
+
+    def _restore_generators(self, states: dict[str, torch.Tensor | None]) -> None:
+        for request_id, state in states.items():
+            if state is None:
+                self.generators.pop(request_id, None)
+            elif request_id in self.generators:
+                self.generators[request_id].set_state(state)
+
+    def _isolated(self, batch: ScheduledBatch, result: StepResult, stage: Callable, what: str,
+                  states: LoopStates, rows: list[int]) -> None:
+        """stage(batch, result, states, rows) for all rows at once; if that raises, row by row, so that a
+        row that fails ends in result.errors and the others are unaffected. A stage writes into `result` only
+        once it has computed everything."""
+        try:
+            stage(batch, result, states, rows)
+            return
+        except Exception:
+            self._restore_generators(self._staged.generators)
+        for row in rows:
+            try:
+                stage(batch, result, states, [row])
+            except Exception as err:
+                result.errors[row] = f"{what} failed: {type(err).__name__}: {err}"
+
+    def _sample_rows(self, batch: ScheduledBatch, result: StepResult, states: LoopStates,
+                     rows: list[int]) -> None:
+        """Read out and sample these sampling rows (batch rows); states: every sampling row's, in order."""
+        sampling = [row for row, samples in enumerate(batch.sample) if samples]
+        index = slice(0, len(rows)) if len(rows) == len(sampling) else [sampling.index(row) for row in rows]
+        requests = [batch.requests[row] for row in rows]
+        logits, traces = readout_logits(self.model.compute_logits, states.hidden[:, index],
+                                        states.gate_logits[:, index], self._readout_policies(batch, rows),
+                                        [r.params.loop_trace for r in requests],
+                                        self.config.model.early_exit_threshold)
+        sampled = sample(process_logits(logits, requests), [r.params for r in requests],
+                         [self._generator(r) for r in requests])
+        logprobs = self._logprobs(requests, logits, sampled)  # of the raw logits, as vLLM's default
+        for row, token, trace, entry in zip(rows, sampled.tolist(), traces, logprobs):
+            result.tokens[row] = token
+            if trace is not None:
+                result.traces[row] = trace
+            if entry is not None:
+                result.logprobs[row] = entry
+
+    def _logprobs(self, requests: list[Request], logits: torch.Tensor,
+                  sampled: torch.Tensor) -> list[dict[int, Logprob] | None]:
+        """SamplingParams(logprobs=N): the sampled token's logprob and the top N per row (None: not asked)."""
+        out: list[dict[int, Logprob] | None] = [None] * len(requests)
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        if rows:
+            counts = [requests[i].params.logprobs for i in rows]
+            top = logprobs_topn(logits[rows], sampled[rows], max(counts))
+            for i, entry in zip(rows, logprob_dicts(top, counts, self.token_text)):
+                out[i] = entry
+        return out
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, result: StepResult, states: LoopStates,
+                         rows: list[int]) -> None:
         """SamplingParams(prompt_logprobs=N): each prompt token's logprob given the tokens before it, read out
-        under the request's exit policy from the states of the prompt readout tokens (prepare's order)."""
-        requests, next_tokens = [], []
-        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+        under the request's exit policy; states: every row's prompt readout tokens, in prepare's order."""
+        chosen, requests, next_tokens, owners = set(rows), [], [], []
+        index = 0
+        for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start = request.num_computed_tokens
             for p in prompt_logprob_positions(request, start, start + num_new):
-                requests.append(request)
-                next_tokens.append(request.prompt_token_ids[p + 1])
+                if row in chosen:
+                    owners.append((row, index))
+                    requests.append(request)
+                    next_tokens.append(request.prompt_token_ids[p + 1])
+                index += 1
+        if not owners:
+            return
         engine_policy = self.config.exit_policy
         policies = [request_policy(r.params.exit_policy, engine_policy, self.loops) for r in requests]
-        logits, _ = readout_logits(self.model.compute_logits, states.hidden, states.gate_logits, policies,
-                                   [False] * len(requests))
+        tokens = [i for _, i in owners]
+        logits, _ = readout_logits(self.model.compute_logits, states.hidden[:, tokens],
+                                   states.gate_logits[:, tokens], policies, [False] * len(requests),
+                                   self.config.model.early_exit_threshold)
         counts = [r.params.prompt_logprobs for r in requests]
         top = logprobs_topn(logits, torch.tensor(next_tokens, device=logits.device), max(counts))
-        for request, entry in zip(requests, logprob_dicts(top, counts, self.token_text)):
-            request.prompt_logprobs.append(entry)
+        entries: dict[int, list[dict[int, Logprob]]] = {}
+        for (row, _), entry in zip(owners, logprob_dicts(top, counts, self.token_text)):
+            entries.setdefault(row, []).append(entry)
+        result.prompt_logprobs.update(entries)
 
-    def _readout_policies(self, batch: ScheduledBatch, generated_rows: list[int]) -> list[ExitPolicy]:
+    def _readout_policies(self, batch: ScheduledBatch, rows: list[int]) -> list[ExitPolicy]:
         """Each sampling row's readout policy. A generated row under early:Q stopped looping exactly where
         its CDF reached Q (or ran every loop), so its last state is its threshold readout: untraced, it reads
         out as `full` does, with one lm_head call and no exit-pdf arithmetic."""
-        engine_policy, generated = self.config.exit_policy, set(generated_rows)
-        policies = []
-        for row, (request, samples) in enumerate(zip(batch.requests, batch.sample)):
-            if not samples:
-                continue
+        engine_policy, policies = self.config.exit_policy, []
+        for row in rows:
+            request = batch.requests[row]
             policy = request_policy(request.params.exit_policy, engine_policy, self.loops)
-            if policy.kind == "early" and row in generated and not request.params.loop_trace:
+            generated = (batch.num_new_tokens[row] == 1
+                         and request.num_computed_tokens >= request.num_prompt_tokens)
+            if policy.kind == "early" and generated and not request.params.loop_trace:
                 policy = FULL
             policies.append(policy)
         return policies

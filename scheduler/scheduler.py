@@ -2,11 +2,16 @@
 decodes go first, then prefill chunks (running requests first, then the waiting queue, FCFS), all mixed
 into one forward pass. When blocks run out, the most recently admitted request is preempted and later
 recomputed. It sees token ids, block ids and a detokenizer; it never touches tensors or the model.
+
+update() first decides every row's outcome (detokenizing the new tokens) and changes nothing, then applies
+them all, so an exception while deciding (KeyboardInterrupt included) leaves every request as it was. A
+request whose detokenizing fails, or whose row the caller reports failed, ends alone with "error".
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable
 from typing import Protocol
 
@@ -21,6 +26,22 @@ class Detokenizer(Protocol):
     def stream(self, skip_special_tokens: bool = True) -> Callable[[int], str]:
         """A fresh incremental decoder: called with each next token id, it returns the text that token adds
         (possibly "" while a character's bytes are incomplete)."""
+
+
+class _DetokenizerFailed(Exception):
+    pass
+
+
+@dataclasses.dataclass(slots=True)
+class _Outcome:
+    """What update() will do to one row's request: advance it by num_new computed tokens, append `token`,
+    set its text, and finish it (reason, stop_reason, error), each where not None."""
+
+    request: Request
+    num_new: int
+    token: int | None = None
+    text: str | None = None
+    finish: tuple[str, int | str | None, str | None] | None = None
 
 
 class Scheduler:
@@ -47,7 +68,8 @@ class Scheduler:
         # Under early:Q and kv_sharing="last" a generated token must finish its loops before the next one
         # starts, so a recomputed request replays its generated tokens one per step, after its prompt.
         self.replay_generated_singly = block_manager.layout.replay_generated_singly
-        self._streams: dict[str, Callable[[int], str]] = {}
+        # request_id -> (incremental decoder, how many output tokens it has been fed)
+        self._streams: dict[str, tuple[Callable[[int], str], int]] = {}
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -116,25 +138,105 @@ class Scheduler:
             sample=[r.num_computed_tokens + n == r.num_tokens for r, n in rows.items()],
         )
 
-    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Request]:
-        """Advance the batch's requests by one step. sampled[i] is read only where batch.sample[i].
-        Returns every request finished since the last hand-back, this step's included."""
+    def update(self, batch: ScheduledBatch, sampled: list[int | None],
+               errors: dict[int, str] | None = None) -> list[Request]:
+        """Advance the batch's requests by one step. sampled[i] is read only where batch.sample[i]; errors:
+        batch row -> why that row failed in this step (its request finishes with "error"). Every row's
+        outcome is decided before any is applied. Returns every request finished since the last hand-back,
+        this step's included."""
         if len(sampled) != batch.num_seqs:
             raise ValueError(f"update got {len(sampled)} sampled tokens for {batch.num_seqs} rows")
-        for request, num_new, sample, token in zip(
-            batch.requests, batch.num_new_tokens, batch.sample, sampled
-        ):
-            if request.is_finished:  # aborted after schedule()
-                continue
-            request.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(request)
-            if not sample:
-                continue
-            if token is None:
-                raise ValueError(f"row of request {request.request_id} samples but got no token")
-            request.token_ids.append(token)
-            self._check_stop(request)
+        errors = errors or {}
+        outcomes = [self._decide(request, num_new, sample, token, errors.get(row))
+                    for row, (request, num_new, sample, token)
+                    in enumerate(zip(batch.requests, batch.num_new_tokens, batch.sample, sampled))]
+        for outcome in outcomes:
+            if outcome is not None:
+                self._apply(outcome)
         return self.take_finished()
+
+    def _decide(self, request: Request, num_new: int, sample: bool, token: int | None,
+                error: str | None) -> _Outcome | None:
+        """One row's outcome; changes nothing but the request's cached incremental decoder."""
+        if request.is_finished:  # aborted after schedule()
+            return None
+        if error is not None:
+            return _Outcome(request, 0, finish=("error", None, error))
+        if not sample:
+            return _Outcome(request, num_new)
+        if token is None:
+            raise ValueError(f"row of request {request.request_id} samples but got no token")
+        try:
+            return self._decide_token(request, num_new, token)
+        except _DetokenizerFailed as err:  # this request alone ends
+            return _Outcome(request, 0, finish=("error", None, f"detokenizing token {token} failed: {err}"))
+
+    def _decide_token(self, request: Request, num_new: int, token: int) -> _Outcome:
+        """Stop token, stop string, max_tokens, or no room to grow, for `token` appended. Text grows by the
+        token's piece only, and a stop string is searched for only where the new piece could complete it."""
+        params = request.params
+        skip = params.skip_special_tokens
+        # As vLLM, stop tokens and stop strings count only from the token after the first min_tokens.
+        may_stop = request.num_output_tokens + 1 > params.min_tokens
+        if may_stop and (token in params.stop_token_ids
+                         or (not params.ignore_eos and token in request.eos_token_ids)):
+            # As vLLM: the stop token's text is left out unless include_stop_str_in_output.
+            text_ids = request.output_token_ids + ([token] if params.include_stop_str_in_output else [])
+            stop_reason = token if token in params.stop_token_ids else None
+            return _Outcome(request, num_new, token,
+                            self._detokenize(self.detokenizer.decode, text_ids, skip),
+                            ("stop", stop_reason, None))
+        before = len(request.output_text)
+        text = request.output_text + self._detokenize(self._piece, request, token)
+        if params.stop and may_stop:
+            hit = _first_stop(text, params.stop, before)
+            if hit is not None:
+                start, stop = hit
+                end = start + len(stop) if params.include_stop_str_in_output else start
+                return _Outcome(request, num_new, token, text[:end], ("stop", stop, None))
+        num_output = request.num_output_tokens + 1
+        if (params.max_tokens is not None and num_output >= params.max_tokens) or (
+            request.num_tokens + 1 >= self.max_model_len or not self._can_grow(request, num_output)
+        ):
+            final = self._detokenize(self.detokenizer.decode, request.output_token_ids + [token], skip)
+            return _Outcome(request, num_new, token, final, ("length", None, None))
+        return _Outcome(request, num_new, token, text)
+
+    @staticmethod
+    def _detokenize(call: Callable[..., str], *args) -> str:
+        """call(*args), its failure (not KeyboardInterrupt) as _DetokenizerFailed."""
+        try:
+            return call(*args)
+        except Exception as err:
+            raise _DetokenizerFailed(f"{type(err).__name__}: {err}") from err
+
+    def _piece(self, request: Request, token: int) -> str:
+        """The text `token` adds after the request's output. The request's decoder is taken out while it is
+        fed, so one that a failure left mid-token, or that ran ahead of an update never applied, is rebuilt
+        by replaying the output."""
+        stream, fed = self._streams.pop(request.request_id, (None, -1))
+        if fed != request.num_output_tokens:
+            stream = self.detokenizer.stream(skip_special_tokens=request.params.skip_special_tokens)
+            for earlier in request.token_ids[request.num_prompt_tokens:]:
+                stream(earlier)
+        piece = stream(token)
+        self._streams[request.request_id] = (stream, request.num_output_tokens + 1)
+        return piece
+
+    def _apply(self, outcome: _Outcome) -> None:
+        request = outcome.request
+        if outcome.finish is not None and outcome.finish[0] == "error":
+            self._finish(request, "error", error=outcome.finish[2], text=request.output_text)
+            return
+        request.num_computed_tokens += outcome.num_new
+        self.block_manager.cache_full_blocks(request)
+        if outcome.token is not None:
+            request.token_ids.append(outcome.token)
+        if outcome.text is not None:
+            request.output_text = outcome.text
+        if outcome.finish is not None:
+            reason, stop_reason, _ = outcome.finish
+            self._finish(request, reason, stop_reason, outcome.text)
 
     def _admission_error(self, request: Request) -> str | None:
         num_prompt = request.num_prompt_tokens
@@ -189,9 +291,17 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             num_new = self._chunk_len(request, budget)
             if not bm.can_append(request, num_new):  # FCFS: nobody overtakes the head of the queue
+                needed = sum(bm.layout.missing_blocks(request, num_new))
                 bm.free(request)
                 request.num_computed_tokens = 0
-                return
+                if self.running:  # they will free blocks
+                    return
+                # Nothing runs, so no block will ever come back: waiting would be forever.
+                self._finish(request, "error", error=(
+                    f"cannot be scheduled: its first {num_new} tokens need {needed} KV blocks, only "
+                    f"{bm.num_free_blocks} of the pool's {bm.num_blocks} are free, and no running request "
+                    f"holds the other {bm.num_blocks - bm.num_free_blocks}"))
+                continue
             bm.append_slots(request, num_new)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
@@ -201,43 +311,11 @@ class Scheduler:
             rows[request] = num_new
             budget -= num_new
 
-    def _check_stop(self, request: Request) -> None:
-        """Stop token, stop string, max_tokens, or no room to grow. Text grows by the new token's piece
-        only, and a stop string is searched for only where the new piece could complete it. As vLLM, stop
-        tokens and strings count only from the token after the first min_tokens."""
-        params, token = request.params, request.token_ids[-1]
-        may_stop = request.num_output_tokens > params.min_tokens
-        if may_stop and (token in params.stop_token_ids
-                         or (not params.ignore_eos and token in request.eos_token_ids)):
-            # As vLLM: the stop token's text is left out unless include_stop_str_in_output.
-            output = request.output_token_ids
-            text_ids = output if params.include_stop_str_in_output else output[:-1]
-            stop_reason = token if token in params.stop_token_ids else None
-            self._finish(request, "stop", stop_reason,
-                         self.detokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens))
-            return
-        stream = self._streams.get(request.request_id)
-        if stream is None:
-            stream = self._streams[request.request_id] = self.detokenizer.stream(
-                skip_special_tokens=params.skip_special_tokens)
-        before = len(request.output_text)
-        request.output_text += stream(token)
-        if params.stop and may_stop:
-            hit = _first_stop(request.output_text, params.stop, before)
-            if hit is not None:
-                start, stop = hit
-                end = start + len(stop) if params.include_stop_str_in_output else start
-                self._finish(request, "stop", stop, request.output_text[:end])
-                return
-        if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) or (
-            request.num_tokens >= self.max_model_len or not self._can_grow(request)
-        ):
-            self._finish(request, "length")
-
-    def _can_grow(self, request: Request) -> bool:
-        """Would one more token still fit in the whole pool, were this request alone?"""
+    def _can_grow(self, request: Request, num_output: int) -> bool:
+        """Would one more token still fit in the whole pool, were this request alone with num_output
+        generated tokens?"""
         bm = self.block_manager
-        needed = bm.layout.blocks_per_sequence(request.num_prompt_tokens, request.num_output_tokens + 1)
+        needed = bm.layout.blocks_per_sequence(request.num_prompt_tokens, num_output + 1)
         return needed <= bm.num_blocks
 
     def _finish(
@@ -248,6 +326,13 @@ class Scheduler:
         text: str | None = None,
         error: str | None = None,
     ) -> None:
+        if text is None:  # decided before anything changes: a failing detokenizer keeps the streamed text
+            try:
+                text = self.detokenizer.decode(request.output_token_ids,
+                                               skip_special_tokens=request.params.skip_special_tokens) \
+                    if request.num_output_tokens else ""
+            except Exception:
+                text = request.output_text
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -255,10 +340,6 @@ class Scheduler:
         self.block_manager.free(request)
         del self._unfinished[request.request_id]
         self._streams.pop(request.request_id, None)
-        if text is None:
-            text = self.detokenizer.decode(request.output_token_ids,
-                                           skip_special_tokens=request.params.skip_special_tokens) \
-                if request.num_output_tokens else ""
         request.output_text = text
         request.stop_reason = stop_reason
         request.finish(reason, error)

@@ -1,7 +1,8 @@
 """The test oracle: a deliberately plain, dense, fp32 Ouro, written from docs/ouro.md alone.
 
 No cache, no paging, no fusion: every call recomputes the whole sequence from the raw HF-named
-tensors. Also HF's exit semantics (docs/ouro.md §4): the exit pdf, Q-exit, exit_at_step, weighted logits.
+tensors. Also HF's exit semantics (docs/ouro.md §4): the exit pdf, Q-exit, exit_at_step, weighted logits,
+and the remote code's own Q-exit in the model dtype (hf).
 `decode` is the one stateful path: token by token with an explicit K/V list per (loop, layer) and
 position, for the rules that change what later tokens read (early:Q's copy-forward, kv_sharing="last").
 """
@@ -67,6 +68,27 @@ def threshold_exit_loop(gate_logits: torch.Tensor, q: float) -> int:
     return len(gate_logits) - 1
 
 
+def hf_exit_loop(gate_logits: torch.Tensor, q: float | None) -> int:
+    """The official remote code's Q-exit, for one token: its gate logits [T] stay in their own (the model's)
+    dtype through sigmoid, p(t) = lambda_t * S_{t-1} and S_t = S_{t-1} * (1 - lambda_t) (the last loop takes
+    S_{T-2}); the CDF is torch.cumsum of those p, as HF sums them, and is compared with q in that dtype too
+    (torch rounds a Python float to the tensor's dtype: in bf16, q = 0.9 is 0.8984375). The first loop whose
+    CDF >= q reads out, else the last. q None: HF has no threshold and reads out the last loop."""
+    loops = len(gate_logits)
+    if q is None:
+        return loops - 1
+    survival = torch.ones((), dtype=gate_logits.dtype)
+    pdf = []
+    for t in range(loops):
+        lam = torch.sigmoid(gate_logits[t])
+        pdf.append(lam * survival if t < loops - 1 else survival)
+        survival = survival * (1.0 - lam)
+    for t, reached in enumerate((torch.cumsum(torch.stack(pdf), dim=0) >= q).tolist()):
+        if reached:
+            return t
+    return loops - 1
+
+
 class ReferenceOuro:
     def __init__(self, model_dir: str | Path, loops: int | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -128,7 +150,7 @@ class ReferenceOuro:
         return torch.stack(states), torch.stack(gates)
 
     def next_logits(self, ids: list[int], policy: str = "full") -> torch.Tensor:
-        """Logits for the token after `ids` under an HF exit policy: full, step:K, threshold:Q, weighted."""
+        """Logits for the token after `ids` under an exit policy: full, step:K, threshold:Q, weighted, hf."""
         states, gates = self.loop_states(ids)
         return self.readout(states[:, -1], gates[:, -1], policy)
 
@@ -141,10 +163,16 @@ class ReferenceOuro:
             return last[int(arg)] @ self.lm_head.T
         if kind == "threshold":
             return last[threshold_exit_loop(gate, float(arg))] @ self.lm_head.T
+        if kind == "hf":
+            return last[hf_exit_loop(gate, self.hf_threshold(arg))] @ self.lm_head.T
         if kind == "weighted":
             pdf = exit_pdf(gate).float()
             return sum(pdf[t] * (last[t] @ self.lm_head.T) for t in range(self.loops))
         raise ValueError(f"unknown policy {policy!r}")
+
+    def hf_threshold(self, arg: str) -> float | None:
+        """hf:Q's Q, or for plain hf the config's early_exit_threshold (HF's class default 1.0 if absent)."""
+        return float(arg) if arg else self.cfg.get("early_exit_threshold", 1.0)
 
     def greedy(self, ids: list[int], max_new_tokens: int, policy: str = "full") -> list[int]:
         out: list[int] = []
@@ -180,7 +208,8 @@ class ReferenceOuro:
             else:
                 logits = self.readout(states, gates, policy)
                 exit_loop = self.loops - 1 if kind == "full" else None if kind == "weighted" else \
-                    int(arg) if kind == "step" else threshold_exit_loop(gates, float(arg))
+                    int(arg) if kind == "step" else hf_exit_loop(gates, self.hf_threshold(arg)) \
+                    if kind == "hf" else threshold_exit_loop(gates, float(arg))
             padded = torch.cat([gates, gates.new_zeros(self.loops - len(gates))])
             traces.append({"exit_pdf": exit_pdf(padded)[:len(gates)].tolist(), "exit_loop": exit_loop,
                            "top_token_ids": [int((h @ self.lm_head.T).argmax()) for h in states]})

@@ -67,3 +67,32 @@ def test_config_file_that_is_not_json_is_reported(tmp_path):
         OuroConfig.from_file(path)
     path.write_text(json.dumps(_raw()))
     assert OuroConfig.from_file(path).hidden_size == 2048
+
+
+@pytest.mark.parametrize("field, value", [("tie_word_embeddings", "false"), ("tie_word_embeddings", None),
+                                          ("rms_norm_eps", float("inf")), ("rope_theta", float("nan")),
+                                          ("early_exit_threshold", float("inf")),
+                                          ("early_exit_threshold", True), ("eos_token_id", True),
+                                          ("eos_token_id", [0, "2"]), ("eos_token_id", 10**6),
+                                          ("bos_token_id", False), ("use_sliding_window", "false"),
+                                          ("attention_bias", "no"), ("head_dim", 127),
+                                          ("num_hidden_layers", True)])
+def test_accepted_but_wrong_json_types_are_named(field, value):
+    """JSON strings are not bools, bools are not ids, Infinity is not a finite number, and RoPE needs an
+    even head_dim."""
+    with pytest.raises(ValueError, match=field):
+        OuroConfig.from_dict(_raw(**{field: value}))
+
+
+def test_infinity_written_in_the_json_file_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_raw()).replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": Infinity'))
+    with pytest.raises(ValueError, match="'rms_norm_eps' must be a finite positive number, got inf"):
+        OuroConfig.from_file(path)
+
+
+def test_absent_exit_threshold_is_the_hf_default_and_null_stays_null():
+    raw = _raw()
+    del raw["early_exit_threshold"]
+    assert OuroConfig.from_dict(raw).early_exit_threshold == 1.0
+    assert OuroConfig.from_dict(_raw(early_exit_threshold=None)).early_exit_threshold is None

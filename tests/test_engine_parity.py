@@ -1,13 +1,18 @@
 """The engine's greedy tokens equal the dense fp32 oracle's (tests/reference.py)."""
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
+from attention.base import select
 from engine import Engine, SamplingParams
+from model.tiny import random_weights
 from tests.conftest import ROOT
 from tests.reference import ReferenceOuro
 
@@ -83,3 +88,24 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens_fp32(tiny_checkpo
             outputs = engine.generate(PROMPTS[:3], params, use_tqdm=False)
         tokens[attention] = [o.outputs[0].token_ids for o in outputs]
     assert tokens["triton"] == tokens["torch"]
+
+
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_torch_backend_runs_any_even_head_dim(tiny_checkpoint, tmp_path, head_dim):
+    """head_dim is free of hidden_size / heads (Qwen3-style configs); the reference backend takes any even
+    one, and the Triton backend names the set it was built for."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, path)
+    config = json.loads((path / "config.json").read_text())
+    config["head_dim"] = head_dim
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(random_weights(config, seed=1, dtype=torch.float32, std=0.1), str(path / "model.safetensors"))
+    reference = ReferenceOuro(path)
+    with Engine(path, device="cpu", attention="torch", verbose=False) as engine:
+        out = engine.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                              use_tqdm=False)
+        ids = [engine.tokenizer.encode(p) for p in PROMPTS[:2]]
+    assert [o.outputs[0].token_ids for o in out] == [reference.greedy(i, 6) for i in ids]
+    with pytest.raises(ValueError, match=rf"'triton' does not support head_dim {head_dim} \(it supports "
+                                         r"32, 64, 128, 256\)"):
+        select("triton", torch.device("cpu")).check(torch.float32, head_dim, torch.device("cpu"))

@@ -21,7 +21,7 @@ ALLOWED = {
     "cache": {"cache", "request"},
     "model": {"model", "attention", "request"},
     "scheduler": {"scheduler", "cache", "request"},
-    "engine_config": {"model", "request"},
+    "engine_config": {"model", "attention", "request"},
     "runner": {"runner", "engine_config", "model", "cache", "attention", "request"},
     "engine": ENGINE,
 }

@@ -94,3 +94,45 @@ def test_sharded_checkpoint_loads_identical_weights(tiny_checkpoint, tmp_path):
     single, sharded = _load(tiny_checkpoint), _load(path)
     for (name, a), (_, b) in zip(single.state_dict().items(), sharded.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def _shard(tiny_checkpoint, path, weight_map_file):
+    """A copy whose index sends every tensor to the one file it names."""
+    _copy(tiny_checkpoint, path)
+    names = list(load_file(str(path / "model.safetensors")))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: weight_map_file
+                                                                                  for n in names}}))
+    return path
+
+
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "/etc/hostname", "shards/../../x.safetensors",
+                                   "C:\\weights.safetensors", "..\\x.safetensors", ""])
+def test_index_entries_that_leave_the_checkpoint_are_refused(tiny_checkpoint, tmp_path, entry):
+    path = _shard(tiny_checkpoint, tmp_path / "ckpt", entry)
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: the entry for tensor"):
+        _load(path)
+
+
+def test_a_link_out_of_the_checkpoint_is_refused(tiny_checkpoint, tmp_path):
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.copy(tiny_checkpoint / "model.safetensors", outside)
+    path = _shard(tiny_checkpoint, tmp_path / "ckpt", "linked.safetensors")
+    (path / "linked.safetensors").symlink_to(outside)
+    with pytest.raises(ValueError, match=r"'linked\.safetensors', a link to .*elsewhere\.safetensors, out"):
+        _load(path)
+
+
+def test_links_inside_the_checkpoint_and_into_a_hub_cache_blobs_folder_load(tiny_checkpoint, tmp_path):
+    inside = _shard(tiny_checkpoint, tmp_path / "ckpt", "linked.safetensors")
+    (inside / "linked.safetensors").symlink_to(inside / "model.safetensors")
+    repo = tmp_path / "hub" / "models--org--tiny"  # huggingface_hub's cache layout
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    for file in tiny_checkpoint.iterdir():
+        shutil.copy(file, repo / "blobs" / file.name)
+        (snapshot / file.name).symlink_to(f"../../blobs/{file.name}")
+    reference = _load(tiny_checkpoint).state_dict()
+    for path in (inside, snapshot):
+        for (name, a), b in zip(reference.items(), _load(path).state_dict().values()):
+            assert torch.equal(a, b), name

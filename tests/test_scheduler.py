@@ -489,7 +489,7 @@ def test_sequence_stops_growing_at_the_pool_size():
 
 def test_a_request_that_outgrows_the_pool_alone_fails_instead_of_preempting_itself_forever():
     scheduler, model = make_scheduler(num_blocks=3, block_size=4, max_model_len=100)
-    scheduler._can_grow = lambda request: True  # lift the pool cap that normally ends it with "length"
+    scheduler._can_grow = lambda request, num_output: True  # lift the pool cap that ends it with "length"
     request = make_request("a", [1] * 5, max_tokens=None, ignore_eos=True)
     scheduler.add(request)
     drive(scheduler, model, max_steps=50)
