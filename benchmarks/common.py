@@ -7,15 +7,12 @@ import datetime
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def commit() -> str:
