@@ -16,8 +16,10 @@ import importlib.util
 import inspect
 import itertools
 import json
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -35,12 +37,16 @@ from model.tokenizer import Tokenizer
 from request import CompletionOutput, ExitPolicy, Request, RequestOutput, SamplingParams, request_policy
 from runner.loop_driver import LoopStats
 from runner.model_runner import ModelRunner
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import KV_POOL_FULL, Scheduler
 
 __all__ = ["Engine", "LLM", "SamplingParams", "RequestOutput", "DEFAULT_MODEL"]
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "model" / "checkpoints" / "tiny-ouro"
-CPU_KV_BUDGET_BYTES = 256 * 2**20
+# The CPU KV pool (see Engine._cpu_kv_budget): room for max_num_seqs sequences of max_model_len, but at most
+# this share of the memory available once the weights are loaded (the rest is for activations and the
+# machine's other work), and no more than the larger of one max_model_len sequence and CPU_KV_BYTES.
+CPU_KV_BYTES = 4 * 2**30
+CPU_KV_MEMORY_FRACTION = 0.5
 
 # A prompt as vLLM takes it: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
 Prompt = str | list[int] | dict[str, Any]
@@ -103,15 +109,16 @@ class Engine:
     def __init__(self, model: str | Path | None = None, device: str | torch.device | None = None,
                  dtype: str | torch.dtype = "auto", attention: str = "auto", loops: int | None = None,
                  exit_threshold: float | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
-                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True,
+                 kv_cache_gib: float | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  packed_prefill: bool = False, enforce_eager: bool = False,
                  exit_policy: str | None = None, kv_sharing: str = "none", verbose: bool = True) -> None:
         model_dir = resolve_model_dir(model if model is not None else DEFAULT_MODEL)
         self.engine_config = config = EngineConfig.resolve(
             model_dir, device, dtype, loops, exit_threshold, exit_policy, attention=attention,
-            block_size=block_size, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
+            block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib,
+            gpu_memory_utilization=gpu_memory_utilization,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             packed_prefill=packed_prefill, enforce_eager=enforce_eager, kv_sharing=kv_sharing)
@@ -138,6 +145,11 @@ class Engine:
                                   config.generated_kv_exact)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           layout=self.layout)
+        if self.layout.blocks_per_sequence(config.max_model_len, 0) > num_blocks:
+            warnings.warn(f"the KV pool holds {num_blocks * config.block_size} tokens, less than "
+                          f"max_model_len {config.max_model_len}: a sequence that outgrows it ends with "
+                          f"finish_reason 'length' and stop_reason {KV_POOL_FULL!r}. Raise kv_cache_gib or "
+                          "num_kv_blocks, or lower max_model_len", stacklevel=2)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, self.tokenizer)
         self.runner = ModelRunner(config, self.model, self.backend, self.kv_pool, self.layout,
@@ -180,11 +192,14 @@ class Engine:
         return self.runner.loop_stats
 
     def _blocks_for_memory(self, probe: KVPool) -> int:
-        """vLLM's rule on CUDA: what is left of utilization x total after the weights and a measured
-        activation peak. On CPU a fixed budget. `probe`: a one-block pool, for the bytes per block."""
+        """kv_cache_gib when given. Otherwise vLLM's rule on CUDA: what is left of utilization x total after
+        the weights and a measured activation peak; on CPU, _cpu_kv_budget. `probe`: a one-block pool, for
+        the bytes per block."""
         config = self.engine_config
-        if config.device.type != "cuda":
-            budget = CPU_KV_BUDGET_BYTES
+        if config.kv_cache_gib is not None:
+            budget = config.kv_cache_gib * 2**30
+        elif config.device.type != "cuda":
+            budget = self._cpu_kv_budget(probe.bytes_per_block)
         else:
             torch.cuda.reset_peak_memory_stats(config.device)
             self._profile_run(config.max_num_batched_tokens)
@@ -195,8 +210,21 @@ class Engine:
         blocks = KVPool.blocks_for_budget(probe.bytes_per_block, budget) - 1  # - the scratch block
         if blocks < 1:
             raise ValueError(f"no memory left for the KV cache (one block needs {probe.bytes_per_block} "
-                             "bytes); raise gpu_memory_utilization or lower max_num_batched_tokens")
+                             "bytes, and one more is the scratch block); raise kv_cache_gib, or on CUDA "
+                             "gpu_memory_utilization, or lower max_num_batched_tokens")
         return blocks
+
+    def _cpu_kv_budget(self, bytes_per_block: int) -> float:
+        """Bytes for the CPU KV pool: room for max_num_seqs sequences of max_model_len (more is never used),
+        at most the larger of one such sequence and CPU_KV_BYTES, and at most CPU_KV_MEMORY_FRACTION of the
+        memory available now (the weights are loaded; CPU_KV_BYTES where the OS does not say). The pool is
+        allocated uninitialised, so its pages become resident only as tokens are written."""
+        config = self.engine_config
+        one_sequence = -(-config.max_model_len // config.block_size) * bytes_per_block
+        available = available_memory_bytes()
+        cap = CPU_KV_MEMORY_FRACTION * available if available is not None else CPU_KV_BYTES
+        return min(config.max_num_seqs * one_sequence, max(one_sequence, CPU_KV_BYTES), cap) \
+            + bytes_per_block  # the scratch block
 
     def max_concurrent_sequences(self, prompt_tokens: int, generated_tokens: int) -> int:
         """How many sequences of this shape the KV pool holds at once (kv_sharing="last" stores a generated
@@ -563,6 +591,26 @@ def engine_kwargs(pairs: Iterable[str], flag: str) -> dict[str, Any]:
             kwargs[key] = value
     check_engine_kwargs(kwargs, flag)
     return kwargs
+
+
+def available_memory_bytes() -> int | None:
+    """Host memory available to this process now: Linux's MemAvailable, within a cgroup v2 memory limit
+    when one is set; where /proc is missing, the free pages the OS reports; None where it reports none."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    available = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines()
+                     if line.startswith("MemAvailable:"))
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return available
+    return available if limit == "max" else min(available, max(0, int(limit) - used))
 
 
 LLM = Engine  # vLLM's name: `from engine import LLM`

@@ -7,6 +7,7 @@ It imports the checkpoint's own config (model/config.py) and the shared request 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ class EngineConfig:
     attention: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from memory at start-up
+    kv_cache_gib: float | None = None  # the KV pool's size in GiB instead of the memory rule
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -43,6 +45,12 @@ class EngineConfig:
             _check_positive(name, getattr(self, name))
         if self.num_kv_blocks is not None:
             _check_positive("num_kv_blocks", self.num_kv_blocks)
+        gib = self.kv_cache_gib
+        if gib is not None:
+            if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < math.inf:
+                raise ValueError(f"kv_cache_gib must be a positive number of GiB, got {gib!r}")
+            if self.num_kv_blocks is not None:
+                raise ValueError("pass num_kv_blocks or kv_cache_gib, not both")
         if self.max_model_len > self.model.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the checkpoint's "
                              f"max_position_embeddings {self.model.max_position_embeddings}")

@@ -13,6 +13,10 @@ from typing import Protocol
 from cache.blocks import BlockManager
 from request import Request, RequestStatus, ScheduledBatch
 
+# The stop_reason of a sequence that ended with finish_reason "length" because the KV pool cannot hold one
+# more of its tokens (even were it alone), not because of max_tokens or max_model_len.
+KV_POOL_FULL = "kv_pool_full"
+
 
 class Detokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -230,9 +234,11 @@ class Scheduler:
                 self._finish(request, "stop", stop, request.output_text[:end])
                 return
         if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) or (
-            request.num_tokens >= self.max_model_len or not self._can_grow(request)
+            request.num_tokens >= self.max_model_len
         ):
             self._finish(request, "length")
+        elif not self._can_grow(request):
+            self._finish(request, "length", KV_POOL_FULL)
 
     def _can_grow(self, request: Request) -> bool:
         """Would one more token still fit in the whole pool, were this request alone?"""
