@@ -60,9 +60,9 @@ def test_cli_help_documents_every_flag():
     result = subprocess.run([sys.executable, "engine.py", "generate", "--help"],
                             cwd=ROOT, capture_output=True,
                             text=True)
-    for flag in ("--model", "--prompt", "--chat", "--max-tokens", "--temperature", "--top-p",
-                 "--top-k", "--seed",
-                 "--loops", "--device", "--dtype", "--stream"):
+    for flag in ("--model", "--prompt", "--chat", "--prompts-file", "--max-tokens", "--temperature",
+                 "--top-p", "--top-k", "--min-p", "--seed", "--stop", "--ignore-eos", "--loops", "--device",
+                 "--dtype", "--threads", "--max-model-len", "--num-kv-blocks", "--kv-cache-gib", "--stream"):
         assert flag in result.stdout
 
 
