@@ -1,5 +1,6 @@
-"""loop-engine: the Python API (Engine, in vLLM's shape) and the CLI, `python engine.py generate` and
-`python engine.py eval` (a paired eval of two configs, benchmarks/paired_eval.py).
+"""loop-engine: the Python API (Engine, in vLLM's shape) and the CLI, `loop-engine generate` and
+`loop-engine eval` (a paired eval of two configs, benchmarks/paired_eval.py); `python engine.py ...` from the
+repository root is the same.
 
     from engine import Engine, SamplingParams
     with Engine() as engine:                     # the embedded tiny checkpoint, offline
@@ -604,8 +605,10 @@ def available_memory_bytes() -> int | None:
             return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):
             return None
-    available = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines()
-                     if line.startswith("MemAvailable:"))
+    available = next((int(line.split()[1]) * 1024 for line in meminfo.splitlines()
+                      if line.startswith("MemAvailable:")), None)
+    if available is None:  # kernels before 3.14
+        return None
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         used = int(Path("/sys/fs/cgroup/memory.current").read_text())
@@ -667,10 +670,11 @@ def progress_bar_class() -> type:
 
 def default_cpu_threads() -> int:
     """The CLI's CPU thread count (--threads auto): the cores this process may use, less those busy with
-    other work by the 1-minute load average (rounded), at least 1 and at most torch's default. On a shared
-    machine OpenMP threads that wait for a core another process holds stall every op: with one of two
-    cores busy, the tiny model ran 2-8x slower on 2 threads than on 1, Ouro-1.4B's shape 4-7x; on an idle
-    machine 2 threads were 1.25x (tiny) and 2x (1.4B) faster than 1 (README, "CPU threads")."""
+    other work by the 1-minute load average (rounded; recent runs of this program count too), at least 1 and
+    at most torch's current count (by default the physical cores). On a shared machine OpenMP threads that
+    wait for a core another process holds stall every op: with one of two cores busy, the tiny model ran
+    2-8x slower on 2 threads than on 1, Ouro-1.4B's shape 4-7x; on an idle machine 2 threads were 1.25x
+    (tiny) and 2x (1.4B) faster than 1 (README, "On a CPU")."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
         busy = round(os.getloadavg()[0])
