@@ -714,6 +714,14 @@ def build_parser() -> argparse.ArgumentParser:
                           help="stop at this string (repeatable; \\n, \\t and \\\\ are read as newline, tab "
                                "and backslash)")
     sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    sampling.add_argument("--min-tokens", type=int, default=0,
+                          help="stops and end-of-sequence count only after this many tokens (default 0)")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0,
+                          help="divide the logit of every token already seen (default 1.0: off)")
+    sampling.add_argument("--presence-penalty", type=float, default=0.0,
+                          help="subtract from the logit of every token already generated (default 0)")
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0,
+                          help="subtract this x its count from a generated token's logit (default 0)")
     engine = gen.add_argument_group("engine")
     engine.add_argument("--loops", type=int, default=None,
                         help="loop count T (default: the checkpoint's total_ut_steps)")
@@ -796,7 +804,9 @@ def cli_generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
-                            ignore_eos=args.ignore_eos,
+                            ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
+                            repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                             stop=[_unescape(s) for s in args.stop] if args.stop else None,
                             loop_trace=args.loop_trace)
     with Engine(args.model, device=args.device, dtype=args.dtype, attention=args.attention,

@@ -86,6 +86,19 @@ def test_jsonl_prompts_carry_their_fields_and_stop_strings_unescape(tmp_path, ca
     assert (rows[0]["text"], rows[0]["finish_reason"], rows[0]["stop_reason"]) == ("8728", "stop", "\n")
 
 
+def test_min_tokens_and_penalty_flags_reach_the_sampling_params(capsys):
+    """The embedded model answers "8728" then a newline; min_tokens 8 lets the newline pass."""
+    flags = ["--prompt", "4821+3907=", "--max-tokens", "12", "--stop", "\\n", "--min-tokens", "8",
+             "--repetition-penalty", "1.2", "--presence-penalty", "0.5", "--frequency-penalty", "0.25"]
+    status, out, _ = run_main(capsys, *flags)
+    params = SamplingParams(temperature=0, max_tokens=12, stop=["\n"], min_tokens=8, repetition_penalty=1.2,
+                            presence_penalty=0.5, frequency_penalty=0.25)
+    with Engine(device="cpu", verbose=False) as engine:
+        completion = engine.generate("4821+3907=", params, use_tqdm=False)[0].outputs[0]
+    assert status == 0 and out == "4821+3907=" + completion.text + "\n"
+    assert len(completion.token_ids) >= 8
+
+
 @pytest.mark.parametrize("line, message", [("{oops", "line 2: not JSON"),
                                            ('{"text": "hi"}', 'line 2: needs a "prompt"')])
 def test_a_malformed_jsonl_line_is_named_before_any_model_loads(tmp_path, capsys, line, message):

@@ -66,7 +66,8 @@ def test_cli_help_documents_every_flag():
                             text=True)
     for flag in ("--model", "--prompt", "--chat", "--prompts-file", "--max-tokens", "--temperature",
                  "--top-p", "--top-k", "--min-p", "--seed", "--stop", "--ignore-eos", "--loops", "--device",
-                 "--dtype", "--threads", "--max-model-len", "--num-kv-blocks", "--kv-cache-gib", "--stream"):
+                 "--dtype", "--threads", "--max-model-len", "--num-kv-blocks", "--kv-cache-gib", "--stream",
+                 "--min-tokens", "--repetition-penalty", "--presence-penalty", "--frequency-penalty"):
         assert flag in result.stdout
 
 
