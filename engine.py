@@ -1,5 +1,6 @@
-"""loop-engine: the Python API (Engine, in vLLM's shape) and the CLI, `python engine.py generate` and
-`python engine.py eval` (a paired eval of two configs, benchmarks/paired_eval.py).
+"""loop-engine: the Python API (Engine, in vLLM's shape) and the CLI, `loop-engine generate` and
+`loop-engine eval` (a paired eval of two configs, benchmarks/paired_eval.py); `python engine.py ...` from the
+repository root is the same.
 
     from engine import Engine, SamplingParams
     with Engine() as engine:                     # the embedded tiny checkpoint, offline
@@ -16,8 +17,11 @@ import importlib.util
 import inspect
 import itertools
 import json
+import os
+import re
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -37,12 +41,16 @@ from request import (CompletionOutput, ExitPolicy, Request, RequestOutput, Sampl
 from runner.interrupts import deferred_interrupts
 from runner.loop_driver import LoopStats
 from runner.model_runner import ModelRunner, StepResult
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import KV_POOL_FULL, Scheduler
 
 __all__ = ["Engine", "LLM", "SamplingParams", "RequestOutput", "DEFAULT_MODEL"]
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "model" / "checkpoints" / "tiny-ouro"
-CPU_KV_BUDGET_BYTES = 256 * 2**20
+# The CPU KV pool (see Engine._cpu_kv_budget): room for max_num_seqs sequences of max_model_len, but at most
+# this share of the memory available once the weights are loaded (the rest is for activations and the
+# machine's other work), and no more than the larger of one max_model_len sequence and CPU_KV_BYTES.
+CPU_KV_BYTES = 4 * 2**30
+CPU_KV_MEMORY_FRACTION = 0.5
 
 # A prompt as vLLM takes it: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
 Prompt = str | list[int] | dict[str, Any]
@@ -105,17 +113,17 @@ class Engine:
     def __init__(self, model: str | Path | None = None, device: str | torch.device | None = None,
                  dtype: str | torch.dtype = "auto", attention: str = "auto", loops: int | None = None,
                  exit_threshold: float | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
-                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True,
+                 kv_cache_gib: float | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  packed_prefill: bool = False, enforce_eager: bool = False,
                  exit_policy: str | None = None, kv_sharing: str = "none", verbose: bool = True) -> None:
         if not isinstance(verbose, bool):
             raise ValueError(f"verbose must be True or False, got {verbose!r}")
         self.engine_config = config = EngineConfig.resolve(
             model if model is not None else DEFAULT_MODEL, device, dtype, loops, exit_threshold, exit_policy,
-            attention=attention,
-            block_size=block_size, num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
+            attention=attention, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            kv_cache_gib=kv_cache_gib, gpu_memory_utilization=gpu_memory_utilization,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             packed_prefill=packed_prefill, enforce_eager=enforce_eager, kv_sharing=kv_sharing)
@@ -143,6 +151,11 @@ class Engine:
                                   config.generated_kv_exact)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           layout=self.layout)
+        if self.layout.blocks_per_sequence(config.max_model_len, 0) > num_blocks:
+            warnings.warn(f"the KV pool holds {num_blocks * config.block_size} tokens, less than "
+                          f"max_model_len {config.max_model_len}: a sequence that outgrows it ends with "
+                          f"finish_reason 'length' and stop_reason {KV_POOL_FULL!r}. Raise kv_cache_gib or "
+                          "num_kv_blocks, or lower max_model_len", stacklevel=2)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, self.tokenizer)
         self.runner = ModelRunner(config, self.model, self.backend, self.kv_pool, self.layout,
@@ -187,11 +200,14 @@ class Engine:
         return self.runner.loop_stats
 
     def _blocks_for_memory(self, probe: KVPool) -> int:
-        """vLLM's rule on CUDA: what is left of utilization x total after the weights and a measured
-        activation peak. On CPU a fixed budget. `probe`: a one-block pool, for the bytes per block."""
+        """kv_cache_gib when given. Otherwise vLLM's rule on CUDA: what is left of utilization x total after
+        the weights and a measured activation peak; on CPU, _cpu_kv_budget. `probe`: a one-block pool, for
+        the bytes per block."""
         config = self.engine_config
-        if config.device.type != "cuda":
-            budget = CPU_KV_BUDGET_BYTES
+        if config.kv_cache_gib is not None:
+            budget = config.kv_cache_gib * 2**30
+        elif config.device.type != "cuda":
+            budget = self._cpu_kv_budget(probe.bytes_per_block)
         else:
             torch.cuda.reset_peak_memory_stats(config.device)
             self._profile_run(config.max_num_batched_tokens)
@@ -202,8 +218,21 @@ class Engine:
         blocks = KVPool.blocks_for_budget(probe.bytes_per_block, budget) - 1  # - the scratch block
         if blocks < 1:
             raise ValueError(f"no memory left for the KV cache (one block needs {probe.bytes_per_block} "
-                             "bytes); raise gpu_memory_utilization or lower max_num_batched_tokens")
+                             "bytes, and one more is the scratch block); raise kv_cache_gib, or on CUDA "
+                             "gpu_memory_utilization, or lower max_num_batched_tokens")
         return blocks
+
+    def _cpu_kv_budget(self, bytes_per_block: int) -> float:
+        """Bytes for the CPU KV pool: room for max_num_seqs sequences of max_model_len (more is never used),
+        at most the larger of one such sequence and CPU_KV_BYTES, and at most CPU_KV_MEMORY_FRACTION of the
+        memory available now (the weights are loaded; CPU_KV_BYTES where the OS does not say). The pool is
+        allocated uninitialised, so its pages become resident only as tokens are written."""
+        config = self.engine_config
+        one_sequence = -(-config.max_model_len // config.block_size) * bytes_per_block
+        available = available_memory_bytes()
+        cap = CPU_KV_MEMORY_FRACTION * available if available is not None else CPU_KV_BYTES
+        return min(config.max_num_seqs * one_sequence, max(one_sequence, CPU_KV_BYTES), cap) \
+            + bytes_per_block  # the scratch block
 
     def max_concurrent_sequences(self, prompt_tokens: int, generated_tokens: int) -> int:
         """How many sequences of this shape the KV pool holds at once (kv_sharing="last" stores a generated
@@ -639,6 +668,28 @@ def engine_kwargs(pairs: Iterable[str], flag: str) -> dict[str, Any]:
     return kwargs
 
 
+def available_memory_bytes() -> int | None:
+    """Host memory available to this process now: Linux's MemAvailable, within a cgroup v2 memory limit
+    when one is set; where /proc is missing, the free pages the OS reports; None where it reports none."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    available = next((int(line.split()[1]) * 1024 for line in meminfo.splitlines()
+                      if line.startswith("MemAvailable:")), None)
+    if available is None:  # kernels before 3.14
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return available
+    return available if limit == "max" else min(available, max(0, int(limit) - used))
+
+
 LLM = Engine  # vLLM's name: `from engine import LLM`
 
 
@@ -690,75 +741,228 @@ def progress_bar_class() -> type:
     return tqdm
 
 
+def default_cpu_threads() -> int:
+    """The CLI's CPU thread count (--threads auto): the cores this process may use, less those busy with
+    other work by the 1-minute load average (rounded; recent runs of this program count too), at least 1 and
+    at most torch's current count (by default the physical cores). On a shared machine OpenMP threads that
+    wait for a core another process holds stall every op: with one of two cores busy, the tiny model ran
+    2-8x slower on 2 threads than on 1, Ouro-1.4B's shape 4-7x; on an idle machine 2 threads were 1.25x
+    (tiny) and 2x (1.4B) faster than 1 (README, "On a CPU")."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        busy = round(os.getloadavg()[0])
+    except (AttributeError, OSError):  # no load average (Windows): assume idle
+        busy = 0
+    return max(1, min(cores - busy, torch.get_num_threads()))
+
+
 # -- CLI -------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="engine.py", description="loop-engine: inference for looped LMs")
+    parser = argparse.ArgumentParser(description="loop-engine: inference for looped LMs")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text from one prompt and print it with tok/s")
+    gen = sub.add_parser("generate", help="generate text from a prompt (or a file of prompts) and print it "
+                                          "with tok/s")
     gen.add_argument("--model", default=None,
                      help="checkpoint directory or Hugging Face repo id (default: the embedded tiny model)")
     what = gen.add_mutually_exclusive_group()
     what.add_argument("--prompt", default=None, help="raw text prompt (default: a short sample sentence)")
-    what.add_argument("--chat", default=None, help="a user message, formatted with the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible sampling")
-    gen.add_argument("--loops", type=int, default=None,
-                     help="loop count T (default: the checkpoint's total_ut_steps)")
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    gen.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default auto)")
-    gen.add_argument("--attention", default="auto", help="attention backend: auto, torch or triton")
-    gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    gen.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, even on CUDA")
-    gen.add_argument("--exit-policy", default=None,
-                     help="full (default), threshold:Q, step:K (0-based), weighted, or early:Q (stops "
-                          "looping a generated token once its exit CDF reaches Q)")
-    gen.add_argument("--kv-sharing", default="none", choices=["none", "last"],
-                     help="last: generated tokens keep only their last loop's K/V (arXiv 2510.25741 §5.4.2)")
-    gen.add_argument("--loop-trace", action="store_true",
-                     help="print each generated token's exit loop and exit pdf")
+    what.add_argument("--chat", default=None,
+                      help="a user message, formatted with the chat template; prints the answer only")
+    what.add_argument("--prompts-file", default=None,
+                      help="one prompt per line, or with a .jsonl suffix one JSON object per line with a "
+                           "\"prompt\" string; prints one JSON line per prompt, in input order")
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=64,
+                          help="tokens to generate at most (default 64)")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    sampling.add_argument("--top-p", type=float, default=1.0,
+                          help="nucleus sampling mass (default 1.0: off)")
+    sampling.add_argument("--top-k", type=int, default=0,
+                          help="keep the k most likely tokens (default 0: off)")
+    sampling.add_argument("--min-p", type=float, default=0.0,
+                          help="drop tokens below min_p x the top token's probability (default 0: off)")
+    sampling.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible sampling")
+    sampling.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                          help="stop at this string (repeatable; \\n, \\t and \\\\ are read as newline, tab "
+                               "and backslash)")
+    sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    sampling.add_argument("--min-tokens", type=int, default=0,
+                          help="stops and end-of-sequence count only after this many tokens (default 0)")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0,
+                          help="divide the logit of every token already seen (default 1.0: off)")
+    sampling.add_argument("--presence-penalty", type=float, default=0.0,
+                          help="subtract from the logit of every token already generated (default 0)")
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0,
+                          help="subtract this x its count from a generated token's logit (default 0)")
+    engine = gen.add_argument_group("engine")
+    engine.add_argument("--loops", type=int, default=None,
+                        help="loop count T (default: the checkpoint's total_ut_steps)")
+    engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    engine.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (default auto)")
+    engine.add_argument("--attention", default="auto", help="attention backend: auto, torch or triton")
+    engine.add_argument("--threads", default="auto", type=_threads,
+                        help="torch CPU threads: a number, or auto (default): the cores not busy by the "
+                             "1-minute load average, which avoids OpenMP stalls on a shared machine")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sequence, prompt + output (default: the checkpoint's limit)")
+    engine.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV pool size in blocks of 16 tokens (default: sized from memory)")
+    engine.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="KV pool size in GiB (default: sized from memory; on CPU from max_model_len "
+                             "and the memory available)")
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, even on CUDA")
+    engine.add_argument("--exit-policy", default=None,
+                        help="full (default), threshold:Q, step:K (0-based), weighted, or early:Q (stops "
+                             "looping a generated token once its exit CDF reaches Q)")
+    engine.add_argument("--kv-sharing", default="none", choices=["none", "last"],
+                        help="last: generated tokens keep only their last loop's K/V "
+                             "(arXiv 2510.25741 §5.4.2)")
+    output = gen.add_argument_group("output")
+    output.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    output.add_argument("--loop-trace", action="store_true",
+                        help="print each generated token's exit loop and exit pdf")
     sub.add_parser("eval", add_help=False,
-                   help="paired eval of two configs on a frozen protocol (engine.py eval --help)")
+                   help="paired eval of two configs on a frozen protocol (eval --help)")
     return parser
 
 
-def cli_generate(args: argparse.Namespace) -> None:
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens, loop_trace=args.loop_trace)
+def _threads(value: str) -> int | str:
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"--threads must be a positive integer or auto, got {value!r}")
+    return int(value)
+
+
+def _unescape(text: str) -> str:
+    """A --stop string: \\n, \\t and \\\\ as newline, tab and backslash, every other character as is."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
+
+
+def read_prompts_file(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of --prompts-file, each with its "prompt": every line one (an empty line is an empty prompt,
+    which fails alone). A .jsonl file holds one JSON object per line with a "prompt" string, whose other
+    fields (an id, say) the output line carries along; a line that is not one raises ValueError naming the
+    file and line, before any model loads."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise FileNotFoundError(f"--prompts-file {str(path)!r}: {err.strerror}") from None
+    if path.suffix != ".jsonl":
+        return [{"prompt": line} for line in lines]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--prompts-file {path}, line {number}: not JSON ({err.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"--prompts-file {path}, line {number}: needs a \"prompt\" string")
+        rows.append(row)
+    return rows
+
+
+def cli_generate(args: argparse.Namespace) -> int:
+    """Run `generate`; the exit status: 1 when any request failed (its error is printed), else 0."""
+    if args.stream and args.prompts_file is not None:
+        raise ValueError("--stream prints one prompt's tokens as they come; it does not take --prompts-file")
+    rows = read_prompts_file(args.prompts_file) if args.prompts_file is not None else None
+    threads = args.threads
+    on_cpu = args.device == "cpu" or (args.device is None and not torch.cuda.is_available())
+    if threads == "auto" and on_cpu:
+        threads = default_cpu_threads()
+    if threads != "auto":
+        torch.set_num_threads(threads)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
+                            ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
+                            repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            stop=[_unescape(s) for s in args.stop] if args.stop else None,
+                            loop_trace=args.loop_trace)
     with Engine(args.model, device=args.device, dtype=args.dtype, attention=args.attention,
                 loops=args.loops, enforce_eager=args.enforce_eager, exit_policy=args.exit_policy,
-                kv_sharing=args.kv_sharing) as engine:
-        if args.chat is not None:
-            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.chat}])
-        else:
-            prompt = args.prompt if args.prompt is not None else "A looped language model"
-        start = time.perf_counter()
-        if args.stream:
-            print(prompt, end="", flush=True)
-            printed = ""
-            for out in engine.stream([prompt], params):
-                text = out.outputs[0].text
-                print(text[len(printed):], end="", flush=True)
-                printed = text
+                kv_sharing=args.kv_sharing, max_model_len=args.max_model_len,
+                num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib) as engine:
+        if rows is not None:
+            return _generate_batch(engine, rows, params)
+        return _generate_one(engine, args, params)
+
+
+def _generate_one(engine: Engine, args: argparse.Namespace, params: SamplingParams) -> int:
+    if args.chat is not None:  # the answer only: the user typed the message, the ChatML around it is noise
+        prompt, shown = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.chat}]), ""
+    else:
+        prompt = shown = args.prompt if args.prompt is not None else "A looped language model"
+    start = time.perf_counter()
+    if args.stream:
+        printed = None
+        for result in engine.stream([prompt], params):
+            completion = result.outputs[0]
+            if printed is None and completion.finish_reason != "error":
+                print(shown, end="", flush=True)
+                printed = ""
+            if printed is not None:
+                print(completion.text[len(printed):], end="", flush=True)
+                printed = completion.text
+        if printed is not None:
             print()
-            result = out
-        else:
-            result = engine.generate([prompt], params, use_tqdm=False)[0]
-            print(prompt + result.outputs[0].text)
-        elapsed = time.perf_counter() - start
-        n = len(result.outputs[0].token_ids)
-        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-        loops = engine.config.total_ut_steps
-        if engine.loop_stats.decode_tokens:  # weights are read once per loop run
-            loops = engine.loop_stats.loops_per_token
-        print(f"\n{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s, "
-              f"{n * loops * weight_bytes / elapsed / 1e9:.2f} GB/s of weights read "
-              f"({loops:.3g} loops), finish_reason={result.outputs[0].finish_reason}", file=sys.stderr)
-        if args.loop_trace:
-            _print_traces(engine, result.outputs[0])
+    else:
+        result = engine.generate([prompt], params, use_tqdm=False)[0]
+        completion = result.outputs[0]
+        if completion.finish_reason != "error":
+            print(shown + completion.text)
+    elapsed = time.perf_counter() - start
+    if completion.finish_reason == "error":
+        print(f"error: {completion.error}", file=sys.stderr)
+        return 1
+    n = len(completion.token_ids)
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    loops = engine.config.total_ut_steps
+    if engine.loop_stats.decode_tokens:  # weights are read once per loop run
+        loops = engine.loop_stats.loops_per_token
+    print(f"\n{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s, "
+          f"{n * loops * weight_bytes / elapsed / 1e9:.2f} GB/s of weights read "
+          f"({loops:.3g} loops, {torch.get_num_threads()} CPU threads), "
+          f"finish_reason={completion.finish_reason}", file=sys.stderr)
+    _note_kv_pool_full(engine, [completion])
+    if args.loop_trace:
+        _print_traces(engine, completion)
+    return 0
+
+
+def _generate_batch(engine: Engine, rows: list[dict[str, Any]], params: SamplingParams) -> int:
+    """Every prompt through one generate() (continuous batching; its progress bar counts generated tokens,
+    with tok/s, on stderr), then one JSON line per prompt on stdout, in input order; a failed request is
+    reported on stderr and in its line."""
+    start = time.perf_counter()
+    outputs = engine.generate([row["prompt"] for row in rows], params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    failed = 0
+    for index, (row, out) in enumerate(zip(rows, outputs)):
+        completion = out.outputs[0]
+        print(json.dumps({**row, "index": index, "text": completion.text, "token_ids": completion.token_ids,
+                          "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+                          "error": completion.error}))
+        if completion.finish_reason == "error":
+            failed += 1
+            print(f"error: prompt {index} (line {index + 1}): {completion.error}", file=sys.stderr)
+    tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+    print(f"{len(rows)} prompts, {tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tok/s "
+          f"({torch.get_num_threads()} CPU threads), {failed} failed", file=sys.stderr)
+    _note_kv_pool_full(engine, [out.outputs[0] for out in outputs])
+    return 1 if failed else 0
+
+
+def _note_kv_pool_full(engine: Engine, completions: list[CompletionOutput]) -> None:
+    full = sum(c.stop_reason == KV_POOL_FULL for c in completions)
+    if full:
+        pool = engine.block_manager.num_blocks * engine.engine_config.block_size
+        print(f"note: {full} sequence(s) ended because the KV pool ({pool} tokens) was full, not at "
+              "--max-tokens (finish_reason 'length', stop_reason 'kv_pool_full'); raise "
+              "--kv-cache-gib or --num-kv-blocks", file=sys.stderr)
 
 
 def _print_traces(engine: Engine, completion: CompletionOutput) -> None:
@@ -769,20 +973,22 @@ def _print_traces(engine: Engine, completion: CompletionOutput) -> None:
         print(f"| {token} | {text!r} | {trace.exit_loop} | {pdf} |", file=sys.stderr)
 
 
-def main(argv: Iterable[str] | None = None) -> None:
+def main(argv: Iterable[str] | None = None) -> int:
+    """`generate` and `eval`, as `python engine.py ...` or the `loop-engine` console script. Returns the
+    exit status; bad arguments or input exit with status 1 and the error on stderr."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["eval"]:  # its own parser; imported only when asked for
         from benchmarks.paired_eval import main as eval_main
 
         eval_main(argv[1:])
-        return
+        return 0
     args = build_parser().parse_args(argv)
-    if args.command == "generate":
-        try:
-            cli_generate(args)
-        except (ValueError, FileNotFoundError) as err:
-            sys.exit(f"error: {err}")
+    try:
+        return cli_generate(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

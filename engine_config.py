@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from attention.base import available
+from attention.base import check_name as check_backend_name
 from model.config import OuroConfig
 from model.loader import resolve_model_dir
 from request import ExitPolicy, parse_exit_policy
@@ -38,6 +38,7 @@ class EngineConfig:
     attention: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from memory at start-up
+    kv_cache_gib: float | None = None  # the KV pool's size in GiB instead of the memory rule
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -100,6 +101,12 @@ def check_options(**values: Any) -> None:
     for name in ("num_kv_blocks", "max_model_len", "loops"):
         if values.get(name) is not None:
             _check_positive(name, values[name])
+    gib = values.get("kv_cache_gib")
+    if gib is not None:
+        if not _is_number(gib) or not 0 < gib < math.inf:
+            raise ValueError(f"kv_cache_gib must be a positive number of GiB, got {gib!r}")
+        if values.get("num_kv_blocks") is not None:
+            raise ValueError("pass num_kv_blocks or kv_cache_gib, not both")
     for name in ("enable_prefix_caching", "packed_prefill", "enforce_eager"):
         if name in values and not isinstance(values[name], bool):
             raise ValueError(f"{name} must be True or False, got {values[name]!r}")
@@ -120,9 +127,7 @@ def check_options(**values: Any) -> None:
         attention = values["attention"]
         if not isinstance(attention, str):
             raise ValueError(f"attention must be a backend name, got {attention!r}")
-        if attention != "auto" and attention not in available():
-            raise ValueError(f"unknown attention backend {attention!r}; available: auto, "
-                             f"{', '.join(available())}")
+        check_backend_name(attention)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -164,6 +165,18 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def check_name(name: str) -> None:
+    """ValueError for a backend name select() refuses: one not registered, or triton without its package."""
+    _load_builtin_backends()
+    if name == "auto" or name in _REGISTRY:
+        return
+    if name == "triton":
+        raise ValueError("attention='triton' needs the triton package, which is not installed here "
+                         "(pip install triton, Linux only; or pip install -e '.[gpu]'); "
+                         "attention='torch' runs without it")
+    raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(sorted(_REGISTRY))}")
+
+
 def select(name: str, device: torch.device, requirements: dict[str, bool] | None = None) -> AttentionBackend:
     """A new backend instance. "auto" is triton on CUDA and torch elsewhere.
 
@@ -171,9 +184,11 @@ def select(name: str, device: torch.device, requirements: dict[str, bool] | None
     """
     _load_builtin_backends()
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+        name = "triton" if device.type == "cuda" and "triton" in _REGISTRY else "torch"
+        if device.type == "cuda" and name == "torch":
+            warnings.warn("triton is not installed: attention='auto' on CUDA falls back to the torch backend "
+                          "(slower; pip install triton for the Triton kernels)", stacklevel=3)
+    check_name(name)
     cls = _REGISTRY[name]
     caps = dataclasses.replace(cls.default_capabilities)
     for key, wanted in (requirements or {}).items():
@@ -189,5 +204,12 @@ def _load_builtin_backends() -> None:
     import attention.torch_backend  # noqa: F401  (registers "torch")
     try:
         import attention.triton_backend  # noqa: F401  (registers "triton")
-    except ImportError:  # triton missing: only the torch backend is available
-        pass
+    except ModuleNotFoundError as err:
+        if not triton_missing(err):
+            raise
+
+
+def triton_missing(err: ModuleNotFoundError) -> bool:
+    """Is this the import error of triton itself (not installed: macOS, Windows, CPU-only installs), as
+    opposed to a missing module inside the engine, which must surface?"""
+    return err.name == "triton"

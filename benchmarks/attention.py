@@ -3,7 +3,7 @@ copy bandwidth measured in the same run, with torch SDPA over the gathered pages
 itself untimed); and the host
 µs per eager call, held against a bare Triton launch measured in the same run.
 
-    python benchmarks/attention.py --out benchmarks/results/attention.json [--no-sweep]
+    python -m benchmarks.attention --out benchmarks/results/attention.json [--no-sweep]
 
 Device times come from CUDA-graph replays of many calls that walk through several KV slots, so neither
 host launch cost nor L2 reuse flatters the small shapes. Shapes are rows x context, bf16, 16 heads x 128
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -25,10 +24,8 @@ import triton
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import bare_launch_us, graph_time_us, host_us  # noqa: E402
-from benchmarks.common import commit as common_commit  # noqa: E402
+from benchmarks.common import bare_launch_us, graph_time_us, host_us
+from benchmarks.common import commit as common_commit
 
 from attention.base import AttentionMetadata, select
 from attention.torch_backend import gather_context

@@ -7,15 +7,12 @@ import datetime
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def commit() -> str:
@@ -31,11 +28,15 @@ def commit() -> str:
 
 
 def environment() -> dict:
-    import triton
-
+    """Device, library versions (triton None where it is not installed: the CPU path runs without it),
+    commit and date."""
+    try:
+        import triton
+    except ModuleNotFoundError:
+        triton = None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"device": device, "torch": torch.__version__, "triton": triton.__version__, "commit": commit(),
-            "date": datetime.date.today().isoformat()}
+    return {"device": device, "torch": torch.__version__, "triton": triton and triton.__version__,
+            "commit": commit(), "date": datetime.date.today().isoformat()}
 
 
 def copy_bandwidth(num_bytes: int = 2 << 30) -> float:

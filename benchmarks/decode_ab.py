@@ -2,13 +2,14 @@
 on a shared machine cancels: the check that a change left the default path (full policy, CUDA graphs) no
 slower. Each pass runs in its own process and uses only the public Engine API, which both sides share.
 
-    python benchmarks/decode_ab.py --a /path/to/before --b . --out benchmarks/results/decode_ab.json
+    python -m benchmarks.decode_ab --a /path/to/before --b . --out benchmarks/results/decode_ab.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -20,8 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def one_pass(tree: str, model: str, batches: list[int], prompt: int, steps: int) -> dict[int, float]:
-    """TPOT ms per batch size, in this process, with the engine of `tree`."""
-    sys.path.insert(0, tree)
+    """TPOT ms per batch size, in this process, whose engine is `tree`'s (its PYTHONPATH)."""
     import torch
 
     from engine import Engine, SamplingParams
@@ -67,7 +67,6 @@ def main() -> None:
     if args.pass_tree is not None:  # a child: one pass, its TPOTs as JSON on the last line
         print(json.dumps(one_pass(args.pass_tree, args.model, args.batches, args.prompt, args.steps)))
         return
-    sys.path.insert(0, str(ROOT))
     from benchmarks.common import checkpoint, environment, write_results
 
     model = checkpoint(args.model, args.preset)
@@ -75,10 +74,13 @@ def main() -> None:
     label = dict(zip("AB", args.labels))
     passes = []
     for side in "ABBA" * args.rounds:
-        command = [sys.executable, __file__, "--a", args.a, "--pass-tree", trees[side], "--model", model,
-                   "--prompt", str(args.prompt), "--steps", str(args.steps), "--batches",
+        # -P: neither this script's directory nor the working directory goes on sys.path, so the child
+        # imports the engine from PYTHONPATH, the tree of its side (and this file, its pass, from here).
+        command = [sys.executable, "-P", __file__, "--a", args.a, "--pass-tree", trees[side],
+                   "--model", model, "--prompt", str(args.prompt), "--steps", str(args.steps), "--batches",
                    *map(str, args.batches)]
-        result = subprocess.run(command, capture_output=True, text=True, cwd=trees[side])
+        result = subprocess.run(command, capture_output=True, text=True, cwd=trees[side],
+                                env={**os.environ, "PYTHONPATH": trees[side]})
         if result.returncode != 0:
             raise SystemExit(f"pass {side} ({trees[side]}) failed:\n{result.stderr[-3000:]}")
         tpot = {int(k): v for k, v in json.loads(result.stdout.strip().splitlines()[-1]).items()}

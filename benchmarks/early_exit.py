@@ -1,7 +1,7 @@
 """early:Q and kv_sharing="last" against full: loops run per generated token and TPOT, on a real-shape
 random-weight checkpoint, with CUDA graphs (per-loop graphs for early:Q) and eagerly.
 
-    python benchmarks/early_exit.py --preset ouro-1.4b --out benchmarks/results/early_exit.json
+    python -m benchmarks.early_exit --preset ouro-1.4b --out benchmarks/results/early_exit.json
 
 Random weights exit arbitrarily, so the exit pattern is forced: the gate weight is zeroed and its bias set
 (model.exit_policy.force_exit_loop) so that every generated token's exit CDF first reaches Q after loop k,
@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import checkpoint, environment, write_results  # noqa: E402
-from engine import Engine, SamplingParams  # noqa: E402
-from model.exit_policy import force_exit_loop  # noqa: E402
+from benchmarks.common import checkpoint, environment, write_results
+from engine import Engine, SamplingParams
+from model.exit_policy import force_exit_loop
 
 Q = 0.5
 

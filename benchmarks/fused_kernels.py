@@ -2,7 +2,7 @@
 device µs per call, GPU kernels per call (counted by the profiler), and host µs per eager call held
 against a bare Triton launch measured in the same run.
 
-    python benchmarks/fused_kernels.py --out benchmarks/results/fused_kernels.json
+    python -m benchmarks.fused_kernels --out benchmarks/results/fused_kernels.json
 
 Ouro-1.4B shapes (hidden 2048, intermediate 5632, 16 heads x 128), bf16, at 1, 16 and 64 rows. Device
 times come from CUDA-graph replays of many calls, so host launch cost is not in them. Inputs are not
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -23,10 +22,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import benchmarks.common as common  # noqa: E402
-from benchmarks.common import commit as common_commit  # noqa: E402
+import benchmarks.common as common
+from benchmarks.common import commit as common_commit
 
 from model.kernels.fused import add_rmsnorm, add_rmsnorm_rmsnorm, rmsnorm, rope_qkv, silu_mul
 from model.ouro import RMSNorm, Rotary, apply_rope

@@ -1,7 +1,7 @@
 """Skinny GEMM at decode (model/kernels/gemv.py) against cuBLAS F.linear, at Ouro-1.4B's projection shapes
 in bf16, held against the device-to-device copy bandwidth measured in the same run.
 
-    python benchmarks/gemv.py --out benchmarks/results/gemv.json [--ms 1,4,16,64] [--jobs 12]
+    python -m benchmarks.gemv --out benchmarks/results/gemv.json [--ms 1,4,16,64] [--jobs 12]
 
 For each shape (qkv, o, gate_up, down, lm_head) and row count M, a handful of candidate configs (tile,
 stages, FMA or tl.dot) are timed at every useful split-K. Times are in-graph µs per call: a CUDA graph of
@@ -24,7 +24,6 @@ import json
 import math
 import multiprocessing
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -32,11 +31,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import benchmarks.common as common  # noqa: E402
-from model.kernels import gemv  # noqa: E402
-from model.kernels.gemv import GemvConfig  # noqa: E402
+import benchmarks.common as common
+from model.kernels import gemv
+from model.kernels.gemv import GemvConfig
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "lm_head": (49152, 2048)}

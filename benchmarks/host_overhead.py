@@ -2,8 +2,8 @@
 step's tensors, reading out, sampling, updating and building outputs cost, at 256 rows and at 512 and 4K
 tokens of context. It must grow with rows, not with context.
 
-    python benchmarks/host_overhead.py --out benchmarks/results/host_overhead.json
-    python benchmarks/host_overhead.py --tree /path/to/an/older/checkout --label before --out ...
+    python -m benchmarks.host_overhead --out benchmarks/results/host_overhead.json
+    python -m benchmarks.host_overhead --tree /path/to/an/older/checkout --label before --out ...
 
 The stub replaces OuroForCausalLM.run_loop on this engine's model with the identity, so no attention or
 projection runs and the KV pool is never written (its memory is never touched); embedding, lm_head on
@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def measure(engine, rows: int, context: int, steps: int, seed: int) -> float:
@@ -54,15 +58,21 @@ def measure(engine, rows: int, context: int, steps: int, seed: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent),
+    parser.add_argument("--tree", default=str(ROOT),
                         help="the checkout whose engine to measure (default: this one)")
     parser.add_argument("--label", default="after")
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--out", default=None, help="JSON to append this run's rows to")
+    parser.add_argument("--in-tree", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    sys.path.insert(0, args.tree)
+    tree = Path(args.tree).resolve()
+    if tree != ROOT and not args.in_tree:
+        # Another checkout: measure in a child whose engine is that tree's. -P keeps this script's directory
+        # and the working directory off sys.path, so the engine comes from PYTHONPATH.
+        command = [sys.executable, "-P", __file__, *sys.argv[1:], "--in-tree"]
+        sys.exit(subprocess.run(command, env={**os.environ, "PYTHONPATH": str(tree)}).returncode)
     import torch
 
     from benchmarks.common import commit, environment

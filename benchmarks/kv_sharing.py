@@ -1,7 +1,7 @@
 """Decode-time KV sharing: how many 4K-token sequences fit in a fixed KV memory budget with
 kv_sharing="last" against "none". Pure accounting, so it runs on CPU as well as GPU.
 
-    python benchmarks/kv_sharing.py --out benchmarks/results/kv_sharing.json [--budget-gib 64]
+    python -m benchmarks.kv_sharing --out benchmarks/results/kv_sharing.json [--budget-gib 64]
 
 The budget becomes blocks exactly as the Engine sizes its pool (KVPool.blocks_for_budget), and the count is
 checked by admitting sequences into the engine's own block manager, under each KV layout (cache/layout.py),
@@ -12,20 +12,16 @@ arXiv 2510.25741 §5.4.2 (Ouro-1.4B): last-loop sharing GSM8K 78.85 vs 78.92 ful
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import environment, write_results  # noqa: E402
-from cache.blocks import BlockManager  # noqa: E402
-from cache.kv_pool import KVPool, slot_token_bytes  # noqa: E402
-from cache.layout import make_layout  # noqa: E402
-from model.config import OuroConfig  # noqa: E402
-from model.tiny import PRESETS, hf_config  # noqa: E402
-from request import Request, SamplingParams  # noqa: E402
+from benchmarks.common import environment, write_results
+from cache.blocks import BlockManager
+from cache.kv_pool import KVPool, slot_token_bytes
+from cache.layout import make_layout
+from model.config import OuroConfig
+from model.tiny import PRESETS, hf_config
+from request import Request, SamplingParams
 
 SEQUENCE = 4096
 PAPER = "arXiv 2510.25741 §5.4.2: GSM8K 78.85 (last) vs 78.92 (full), MATH-500 80.40 vs 82.40"

@@ -2,24 +2,20 @@
 eager, held against the decode bandwidth floor (weights read T times per token plus the KV bytes,
 over a copy bandwidth measured in this run).
 
-    python benchmarks/latency.py --preset ouro-1.4b --out benchmarks/results/latency-<date>.json
+    python -m benchmarks.latency --preset ouro-1.4b --out benchmarks/results/latency-<date>.json
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import (checkpoint, copy_bandwidth, environment,  # noqa: E402
+from benchmarks.common import (checkpoint, copy_bandwidth, environment,
                                weight_bytes_per_step, write_results)
-from engine import Engine, SamplingParams  # noqa: E402
+from engine import Engine, SamplingParams
 
 
 def _run(engine: Engine, batch: int, prompt: int, decode_steps: int,

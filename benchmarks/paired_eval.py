@@ -22,18 +22,15 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.abba import abba  # noqa: E402
-from benchmarks.common import environment  # noqa: E402
-from benchmarks.eval_protocol import EvalItem, Protocol, load_protocol  # noqa: E402
-from benchmarks.eval_task import AnswerRule  # noqa: E402
-from benchmarks.paired_report import PairedReport, Side, pair_items  # noqa: E402
-from engine import Engine, check_engine_kwargs, engine_kwargs  # noqa: E402
-from request import SamplingParams  # noqa: E402
+from benchmarks.abba import abba
+from benchmarks.common import environment
+from benchmarks.eval_protocol import EvalItem, Protocol, load_protocol
+from benchmarks.eval_task import AnswerRule
+from benchmarks.paired_report import PairedReport, Side, pair_items
+from engine import Engine, check_engine_kwargs, engine_kwargs
+from request import SamplingParams
 
 def paired_eval(protocol: str | Path | Protocol, a: dict[str, Any], b: dict[str, Any], *,
                 common: dict[str, Any] | None = None, task: str | Path | None = None, abba_rounds: int = 1,

@@ -1,23 +1,19 @@
 """Where a graph-replayed decode step spends its time: torch.profiler over replays of the captured
 batch-1 step, kernels grouped by what they do, with the kernel count per step.
 
-    python benchmarks/profile_decode.py --preset ouro-1.4b --out benchmarks/results/profile_decode-<date>.json
+    python -m benchmarks.profile_decode --preset ouro-1.4b --out benchmarks/results/profile_decode-<date>.json
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import sys
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import checkpoint, environment, write_results  # noqa: E402
-from engine import Engine, SamplingParams  # noqa: E402
+from benchmarks.common import checkpoint, environment, write_results
+from engine import Engine, SamplingParams
 
 GROUPS = [("attention", ("decode_split", "decode_merge", "prefill", "kv_store")),
           ("projections (skinny GEMM)", ("skinny_gemm",)),

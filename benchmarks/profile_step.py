@@ -1,24 +1,20 @@
 """Where a whole decode step's wall time goes, host and device, under an exit policy: torch.profiler with
 CPU and CUDA activities over timed steps, the ops with the most host time and the most device time.
 
-    python benchmarks/profile_step.py --preset ouro-1.4b --policy early:0.5 --forced-exit 1 --batch 1
+    python -m benchmarks.profile_step --preset ouro-1.4b --policy early:0.5 --forced-exit 1 --batch 1
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import checkpoint  # noqa: E402
-from engine import Engine, SamplingParams  # noqa: E402
-from model.exit_policy import force_exit_loop  # noqa: E402
+from benchmarks.common import checkpoint
+from engine import Engine, SamplingParams
+from model.exit_policy import force_exit_loop
 
 
 def main() -> None:

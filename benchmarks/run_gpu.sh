@@ -16,33 +16,33 @@ mkdir -p /tmp/loop-engine-bench
 ( python -m model.tiny --out /tmp/ck-1.4b --preset ouro-1.4b >/dev/null && mv /tmp/ck-1.4b /tmp/loop-engine-bench/ouro-1.4b ) &
 if [ "$PART" = a ]; then
   step 200 python -m pytest -q -m gpu tests/ --timeout 100
-  step 90 python benchmarks/gemv.py --out "$OUT/gemv.json"
-  step 80 python benchmarks/attention.py --no-sweep --out "$OUT/attention.json"
-  step 50 python benchmarks/fused_kernels.py --out "$OUT/fused_kernels.json"
+  step 90 python -m benchmarks.gemv --out "$OUT/gemv.json"
+  step 80 python -m benchmarks.attention --no-sweep --out "$OUT/attention.json"
+  step 50 python -m benchmarks.fused_kernels --out "$OUT/fused_kernels.json"
   wait
-  step 170 python benchmarks/latency.py --preset ouro-1.4b --out "$OUT/latency.json"; cat "$OUT/latency.md"
+  step 170 python -m benchmarks.latency --preset ouro-1.4b --out "$OUT/latency.json"; cat "$OUT/latency.md"
 elif [ "$PART" = loops ]; then
   timeout 250 python -m pytest -q -m gpu tests/ --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   wait
-  step 150 python benchmarks/early_exit.py --preset ouro-1.4b --out "$OUT/early_exit.json"
-  [ -n "${BASE:-}" ] && step 170 python benchmarks/decode_ab.py --a "$BASE" --b . --out "$OUT/decode_ab.json"
+  step 150 python -m benchmarks.early_exit --preset ouro-1.4b --out "$OUT/early_exit.json"
+  [ -n "${BASE:-}" ] && step 170 python -m benchmarks.decode_ab --a "$BASE" --b . --out "$OUT/decode_ab.json"
 elif [ "$PART" = profile ]; then
   timeout 235 python -m pytest -q -m gpu tests/ --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   wait
-  step 45 python benchmarks/profile_step.py --policy early:0.5 --forced-exit 1
-  step 40 python benchmarks/profile_step.py --policy full
-  step 115 python benchmarks/early_exit.py --preset ouro-1.4b --out "$OUT/early_exit.json"
-  [ -n "${BASE:-}" ] && step 100 python benchmarks/decode_ab.py --a "$BASE" --b . --out "$OUT/decode_ab.json"
+  step 45 python -m benchmarks.profile_step --policy early:0.5 --forced-exit 1
+  step 40 python -m benchmarks.profile_step --policy full
+  step 115 python -m benchmarks.early_exit --preset ouro-1.4b --out "$OUT/early_exit.json"
+  [ -n "${BASE:-}" ] && step 100 python -m benchmarks.decode_ab --a "$BASE" --b . --out "$OUT/decode_ab.json"
 elif [ "$PART" = final ]; then
   timeout 170 python -m pytest -q -m gpu tests/test_gpu_engine.py tests/test_triton_gpu.py tests/test_loop_controls.py \
     --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   wait
-  step 100 python benchmarks/early_exit.py --preset ouro-1.4b --out "$OUT/early_exit.json"
-  step 110 python benchmarks/decode_ab.py --a "${BASE:?set BASE}" --b . --out "$OUT/decode_ab.json"
+  step 100 python -m benchmarks.early_exit --preset ouro-1.4b --out "$OUT/early_exit.json"
+  step 110 python -m benchmarks.decode_ab --a "${BASE:?set BASE}" --b . --out "$OUT/decode_ab.json"
 elif [ "$PART" = ab ]; then
   wait
-  step 330 python benchmarks/decode_ab.py --a "${BASE:?set BASE}" --b . --out "$OUT/decode_ab.json"
-  step 200 python benchmarks/latency.py --preset ouro-1.4b --prompts 512 2048 --batches 1 16 64 --modes graph \
+  step 330 python -m benchmarks.decode_ab --a "${BASE:?set BASE}" --b . --out "$OUT/decode_ab.json"
+  step 200 python -m benchmarks.latency --preset ouro-1.4b --prompts 512 2048 --batches 1 16 64 --modes graph \
     --out "$OUT/latency.json"
 elif [ "$PART" = c ]; then
   wait
@@ -51,9 +51,9 @@ elif [ "$PART" = c ]; then
     --a enforce_eager=false --b enforce_eager=true --abba 2 --out "$OUT/paired-graphs_vs_eager.json"
 else
   step 140 python -m pytest -q -m gpu tests/ --timeout 100
-  step 110 python benchmarks/attention.py --out "$OUT/attention.json"
+  step 110 python -m benchmarks.attention --out "$OUT/attention.json"
   wait
-  step 160 python benchmarks/throughput.py --preset ouro-1.4b --out "$OUT/throughput.json"
-  step 120 python benchmarks/early_exit.py --preset ouro-1.4b --out "$OUT/early_exit.json"
+  step 160 python -m benchmarks.throughput --preset ouro-1.4b --out "$OUT/throughput.json"
+  step 120 python -m benchmarks.early_exit --preset ouro-1.4b --out "$OUT/early_exit.json"
 fi
 ls -la "$OUT"

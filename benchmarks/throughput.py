@@ -3,24 +3,20 @@ ignore_eos, seed 0. Reports output and total tok/s, and the roofline of the batc
 step, max(bytes / copy bandwidth, FLOPs / matmul rate), where a step reads the weights T times plus
 every row's KV, and does 2 x params x T FLOPs per token.
 
-    python benchmarks/throughput.py --preset ouro-1.4b --out benchmarks/results/throughput-<date>.json
+    python -m benchmarks.throughput --preset ouro-1.4b --out benchmarks/results/throughput-<date>.json
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import (checkpoint, copy_bandwidth, environment,  # noqa: E402
+from benchmarks.common import (checkpoint, copy_bandwidth, environment,
                                weight_bytes_per_step, write_results)
-from engine import Engine, SamplingParams  # noqa: E402
+from engine import Engine, SamplingParams
 
 
 def matmul_rate() -> float:

@@ -1,6 +1,6 @@
 """Held-out addition accuracy of a trained tiny Ouro at 1, 2, 3 and 4 loops, and under the exit gate.
 
-    python examples/loops_matter.py [--model DIR] [--device cpu] [--items 512] [--out results.json]
+    python -m examples.loops_matter [--model DIR] [--device cpu] [--items 512] [--out results.json]
 
 Two measurements per row. "engine greedy" decodes each prompt "a+b=" with `Engine(loops=N)` and
 compares the text up to the newline with the true sum. "teacher-forced" runs the model once over the
@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from tokenizers import Tokenizer
 
-import torch  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
-
-from engine import DEFAULT_MODEL, Engine, SamplingParams  # noqa: E402
-from examples.train_tiny import LOOPS, score_items, story_exit_loops, test_pairs  # noqa: E402
-from model.config import OuroConfig  # noqa: E402
-from model.loader import load_model  # noqa: E402
+from engine import DEFAULT_MODEL, Engine, SamplingParams
+from examples.train_tiny import LOOPS, score_items, story_exit_loops, test_pairs
+from model.config import OuroConfig
+from model.loader import load_model
 
 QS = (0.5, 0.8, 0.95)
 STORIES = 64

@@ -8,7 +8,7 @@ emitted one.
         out = engine.generate(["A looped language model"], SamplingParams(max_tokens=32, loop_trace=True))[0]
         plot_loop_trace(out.outputs[0], engine.tokenizer)
 
-    python examples/plot_loop_trace.py --exit-policy early:0.6 --out trace.png   # the same from a shell
+    python -m examples.plot_loop_trace --exit-policy early:0.6 --out trace.png   # the same from a shell
 
 matplotlib is imported inside plot_loop_trace only, so importing this module never needs it.
 """
@@ -16,13 +16,8 @@ matplotlib is imported inside plot_loop_trace only, so importing this module nev
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def plot_loop_trace(completion, tokenizer=None, ax=None, title: str | None = None):

@@ -1,6 +1,6 @@
 """Batch inference on Ray Data: prompts streamed from JSONL or Parquet through a pool of actors, each holding
 one Engine, and the completions written back as JSONL or Parquet. Ray is an optional extra
-(`pip install -r requirements-ray.txt`); the engine itself never imports it.
+(`pip install -e ".[ray]"`); the engine itself never imports it.
 
     python -m examples.ray_batch --input examples/prompts.jsonl --output out/ --device cpu \\
         --num-workers 2 --cpus-per-worker 0.5

@@ -1,6 +1,6 @@
 """Train the embedded tiny Ouro from scratch, with model/ouro.py itself and Ouro's stage-I loss.
 
-    python examples/train_tiny.py --out DIR [--preset toy|full] [--seed 0] [--steps N] [--device cuda]
+    python -m examples.train_tiny --out DIR [--preset toy|full] [--seed 0] [--steps N] [--device cuda]
 
 Writes an HF-layout checkpoint that `Engine(DIR)` loads, plus results.json (command, seed, loss
 curves, held-out task accuracy per loop count). It owns the synthetic corpus and the task split that
@@ -36,19 +36,16 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
-
-from model.config import OuroConfig  # noqa: E402
-from model.loader import load_model  # noqa: E402
-from model.ouro import OuroForCausalLM  # noqa: E402
-from model.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, hf_config  # noqa: E402
+from model.config import OuroConfig
+from model.loader import load_model
+from model.ouro import OuroForCausalLM
+from model.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, hf_config
 
 LOOPS = 4
 MAX_CHECKPOINT_BYTES = 16 * 2**20
@@ -620,7 +617,7 @@ def main() -> None:
                         help="seconds; if training runs slower than steps / budget, the LR schedule follows "
                              "wall time instead and training ends at the budget (0: off)")
     args = parser.parse_args()
-    command = " ".join(["python", "examples/train_tiny.py", *sys.argv[1:]])
+    command = " ".join(["python", "-m", "examples.train_tiny", *sys.argv[1:]])
     train(Path(args.out), args.preset, args.seed, args.steps, args.device, args.batch_size, args.time_budget,
           command)
 

@@ -24,7 +24,7 @@ LOGS=$(mktemp -d)
 mkdir -p "$OUT"
 if [ "$DEVICE" = cuda ]; then nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; fi
 
-train=(python examples/train_tiny.py --preset "$PRESET" --seed "$SEED" --device "$DEVICE" --time-budget "$BUDGET")
+train=(python -m examples.train_tiny --preset "$PRESET" --seed "$SEED" --device "$DEVICE" --time-budget "$BUDGET")
 "${train[@]}" --out "$OUT/tiny-ouro" >"$LOGS/main.log" 2>&1 &
 main=$!
 "${train[@]}" --out "$RERUN" >"$LOGS/rerun.log" 2>&1 &
@@ -37,10 +37,10 @@ echo "--- rerun, last lines:"
 tail -n 3 "$LOGS/rerun.log"
 if [ "$status" -ne 0 ]; then exit "$status"; fi
 
-python examples/loops_matter.py --model "$OUT/tiny-ouro" --out "$OUT/tiny-ouro/loops_matter.json" \
+python -m examples.loops_matter --model "$OUT/tiny-ouro" --out "$OUT/tiny-ouro/loops_matter.json" \
     >"$LOGS/main_table.md" &
 first=$!
-python examples/loops_matter.py --model "$RERUN" --out "$LOGS/rerun_loops.json" >"$LOGS/rerun_table.md"
+python -m examples.loops_matter --model "$RERUN" --out "$LOGS/rerun_loops.json" >"$LOGS/rerun_table.md"
 wait "$first"
 echo "--- main run:"; cat "$LOGS/main_table.md"
 echo "--- rerun:"; cat "$LOGS/rerun_table.md"

@@ -50,8 +50,8 @@ def _download(repo_id: str) -> Path:
         raise FileNotFoundError(
             f"model {repo_id!r} is not in the local Hugging Face cache and the hub cannot be reached "
             "(offline, or HF_HUB_OFFLINE=1). Download it once while online "
-            f"(`huggingface-cli download {repo_id}`), point HF_HOME at a cache that has it, "
-            "or pass a local checkpoint directory.") from None
+            f"(`hf download {repo_id}`; `huggingface-cli download {repo_id}` before huggingface_hub 0.34), "
+            "point HF_HOME at a cache that has it, or pass a local checkpoint directory.") from None
     except RepositoryNotFoundError:
         raise FileNotFoundError(f"model {repo_id!r}: no such repository on the Hugging Face hub "
                                 "(or it is gated and you are not logged in)") from None

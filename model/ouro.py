@@ -15,12 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.base import triton_missing
 from model.config import OuroConfig
 
 try:
     from model.kernels import fused
     from model.kernels.gemv import linear as skinny_or_cublas_linear
-except ImportError:  # triton missing: the torch ops only
+except ModuleNotFoundError as err:  # triton missing: the torch ops only
+    if not triton_missing(err):
+        raise
     fused = None
 
 def fused_kernels_available() -> bool:
@@ -124,7 +127,7 @@ class OuroForCausalLM(nn.Module):
     def __init__(self, config: OuroConfig, fused_kernels: bool = False) -> None:
         super().__init__()
         if fused_kernels and fused is None:
-            raise ValueError("fused_kernels=True needs triton")
+            raise ValueError("fused_kernels=True needs the triton package, which is not installed here")
         self.config = config
         self.fused_kernels = fused_kernels  # Triton kernels around the GEMMs (no autograd: inference only)
         hidden = config.hidden_size

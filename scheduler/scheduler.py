@@ -18,6 +18,10 @@ from typing import Protocol
 from cache.blocks import BlockManager
 from request import Request, RequestStatus, ScheduledBatch
 
+# The stop_reason of a sequence that ended with finish_reason "length" because the KV pool cannot hold one
+# more of its tokens (even were it alone), not because of max_tokens or max_model_len.
+KV_POOL_FULL = "kv_pool_full"
+
 
 class Detokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -195,11 +199,12 @@ class Scheduler:
                 end = start + len(stop) if params.include_stop_str_in_output else start
                 return _Outcome(request, num_new, token, text[:end], ("stop", stop, None))
         num_output = request.num_output_tokens + 1
-        if (params.max_tokens is not None and num_output >= params.max_tokens) or (
-            request.num_tokens + 1 >= self.max_model_len or not self._can_grow(request, num_output)
-        ):
+        limit = (params.max_tokens is not None and num_output >= params.max_tokens) or (
+            request.num_tokens + 1 >= self.max_model_len)
+        if limit or not self._can_grow(request, num_output):
             final = self._detokenize(self.detokenizer.decode, request.output_token_ids + [token], skip)
-            return _Outcome(request, num_new, token, final, ("length", None, None))
+            # As vLLM, a length ending has no stop_reason; one the KV pool forced says so.
+            return _Outcome(request, num_new, token, final, ("length", None if limit else KV_POOL_FULL, None))
         return _Outcome(request, num_new, token, text)
 
     @staticmethod

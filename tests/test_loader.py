@@ -77,7 +77,7 @@ def test_uncached_hub_id_while_offline_says_what_to_do(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode != 0
     assert "not in the local Hugging Face cache" in result.stderr
-    assert "HF_HOME" in result.stderr and "huggingface-cli download" in result.stderr
+    assert "HF_HOME" in result.stderr and "`hf download ByteDance/Ouro-1.4B`" in result.stderr
 
 
 def test_sharded_checkpoint_loads_identical_weights(tiny_checkpoint, tmp_path):

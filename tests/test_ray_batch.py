@@ -1,5 +1,5 @@
 """examples/ray_batch.py on a local Ray started here: two actors, one Engine each, against one Engine in this
-process. Needs the Ray extra (requirements-ray.txt); CI installs it, so there a missing Ray fails."""
+process. Needs the Ray extra (pip install -e ".[ray]"); CI installs it, so there a missing Ray fails."""
 
 import json
 import os

@@ -35,8 +35,11 @@ def test_seeded_sampling_is_reproducible_and_follows_the_distribution():
     draws = [sample(logits, params, [torch.Generator().manual_seed(i) for i in range(4000)])
              for _ in range(2)]
     assert torch.equal(draws[0], draws[1])
-    freq = torch.bincount(draws[0], minlength=3).float() / 4000
-    assert torch.allclose(freq, logits[0].softmax(-1), atol=0.03)
+    freq = torch.bincount(draws[0], minlength=3).double() / 4000
+    p = logits[0].double().softmax(-1)
+    # Each frequency is a mean of 4000 Bernoulli(p) draws: within 5 standard errors (a 6e-7 chance per class
+    # of failing for a correct sampler, whatever generator stream a torch build gives these seeds).
+    assert ((freq - p).abs() <= 5 * (p * (1 - p) / 4000).sqrt()).all()
 
 
 def test_mixed_greedy_and_sampled_rows():

@@ -11,7 +11,7 @@ import pytest
 from cache.blocks import BlockManager
 from model.tokenizer import Tokenizer
 from request import Request, RequestStatus, SamplingParams, ScheduledBatch
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import KV_POOL_FULL, Scheduler
 
 VOCAB = 40
 EOS = 0
@@ -476,15 +476,17 @@ def test_skip_special_tokens_decides_whether_special_tokens_reach_the_text(tiny_
 def test_max_model_len_ends_the_sequence_with_length():
     request = run_scripted(list(range(1, 30)), prompt=[1] * 6, max_model_len=10, max_tokens=None)
     assert request.finish_reason == "length" and request.num_tokens == 10
+    assert request.stop_reason is None
 
 
-def test_sequence_stops_growing_at_the_pool_size():
+def test_sequence_stops_growing_at_the_pool_size_and_says_so():
     scheduler, model = make_scheduler(num_blocks=3, block_size=4, max_model_len=100)
     assert max_seq_len(scheduler) == 12
     request = make_request("a", [1] * 5, max_tokens=None, ignore_eos=True)
     scheduler.add(request)
     drive(scheduler, model)
     assert request.finish_reason == "length" and request.num_tokens == 12
+    assert request.stop_reason == KV_POOL_FULL == "kv_pool_full"
 
 
 def test_a_request_that_outgrows_the_pool_alone_fails_instead_of_preempting_itself_forever():

@@ -12,6 +12,7 @@ from examples import train_tiny
 from examples.loops_matter import engine_accuracy
 from model.config import OuroConfig
 from model.loader import load_model
+from tests.numerics import assert_within_noise
 from tests.reference import exit_pdf as reference_exit_pdf
 
 HANDFUL_MARGIN = 0.1  # 2 of 20 sums: CPU fp32 engine decoding vs the fp32 scoring done at training time
@@ -33,10 +34,15 @@ def toy(tmp_path_factory):
 def test_exit_pdf_matches_the_reference_formula():
     gate_logits = torch.randn(4, 6) * 3
     p, log_p = train_tiny.exit_pdf(gate_logits)
-    expected = torch.stack([reference_exit_pdf(gate_logits[:, i]) for i in range(6)], 1).float()
-    torch.testing.assert_close(p, expected, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(log_p.exp(), p)
-    torch.testing.assert_close(p.sum(0), torch.ones(6))
+    exact = torch.stack([reference_exit_pdf(gate_logits[:, i]) for i in range(6)], 1)  # fp64
+    # log p is a sum of T logsigmoid terms, all <= 0, each within 4 ulps (torch's logsigmoid), summed in
+    # fp32: off by at most (T + 4) u |log p|; exp and the output rounding add 2 u, relative to p.
+    loops, u = gate_logits.shape[0], 2.0**-24
+    assert ((p.double() - exact).abs() <= ((loops + 4) * exact.log().abs() + 4) * u * exact).all()
+    assert torch.equal(log_p.exp(), p)
+    # Summed: each term's error above, plus T roundings of the sum.
+    sum_bound = ((loops + 4) * (exact * exact.log().abs()).sum(0) + 4 + loops) * u
+    assert ((p.double().sum(0) - 1).abs() <= sum_bound).all()
 
 
 def test_held_out_sums_never_appear_in_training_documents():
@@ -75,14 +81,19 @@ def test_toy_checkpoint_has_the_hf_layout_and_its_results(toy):
 def test_exported_weights_reproduce_the_training_model(toy):
     out, trained = toy
     ids = torch.tensor([trained.tokenizer.encode("Once upon a time, 12+34=46\n").ids])
+    config = OuroConfig.from_file(out / "config.json")
     with torch.no_grad():
         expected = train_tiny.run_model(trained.model, ids)
-        loaded_model = load_model(out, OuroConfig.from_file(out / "config.json"), torch.device("cpu"),
-                                  torch.float32)
+        loaded_model = load_model(out, config, torch.device("cpu"), torch.float32)
         loaded = train_tiny.run_model(loaded_model, ids)
-        torch.testing.assert_close(loaded_model.compute_logits(loaded.hidden),
-                                   trained.model.compute_logits(expected.hidden), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(loaded.gate_logits, expected.gate_logits, atol=1e-5, rtol=1e-5)
+        exact_model = load_model(out, config, torch.device("cpu"), torch.float64)
+        exact = train_tiny.run_model(exact_model, ids)
+        logits = [m.compute_logits(s.hidden) for m, s in ((loaded_model, loaded), (trained.model, expected),
+                                                          (exact_model, exact))]
+    # The loaded model fuses q/k/v and gate/up, so its sums run in another order than training's: it must be
+    # as close to the exact (fp64) answer as the training model is (tests/numerics.py).
+    assert_within_noise(*logits, "logits")
+    assert_within_noise(loaded.gate_logits, expected.gate_logits, exact.gate_logits, "gate logits")
 
 
 def test_engine_decodes_the_toy_checkpoint_as_the_training_model_does(toy):

@@ -49,7 +49,7 @@ def test_decode_matches_reference_and_stores_kv(dtype, head_dim, splits):
     case = make_case(**DECODE_ROWS, dtype=dtype, head_dim=head_dim, device=DEVICE)
     expected, ref = reference(case)
     backend = triton_backend(case, splits)
-    assert_matches(run(backend, case), expected)
+    assert_matches(run(backend, case), expected, case)
     assert backend._plan.decode.grid[0] == (1 if splits == "one" else 4)
     assert torch.equal(backend.key_cache, ref.key_cache) and torch.equal(backend.value_cache, ref.value_cache)
 
@@ -58,7 +58,7 @@ def test_decode_with_grouped_kv_heads_matches_reference():
     case = make_case(**DECODE_ROWS, heads=4, kv_heads=2, device=DEVICE)
     expected, ref = reference(case)
     backend = triton_backend(case)
-    assert_matches(run(backend, case), expected)
+    assert_matches(run(backend, case), expected, case)
     assert torch.equal(backend.key_cache, ref.key_cache)
 
 
@@ -72,7 +72,7 @@ def test_empty_splits_give_no_nan():
     expected, _ = reference(case)
     backend = triton_backend(case)
     backend.decode_block_n, backend.split_min_keys = 16, 2
-    assert_matches(run(backend, case), expected)
+    assert_matches(run(backend, case), expected, case)
 
 
 def test_row_with_empty_context_gives_zeros_not_nan():
@@ -120,7 +120,7 @@ def test_mixed_prefill_and_decode_step_matches_reference(dtype, head_dim):
     case = make_case(**MIXED_ROWS, dtype=dtype, head_dim=head_dim, device=DEVICE)
     expected, ref = reference(case)
     backend = triton_backend(case)
-    assert_matches(run(backend, case), expected)
+    assert_matches(run(backend, case), expected, case)
     assert torch.equal(backend.key_cache, ref.key_cache) and torch.equal(backend.value_cache, ref.value_cache)
 
 

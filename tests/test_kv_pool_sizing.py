@@ -1,0 +1,74 @@
+"""How big the KV pool is (Engine._blocks_for_memory): on CPU from max_model_len, max_num_seqs and the memory
+available; kv_cache_gib or num_kv_blocks when given. A pool smaller than max_model_len warns, and a sequence
+that fills it says so (finish_reason "length", stop_reason "kv_pool_full")."""
+
+import warnings
+
+import pytest
+
+import engine as engine_module
+from engine import CPU_KV_BYTES, CPU_KV_MEMORY_FRACTION, Engine, SamplingParams
+from scheduler.scheduler import KV_POOL_FULL
+
+
+def blocks(checkpoint, **options) -> int:
+    with Engine(checkpoint, device="cpu", verbose=False, **options) as engine:
+        return engine.block_manager.num_blocks
+
+
+def block_bytes(checkpoint) -> int:
+    with Engine(checkpoint, device="cpu", verbose=False, num_kv_blocks=1, max_model_len=16) as engine:
+        return engine.kv_pool.bytes_per_block
+
+
+def test_cpu_pool_holds_max_num_seqs_sequences_of_max_model_len_when_memory_allows(tiny_checkpoint):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # it holds max_model_len: no warning
+        assert blocks(tiny_checkpoint, max_model_len=64, max_num_seqs=4) == 4 * 64 // 16
+
+
+def test_cpu_pool_stops_at_the_floor_when_many_sequences_would_fit(tiny_checkpoint, monkeypatch):
+    """max_num_seqs x max_model_len is more than CPU_KV_BYTES, one sequence is less: the floor decides."""
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 2**40)
+    per_block = block_bytes(tiny_checkpoint)
+    assert 256 * 4096 // 16 * per_block > CPU_KV_BYTES > 4096 // 16 * per_block
+    assert blocks(tiny_checkpoint, max_model_len=4096, max_num_seqs=256) == CPU_KV_BYTES // per_block
+
+
+def test_cpu_pool_is_capped_by_available_memory_and_warns_below_max_model_len(tiny_checkpoint, monkeypatch):
+    per_block = block_bytes(tiny_checkpoint)
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 20 * per_block)
+    expected = int(CPU_KV_MEMORY_FRACTION * 20)  # blocks of the capped budget, the scratch block aside
+    with pytest.warns(UserWarning, match=f"holds {expected * 16} tokens, less than max_model_len 4096"):
+        assert blocks(tiny_checkpoint) == expected
+
+
+def test_kv_cache_gib_sizes_the_pool(tiny_checkpoint):
+    per_block = block_bytes(tiny_checkpoint)
+    gib = 10.5 * per_block / 2**30
+    assert blocks(tiny_checkpoint, kv_cache_gib=gib, max_model_len=64) == 10 - 1  # the scratch block
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan"), "1", True])
+def test_bad_kv_cache_gib_is_named(tiny_checkpoint, value):
+    with pytest.raises(ValueError, match="kv_cache_gib"):
+        Engine(tiny_checkpoint, device="cpu", verbose=False, kv_cache_gib=value)
+
+
+def test_kv_cache_gib_and_num_kv_blocks_are_exclusive(tiny_checkpoint):
+    with pytest.raises(ValueError, match="num_kv_blocks or kv_cache_gib, not both"):
+        Engine(tiny_checkpoint, device="cpu", verbose=False, kv_cache_gib=1.0, num_kv_blocks=4)
+
+
+def test_a_sequence_that_fills_the_pool_ends_with_length_and_says_the_pool_was_full(tiny_checkpoint):
+    with pytest.warns(UserWarning, match="holds 32 tokens"):
+        engine = Engine(tiny_checkpoint, device="cpu", verbose=False, num_kv_blocks=2)
+    with engine:
+        full, short = engine.generate(["hello there", "hello"], [
+            SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)], use_tqdm=False)
+        assert engine.block_manager.num_free_blocks == 2
+    completion = full.outputs[0]
+    assert completion.finish_reason == "length" and completion.stop_reason == KV_POOL_FULL
+    assert len(full.prompt_token_ids) + len(completion.token_ids) == 32
+    assert (short.outputs[0].finish_reason, short.outputs[0].stop_reason) == ("length", None)
