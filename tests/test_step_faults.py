@@ -111,7 +111,8 @@ class Faults:
         for name, owner, attribute in [("schedule", scheduler, "schedule"), ("update", scheduler, "update"),
                                        ("prepare", runner, "prepare"), ("forward", runner, "forward"),
                                        ("readout", model_runner, "readout_logits"),
-                                       ("sample", model_runner, "sample"), ("output", engine, "_output"),
+                                       ("sample", model_runner, "sample"),
+                                       ("output", type(engine), "_output"),  # close() clears the instance
                                        ("decode", tokenizer, "decode"), ("token_text", runner, "token_text")]:
             monkeypatch.setattr(owner, attribute, self.hook(name, getattr(owner, attribute)))
         stream = tokenizer.stream
@@ -119,7 +120,7 @@ class Faults:
 
     def hook(self, name: str, function):
         def hooked(*args, **kwargs):
-            if name == "output" and not args[0].finished:  # _output(group)
+            if name == "output" and not args[-1].finished:  # Engine._output(self, group)
                 return function(*args, **kwargs)
             self.calls[name] = self.calls.get(name, 0) + 1
             if self.armed is not None and self.armed[0] == name:
