@@ -3,6 +3,10 @@ on a shared machine cancels: the check that a change left the default path (full
 slower. Each pass runs in its own process and uses only the public Engine API, which both sides share.
 
     python -m benchmarks.decode_ab --a /path/to/before --b . --out benchmarks/results/decode_ab.json
+
+With --profile, each pass also runs torch.profiler over decode steps at the smallest batch and reports the
+device time and launch count per step of every kernel, and the wall time per step that no kernel covers
+(host work the GPU waits for); the table then lists the kernels whose time differs most between A and B.
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def one_pass(tree: str, model: str, batches: list[int], prompt: int, steps: int) -> dict[int, float]:
-    """TPOT ms per batch size, in this process, whose engine is `tree`'s (its PYTHONPATH)."""
+def one_pass(tree: str, model: str, batches: list[int], prompt: int, steps: int,
+             profile_steps: int = 0) -> dict:
+    """TPOT ms per batch size, in this process, whose engine is `tree`'s (its PYTHONPATH); with
+    profile_steps, also the per-kernel profile of that many decode steps at the smallest batch."""
     import torch
 
     from engine import Engine, SamplingParams
 
-    tpot = {}
+    tpot, kernels = {}, None
     with Engine(model, device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
                 max_model_len=prompt + steps + 8, enable_prefix_caching=False, verbose=False) as engine:
         for batch in batches:
@@ -46,7 +52,51 @@ def one_pass(tree: str, model: str, batches: list[int], prompt: int, steps: int)
                     count += 1
                 torch.cuda.synchronize()
             tpot[batch] = (time.perf_counter() - start) * 1e3 / count
-    return tpot
+        if profile_steps:
+            kernels = profile_decode(engine, min(batches), prompt, profile_steps)
+    return {"tpot_ms": tpot, "profile": kernels}
+
+
+def profile_decode(engine, batch: int, prompt: int, steps: int) -> dict:
+    """Per decode step: each kernel's device µs and launches, the wall µs, and the wall µs when no kernel
+    runs (the union of kernel intervals subtracted from the profiled span)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(list(range(3, 3 + prompt)), params)
+    for _ in range(4):  # prefill and warm decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    while engine.has_unfinished():
+        engine.step()
+    per_kernel: dict[str, list[float]] = {}
+    intervals = []
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.time_range.elapsed_us() > 0:
+            entry = per_kernel.setdefault(event.name[:100], [0.0, 0])
+            entry[0] += event.time_range.elapsed_us()
+            entry[1] += 1
+            intervals.append((event.time_range.start, event.time_range.end))
+    intervals.sort()
+    busy, reach = 0.0, float("-inf")
+    for begin, end in intervals:  # union of the kernel intervals
+        if end > reach:
+            busy += end - max(begin, reach)
+            reach = end
+    return {"steps": steps, "wall_us_per_step": round(wall_us / steps, 1),
+            "device_busy_us_per_step": round(busy / steps, 1),
+            "kernels": {name: [round(us / steps, 2), round(n / steps, 2)]
+                        for name, (us, n) in per_kernel.items()}}
 
 
 def main() -> None:
@@ -61,11 +111,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1, help="ABBA rounds")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="also profile this many decode steps at the smallest batch in each pass")
     parser.add_argument("--out", default=None)
     parser.add_argument("--pass-tree", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.pass_tree is not None:  # a child: one pass, its TPOTs as JSON on the last line
-        print(json.dumps(one_pass(args.pass_tree, args.model, args.batches, args.prompt, args.steps)))
+        print(json.dumps(one_pass(args.pass_tree, args.model, args.batches, args.prompt, args.steps,
+                                  args.profile)))
         return
     from benchmarks.common import checkpoint, environment, write_results
 
@@ -77,15 +130,16 @@ def main() -> None:
         # -P: neither this script's directory nor the working directory goes on sys.path, so the child
         # imports the engine from PYTHONPATH, the tree of its side (and this file, its pass, from here).
         command = [sys.executable, "-P", __file__, "--a", args.a, "--pass-tree", trees[side],
-                   "--model", model, "--prompt", str(args.prompt), "--steps", str(args.steps), "--batches",
-                   *map(str, args.batches)]
+                   "--model", model, "--prompt", str(args.prompt), "--steps", str(args.steps), "--profile",
+                   str(args.profile), "--batches", *map(str, args.batches)]
         result = subprocess.run(command, capture_output=True, text=True, cwd=trees[side],
                                 env={**os.environ, "PYTHONPATH": trees[side]})
         if result.returncode != 0:
             raise SystemExit(f"pass {side} ({trees[side]}) failed:\n{result.stderr[-3000:]}")
-        tpot = {int(k): v for k, v in json.loads(result.stdout.strip().splitlines()[-1]).items()}
-        passes.append({"side": side, "label": label[side], "tpot_ms": tpot})
-        print(passes[-1], flush=True)
+        measured = json.loads(result.stdout.strip().splitlines()[-1])
+        tpot = {int(k): v for k, v in measured["tpot_ms"].items()}
+        passes.append({"side": side, "label": label[side], "tpot_ms": tpot, "profile": measured["profile"]})
+        print({"side": side, "tpot_ms": tpot}, flush=True)
     rows = []
     key = {side: "tpot_ms_" + label[side] for side in "AB"}
     for batch in args.batches:
@@ -101,11 +155,38 @@ def main() -> None:
              f"| batch | TPOT ms {label['A']} | TPOT ms {label['B']} | {label['B']} / {label['A']} |",
              "|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r[key['A']]} | {r[key['B']]} | {r['ratio_b_over_a']} |" for r in rows]
+    if args.profile:
+        lines += ["", *profile_table(passes, label)]
     table = "\n".join(lines)
     if args.out:
         write_results(args.out, {**env, "model": model, "a": label["A"], "b": label["B"], "passes": passes,
                                  "rows": rows}, table)
     print(table)
+
+
+def profile_table(passes: list[dict], label: dict) -> list[str]:
+    """Median over a side's passes of wall, device-busy and idle µs per step, then the kernels whose
+    device time per step differs most between the sides."""
+    def median_of(side, get):
+        return statistics.median(get(p["profile"]) for p in passes if p["side"] == side)
+
+    lines = [f"Profile, batch {min(passes[0]['tpot_ms'])}, µs per decode step (medians over passes):", "",
+             f"| | {label['A']} | {label['B']} |", "|---|---|---|"]
+    for title, key in (("wall", "wall_us_per_step"), ("device busy", "device_busy_us_per_step")):
+        a, b = (median_of(side, lambda p, key=key: p[key]) for side in "AB")
+        lines.append(f"| {title} | {a:.1f} | {b:.1f} |")
+    names = {name for p in passes for name in p["profile"]["kernels"]}
+    diffs = []
+    for name in names:
+        us = {side: median_of(side, lambda p: p["kernels"].get(name, [0.0, 0])[0]) for side in "AB"}
+        calls = {side: median_of(side, lambda p: p["kernels"].get(name, [0.0, 0])[1]) for side in "AB"}
+        diffs.append((us["B"] - us["A"], name, us, calls))
+    diffs.sort(key=lambda d: -abs(d[0]))
+    lines += ["", f"| kernel | µs {label['A']} (launches) | µs {label['B']} (launches) | difference |",
+              "|---|---|---|---|"]
+    lines += [f"| {name[:70]} | {us['A']:.1f} ({calls['A']:g}) | {us['B']:.1f} ({calls['B']:g}) | {d:+.1f} |"
+              for d, name, us, calls in diffs[:12]]
+    return lines
 
 
 if __name__ == "__main__":

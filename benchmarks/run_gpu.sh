@@ -22,10 +22,10 @@ if [ "$PART" = a ]; then
   wait
   step 170 python -m benchmarks.latency --preset ouro-1.4b --out "$OUT/latency.json"; cat "$OUT/latency.md"
 elif [ "$PART" = loops ]; then
-  timeout 250 python -m pytest -q -m gpu tests/ --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
+  timeout 230 python -m pytest -q -m gpu tests/ --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40
   wait
-  step 150 python -m benchmarks.early_exit --preset ouro-1.4b --out "$OUT/early_exit.json"
-  [ -n "${BASE:-}" ] && step 170 python -m benchmarks.decode_ab --a "$BASE" --b . --out "$OUT/decode_ab.json"
+  step 130 python -m benchmarks.early_exit --preset ouro-1.4b --out "$OUT/early_exit.json"
+  [ -n "${BASE:-}" ] && step 200 python -m benchmarks.decode_ab --a "$BASE" --b . --profile 16 --out "$OUT/decode_ab.json"
 elif [ "$PART" = profile ]; then
   timeout 235 python -m pytest -q -m gpu tests/ --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   wait
