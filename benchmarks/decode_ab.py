@@ -6,7 +6,8 @@ slower. Each pass runs in its own process and uses only the public Engine API, w
 
 With --profile, each pass also runs torch.profiler over decode steps at the smallest batch and reports the
 device time and launch count per step of every kernel, and the wall time per step that no kernel covers
-(host work the GPU waits for); the table then lists the kernels whose time differs most between A and B.
+(host work the GPU waits for), and runs cProfile over as many more steps for the host's Python functions;
+the table then lists the kernels and the functions whose time differs most between A and B.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def profile_decode(engine, batch: int, prompt: int, steps: int) -> dict:
             engine.step()
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - start) * 1e6
+    host = host_profile(engine, steps)
     while engine.has_unfinished():
         engine.step()
     per_kernel: dict[str, list[float]] = {}
@@ -96,7 +98,26 @@ def profile_decode(engine, batch: int, prompt: int, steps: int) -> dict:
     return {"steps": steps, "wall_us_per_step": round(wall_us / steps, 1),
             "device_busy_us_per_step": round(busy / steps, 1),
             "kernels": {name: [round(us / steps, 2), round(n / steps, 2)]
-                        for name, (us, n) in per_kernel.items()}}
+                        for name, (us, n) in per_kernel.items()}, "host_functions": host}
+
+
+def host_profile(engine, steps: int, top: int = 40) -> dict:
+    """cProfile over `steps` decode steps: the `top` functions by own time, as {name: [µs per step (cProfile's
+    overhead included), calls per step]}, and the total under cProfile."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    functions = {f"{Path(file).name}:{line}({name})": [round(own * 1e6 / steps, 1), round(calls / steps, 1)]
+                 for (file, line, name), (_, calls, own, _, _) in rows}
+    return {"total_us_per_step": round(sum(v[2] for v in stats.values()) * 1e6 / steps, 1),
+            "functions": functions}
 
 
 def main() -> None:
@@ -186,6 +207,14 @@ def profile_table(passes: list[dict], label: dict) -> list[str]:
               "|---|---|---|---|"]
     lines += [f"| {name[:70]} | {us['A']:.1f} ({calls['A']:g}) | {us['B']:.1f} ({calls['B']:g}) | {d:+.1f} |"
               for d, name, us, calls in diffs[:12]]
+    host = {side: [p["profile"]["host_functions"] for p in passes if p["side"] == side] for side in "AB"}
+    total = {side: statistics.median(h["total_us_per_step"] for h in host[side]) for side in "AB"}
+    lines += ["", f"Host Python under cProfile, µs per step (its overhead included): {label['A']} "
+              f"{total['A']:.0f}, {label['B']} {total['B']:.0f}. Each side's top functions by own time:", "",
+              f"| {label['A']} | µs (calls) | {label['B']} | µs (calls) |", "|---|---|---|---|"]
+    first = {side: list(host[side][0]["functions"].items())[:15] for side in "AB"}
+    for (name_a, (us_a, n_a)), (name_b, (us_b, n_b)) in zip(first["A"], first["B"]):
+        lines.append(f"| {name_a[:60]} | {us_a} ({n_a:g}) | {name_b[:60]} | {us_b} ({n_b:g}) |")
     return lines
 
 

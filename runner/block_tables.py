@@ -40,6 +40,8 @@ class BlockTables:
                 entry[1] = len(table)
             rows.append(row)
             width = max(width, len(table))
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):  # usual: rows taken in order
+            return self.table[rows[0]:rows[0] + len(rows), :width]
         return self.table[torch.tensor(rows, dtype=torch.int64), :width]
 
     def release(self, request: Request) -> None:

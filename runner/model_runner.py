@@ -23,6 +23,7 @@ from model.ouro import LoopStates, OuroForCausalLM
 from request import FULL, ExitPolicy, Logprob, LoopTrace, Request, ScheduledBatch, request_policy
 from runner.block_tables import BlockTables
 from runner.cuda_graph import DecodeGraphs
+from runner.host_to_device import upload
 from runner.loop_driver import EagerLoops, EarlyExit, LoopStats, StepInputs, run_loops
 from runner.sampler import logprob_dicts, logprobs_topn, process_logits, sample
 
@@ -100,9 +101,6 @@ class ModelRunner:
     def uses_cuda_graphs(self) -> bool:
         return self.graphs is not None
 
-    def _tensor(self, values, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Flatten the batch: token ids, positions, slot mapping, per-row lengths and block tables."""
         input_ids: list[int] = []
@@ -128,24 +126,31 @@ class ModelRunner:
             prompt_readout += [first + p for p in prompt_logprob_positions(request, start, end)]
             if num_new == 1 and start >= request.num_prompt_tokens:
                 generated_rows.append(row)
-        shared = None
+        readout += prompt_readout
+        # Two host-to-device copies in all (runner/host_to_device.py), one per dtype.
+        int32_parts: list[list[int] | torch.Tensor] = [query_start, context_lens,
+                                                       self.block_tables.gather(batch.requests)]
         if self.generated_tables is not None:
             prompt_lens = [r.num_prompt_tokens for r in batch.requests]
-            shared = SharedKVMetadata(self._tensor(prompt_lens), self._tensor(self.generated_tables.gather(
-                batch.requests)), prompt_lens, self.loops, self.config.model.num_hidden_layers)
+            int32_parts += [prompt_lens, self.generated_tables.gather(batch.requests)]
+        int32 = upload(int32_parts, torch.int32, self.device)
+        ids, positions_d, slots, readout_d = upload([input_ids, positions, slot_mapping, readout],
+                                                    torch.int64, self.device)
+        shared = None
+        if self.generated_tables is not None:
+            shared = SharedKVMetadata(int32[3], int32[4], prompt_lens, self.loops,
+                                      self.config.model.num_hidden_layers)
         meta = AttentionMetadata(
-            query_start_loc=self._tensor(query_start),
-            context_lens=self._tensor(context_lens),
-            block_tables=self._tensor(self.block_tables.gather(batch.requests)),
-            slot_mapping=self._tensor(slot_mapping, torch.int64),
+            query_start_loc=int32[0],
+            context_lens=int32[1],
+            block_tables=int32[2],
+            slot_mapping=slots,
             query_lens_cpu=list(batch.num_new_tokens),
             context_lens_cpu=context_lens,
             block_size=self.config.block_size,
             shared_kv=shared,
         )
-        readout += prompt_readout
-        return StepInputs(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
-                          self._tensor(readout, torch.int64), generated_rows,
+        return StepInputs(ids, positions_d, meta, readout_d, generated_rows,
                           readout == list(range(len(input_ids))))
 
     def forward(self, inputs: StepInputs) -> LoopStates:
