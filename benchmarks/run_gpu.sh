@@ -5,6 +5,7 @@
 #   loops: gpu tests, early exit and kv_sharing rows, and (with BASE=<an older checkout>) full-policy TPOT
 #   of BASE vs this tree in ABBA order; ab: that comparison, then latency
 #   c: the paired eval of CUDA graphs against eager (ABBA timing, token identity; docs/paired_eval.md)
+#   check: every gpu test (with their durations), then BASE vs this tree with decode_ab --profile
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -44,6 +45,11 @@ elif [ "$PART" = ab ]; then
   step 330 python -m benchmarks.decode_ab --a "${BASE:?set BASE}" --b . --out "$OUT/decode_ab.json"
   step 200 python -m benchmarks.latency --preset ouro-1.4b --prompts 512 2048 --batches 1 16 64 --modes graph \
     --out "$OUT/latency.json"
+elif [ "$PART" = check ]; then
+  timeout 370 python -m pytest -q -m gpu tests/ --timeout 120 -rfE --durations=15 2>&1 | tee "$OUT/gpu_tests.log" \
+    | tail -n 40
+  wait
+  step 190 python -m benchmarks.decode_ab --a "${BASE:?set BASE}" --b . --profile 16 --out "$OUT/decode_ab.json"
 elif [ "$PART" = c ]; then
   wait
   step 500 python engine.py eval --protocol benchmarks/tasks/decode_timing.json \
