@@ -66,7 +66,7 @@ def profile_decode(engine, batch: int, prompt: int, steps: int) -> dict:
 
     from engine import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)  # both profiles decode
     for _ in range(batch):
         engine.add_request(list(range(3, 3 + prompt)), params)
     for _ in range(4):  # prefill and warm decode steps

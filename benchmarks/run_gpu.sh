@@ -4,7 +4,8 @@
 #   a: gpu tests, gemv/attention/fused benchmarks, latency; b: gpu tests, attention sweep, throughput, early exit
 #   loops: gpu tests, early exit and kv_sharing rows, and (with BASE=<an older checkout>) full-policy TPOT
 #   of BASE vs this tree in ABBA order; ab: that comparison, then latency
-#   c: the paired eval of CUDA graphs against eager (ABBA timing, token identity; docs/paired_eval.md)
+#   c: the paired eval of CUDA graphs against eager (ABBA timing, token identity; docs/paired_eval.md);
+#      EARLY=1 runs benchmarks/early_exit.py first, EVAL_LIMIT (default 500) bounds the eval
 #   check: every gpu test (with their durations), then BASE vs this tree with decode_ab --profile
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,7 +53,8 @@ elif [ "$PART" = check ]; then
   step 190 python -m benchmarks.decode_ab --a "${BASE:?set BASE}" --b . --profile 16 --out "$OUT/decode_ab.json"
 elif [ "$PART" = c ]; then
   wait
-  step 500 python engine.py eval --protocol benchmarks/tasks/decode_timing.json \
+  [ -n "${EARLY:-}" ] && step 120 python -m benchmarks.early_exit --preset ouro-1.4b --out "$OUT/early_exit.json"
+  step "${EVAL_LIMIT:-500}" python engine.py eval --protocol benchmarks/tasks/decode_timing.json \
     --engine model=/tmp/loop-engine-bench/ouro-1.4b max_num_seqs=64 \
     --a enforce_eager=false --b enforce_eager=true --abba 2 --out "$OUT/paired-graphs_vs_eager.json"
 else
