@@ -53,11 +53,11 @@ class KVPool:
         for the deeper loops of later tokens to read."""
         if loop + 1 >= self.loops or slots.numel() == 0:
             return
-        for cache in (self.key_cache, self.value_cache):
+        deeper = self.loops - loop - 1
+        for cache in (self.key_cache, self.value_cache):  # two kernels per cache, whatever the loop count
             planes = cache.view(self.loops, self.num_layers, -1, *cache.shape[3:])  # [T, L, tokens, kvh, D]
             source = planes[loop].index_select(1, slots)
-            for deeper in planes[loop + 1:]:
-                deeper.index_copy_(1, slots, source)
+            planes[loop + 1:].index_copy_(2, slots, source.expand(deeper, *source.shape))
 
     @staticmethod
     def blocks_for_budget(bytes_per_block: int, budget_bytes: float) -> int:

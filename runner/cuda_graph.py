@@ -62,6 +62,8 @@ class DecodeGraphs:
     Padding rows attend to one token of a scratch block (and, under kv_sharing="last", have no generated
     tokens)."""
 
+    reuses_outputs = True  # a loop's hidden and gate outputs are static buffers that the next replay rewrites
+
     def __init__(self, model: OuroForCausalLM, backend: AttentionBackend, mode: str, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device,
                  shared_kv: tuple[int, int, int] | None = None, exit_threshold: float | None = None) -> None:

@@ -57,6 +57,9 @@ class LoopOutput:
 
 
 class LoopExecutor(Protocol):
+    # True where run_loop's tensors are buffers that the next loop overwrites (a captured graph's outputs)
+    reuses_outputs: bool
+
     def begin(self, inputs: StepInputs) -> None:
         """Embed the step's tokens and make the attention metadata current."""
 
@@ -80,6 +83,8 @@ class LoopHook(Protocol):
 
 class EagerLoops:
     """Each loop as plain calls into the model, through the attention backend."""
+
+    reuses_outputs = False
 
     def __init__(self, model: OuroForCausalLM, backend: AttentionBackend) -> None:
         self.model = model
@@ -107,13 +112,19 @@ def run_loops(executor: LoopExecutor, model: OuroForCausalLM, inputs: StepInputs
     a hook stopped repeats its last loop's hidden state in later loops, with NaN gate logits there."""
     executor.begin(inputs)
 
-    def read(x: torch.Tensor) -> torch.Tensor:  # the readout tokens' rows of a per-token tensor
-        return x if inputs.readout is None else x[inputs.readout]
+    every_token = inputs.readout is None or inputs.reads_out_every_token
+
+    def read(x: torch.Tensor, reused: bool) -> torch.Tensor:
+        """The readout tokens' rows of a per-token tensor, as a tensor of their own (x itself, when x is
+        fresh, not `reused` later, and every token reads out)."""
+        if not every_token:
+            return x[inputs.readout]
+        return x.clone() if reused else x
 
     hidden, gates = [], []
     if hook is None:
         for t in loops:
-            out = read(executor.run_loop(t).h)
+            out = read(executor.run_loop(t).h, executor.reuses_outputs)
             hidden.append(out)
             gates.append(model.early_exit_gate(out).squeeze(-1))
         return LoopStates(torch.stack(hidden), torch.stack(gates))
@@ -125,13 +136,13 @@ def run_loops(executor: LoopExecutor, model: OuroForCausalLM, inputs: StepInputs
         h = out.h
         gate = out.gate_logits if out.gate_logits is not None else model.early_exit_gate(h).squeeze(-1)
         if rows.all_live:
-            hidden.append(read(h))
-            gates.append(read(gate))
-        else:
+            hidden.append(read(h, executor.reuses_outputs))
+            gates.append(read(gate, executor.reuses_outputs and out.gate_logits is not None))
+        else:  # state and gate_state change in the next loops
             state.index_copy_(0, rows.token_index, h)
             gate_state.fill_(math.nan).index_copy_(0, rows.token_index, gate)
-            hidden.append(read(state))
-            gates.append(read(gate_state))
+            hidden.append(read(state, True))
+            gates.append(read(gate_state, True))
         leaving = hook.after_loop(t, gate if rows.all_live else gate_state, rows.live, out.reached)
         if leaving:
             if rows.all_live:  # before the executor compacts h: loop t's output of every token
