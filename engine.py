@@ -37,7 +37,7 @@ from model.loader import load_model
 from model.ouro import fused_kernels_available
 from model.tokenizer import Tokenizer
 from request import (CompletionOutput, ExitPolicy, Request, RequestOutput, SamplingParams, ScheduledBatch,
-                     request_policy)
+                     SpeculativeStats, request_policy)
 from runner.interrupts import deferred_interrupts
 from runner.loop_driver import LoopStats
 from runner.model_runner import ModelRunner, StepResult
@@ -117,7 +117,8 @@ class Engine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  packed_prefill: bool = False, enforce_eager: bool = False,
-                 exit_policy: str | None = None, kv_sharing: str = "none", verbose: bool = True) -> None:
+                 exit_policy: str | None = None, kv_sharing: str = "none", speculative: str | None = None,
+                 num_speculative_tokens: int | None = None, verbose: bool = True) -> None:
         if not isinstance(verbose, bool):
             raise ValueError(f"verbose must be True or False, got {verbose!r}")
         self.engine_config = config = EngineConfig.resolve(
@@ -126,7 +127,8 @@ class Engine:
             kv_cache_gib=kv_cache_gib, gpu_memory_utilization=gpu_memory_utilization,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
-            packed_prefill=packed_prefill, enforce_eager=enforce_eager, kv_sharing=kv_sharing)
+            packed_prefill=packed_prefill, enforce_eager=enforce_eager, kv_sharing=kv_sharing,
+            speculative=speculative, num_speculative_tokens=num_speculative_tokens)
         model_dir = config.model_dir
         self.config: OuroConfig = config.model
         self.tokenizer = Tokenizer(model_dir)
@@ -157,7 +159,7 @@ class Engine:
                           f"finish_reason 'length' and stop_reason {KV_POOL_FULL!r}. Raise kv_cache_gib or "
                           "num_kv_blocks, or lower max_model_len", stacklevel=2)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, self.tokenizer)
+                                   config.max_model_len, self.tokenizer, config.speculative_tokens)
         self.runner = ModelRunner(config, self.model, self.backend, self.kv_pool, self.layout,
                                   scratch_block=num_blocks, token_text=self.tokenizer.token_text)
         self._requests: dict[str, Request] = {}  # every sequence the scheduler may still hand back, by id
@@ -169,8 +171,10 @@ class Engine:
         self._ids = itertools.count()
         self.num_prefill_tokens = self.num_decode_tokens = 0
         if verbose:
+            speculation = f", speculative={config.speculative} x {config.speculative_tokens} tokens" \
+                if config.speculative else ""
             print(f"loop-engine: {loops} loops x {layers} layers, {config.dtype}, {config.device}, "
-                  f"attention={self.backend.name}, exit_policy={config.exit_policy}; "
+                  f"attention={self.backend.name}, exit_policy={config.exit_policy}{speculation}; "
                   f"{self.layout.report(self.kv_pool, num_blocks)} "
                   f"({self.kv_pool.num_bytes / 2**30:.2f} GiB)", file=sys.stderr)
 
@@ -198,6 +202,12 @@ class Engine:
     def loop_stats(self) -> LoopStats:
         """Decode tokens and the loops they ran (fewer than loops x tokens under early:Q)."""
         return self.runner.loop_stats
+
+    @property
+    def speculative_stats(self) -> SpeculativeStats | None:
+        """Under speculative decoding, every request's drafts since the engine started: made and accepted,
+        per draft position and overall (None without speculation)."""
+        return self.runner.speculation.stats if self.runner.speculation is not None else None
 
     def _blocks_for_memory(self, probe: KVPool) -> int:
         """kv_cache_gib when given. Otherwise vLLM's rule on CUDA: what is left of utilization x total after
@@ -297,6 +307,14 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         request_policy(params.exit_policy, self.exit_policy, self.config.total_ut_steps)
+        speculative = self.engine_config.speculative
+        if speculative is not None:
+            for name, off in (("min_tokens", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                              ("repetition_penalty", 1.0)):
+                if getattr(params, name) != off:
+                    raise ValueError(f"SamplingParams.{name}={getattr(params, name)!r} cannot be combined "
+                                     f"with speculative={speculative!r} yet: it changes each position's "
+                                     f"logits by the tokens before it, which a draft does not know yet")
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > self.config.vocab_size:
                 raise ValueError(f"SamplingParams.{name}={getattr(params, name)} is more than the vocabulary "
@@ -468,7 +486,8 @@ class Engine:
         params = first.params
         completions = [CompletionOutput(index, r.output_text, r.output_token_ids, r.finish_reason,
                                         r.stop_reason, r.error, list(r.traces) or None,
-                                        list(r.logprobs) if params.logprobs is not None else None)
+                                        list(r.logprobs) if params.logprobs is not None else None,
+                                        r.speculative.copy() if r.speculative is not None else None)
                        for index, r in enumerate(group.requests)]
         prompt_logprobs = [None, *first.prompt_logprobs] if params.prompt_logprobs is not None else None
         return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions,
@@ -818,6 +837,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-sharing", default="none", choices=["none", "last"],
                         help="last: generated tokens keep only their last loop's K/V "
                              "(arXiv 2510.25741 §5.4.2)")
+    engine.add_argument("--speculative", default=None, metavar="loops:d",
+                        help="self-speculative decoding: draft with the first d loops, verify with the rest "
+                             "(lossless; docs/speculative.md)")
+    engine.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                        help="drafts per step under --speculative (default 4)")
     output = gen.add_argument_group("output")
     output.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     output.add_argument("--loop-trace", action="store_true",
@@ -885,7 +909,8 @@ def cli_generate(args: argparse.Namespace) -> int:
     with Engine(args.model, device=args.device, dtype=args.dtype, attention=args.attention,
                 loops=args.loops, enforce_eager=args.enforce_eager, exit_policy=args.exit_policy,
                 kv_sharing=args.kv_sharing, max_model_len=args.max_model_len,
-                num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib) as engine:
+                num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
+                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens) as engine:
         if rows is not None:
             return _generate_batch(engine, rows, params)
         return _generate_one(engine, args, params)
@@ -923,6 +948,13 @@ def _generate_one(engine: Engine, args: argparse.Namespace, params: SamplingPara
     loops = engine.config.total_ut_steps
     if engine.loop_stats.decode_tokens:  # weights are read once per loop run
         loops = engine.loop_stats.loops_per_token
+    drafts = engine.speculative_stats
+    if drafts is not None and drafts.tokens:  # one batch row: a step reads the weights k*d + (T - d) times
+        d = engine.engine_config.draft_loops
+        loops = (d * drafts.num_drafted + (engine.config.total_ut_steps - d) * drafts.steps) / drafts.tokens
+        print(f"speculative {engine.engine_config.speculative}: {drafts.acceptance_rate:.1%} of "
+              f"{drafts.num_drafted} drafts accepted, {drafts.tokens_per_step:.2f} tokens per step",
+              file=sys.stderr)
     print(f"\n{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s, "
           f"{n * loops * weight_bytes / elapsed / 1e9:.2f} GB/s of weights read "
           f"({loops:.3g} loops, {torch.get_num_threads()} CPU threads), "

@@ -48,6 +48,9 @@ class EngineConfig:
     enforce_eager: bool = False
     exit_policy: ExitPolicy = ExitPolicy("full")
     kv_sharing: str = "none"
+    # Self-speculative decoding (docs/speculative.md): "loops:d" drafts with the first d loops; None: off.
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None  # k, the drafts per step (default 4 when speculative is on)
 
     def __post_init__(self) -> None:
         check_options(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -57,6 +60,24 @@ class EngineConfig:
                              f"max_position_embeddings {self.model.max_position_embeddings}")
         # step:K is range-checked against this engine's loop count.
         parse_exit_policy(self.exit_policy, self.model.total_ut_steps)
+        if self.speculative is not None:
+            draft_loops(self.speculative, self.model.total_ut_steps)  # d against this engine's loop count
+            if self.exit_policy.can_exit:
+                raise ValueError(f"speculative={self.speculative!r} cannot be combined with exit_policy="
+                                 f"{str(self.exit_policy)!r} yet: a draft runs a fixed number of loops, "
+                                 f"early:Q stops each token where its gate says; use a readout policy")
+
+    @property
+    def draft_loops(self) -> int | None:
+        """d of speculative="loops:d" (None: no speculation)."""
+        return None if self.speculative is None else draft_loops(self.speculative, self.loops)
+
+    @property
+    def speculative_tokens(self) -> int:
+        """k: the most tokens one speculative step drafts per row (0: no speculation)."""
+        if self.speculative is None:
+            return 0
+        return 4 if self.num_speculative_tokens is None else self.num_speculative_tokens
 
     @property
     def loops(self) -> int:
@@ -123,11 +144,37 @@ def check_options(**values: Any) -> None:
         parse_exit_policy(values["exit_policy"])  # its syntax; step:K's range once the loops are known
     if "dtype" in values:
         _check_dtype(values["dtype"])
+    _check_speculative(values)
     if "attention" in values:
         attention = values["attention"]
         if not isinstance(attention, str):
             raise ValueError(f"attention must be a backend name, got {attention!r}")
         check_backend_name(attention)
+
+
+def draft_loops(speculative: object, loops: int | None = None) -> int:
+    """d of speculative="loops:d", checked: 1 <= d <= loops - 1 once the loop count is known."""
+    kind, _, value = speculative.partition(":") if isinstance(speculative, str) else ("", "", "")
+    if kind != "loops" or not value.isdigit():
+        raise ValueError(f"speculative must be 'loops:d' (draft with the first d loops), got {speculative!r}")
+    d = int(value)
+    if d < 1 or (loops is not None and d > loops - 1):
+        bound = "the loop count - 1" if loops is None else f"{loops - 1} (this engine runs {loops} loops)"
+        raise ValueError(f"speculative={speculative!r}: d must be in 1..{bound}")
+    return d
+
+
+def _check_speculative(values: dict[str, Any]) -> None:
+    speculative, k = values.get("speculative"), values.get("num_speculative_tokens")
+    if speculative is not None:
+        draft_loops(speculative)
+        if values.get("kv_sharing") == "last":
+            raise ValueError(f"speculative={speculative!r} cannot be combined with kv_sharing='last' yet: "
+                             f"a rejected draft's K/V would be shared with the tokens after it")
+    if k is not None:
+        _check_positive("num_speculative_tokens", k)
+        if speculative is None:
+            raise ValueError("num_speculative_tokens needs speculative='loops:d'")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

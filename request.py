@@ -254,6 +254,7 @@ class Request:
     traces: list[Any] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)  # one per output token
     prompt_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)  # prompt tokens 1..
+    speculative: SpeculativeStats | None = None  # its drafts, under speculative decoding
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -294,6 +295,9 @@ class ScheduledBatch:
     requests: list[Request] = dataclasses.field(default_factory=list)
     num_new_tokens: list[int] = dataclasses.field(default_factory=list)
     sample: list[bool] = dataclasses.field(default_factory=list)
+    # A speculative decode step (docs/speculative.md) only: every row decodes, and row i drafts up to
+    # draft_lens[i] tokens, whose positions its block table already covers. Empty: an ordinary step.
+    draft_lens: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -335,6 +339,9 @@ class LoopTrace:
     exit_loop: int | None
     top_token_ids: list[int]
     top_logprobs: list[float]
+    # Under speculative decoding: "accepted" (a draft the full model confirmed) or "target" (the full model's
+    # own token, where it rejected a draft or where no draft was made). None: no speculation.
+    draft: str | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -377,10 +384,71 @@ class CompletionOutput:
     traces: list[LoopTrace] | None = None  # one per token with SamplingParams(loop_trace=True)
     # SamplingParams(logprobs=N): per token, {token id: Logprob}, the sampled token first, then the top N.
     logprobs: list[dict[int, Logprob]] | None = None
+    speculative: SpeculativeStats | None = None  # drafts made and accepted, under speculative decoding
 
     def trace_tensors(self) -> TraceTensors:
         """The traces stacked into tensors."""
         return stack_traces(self.traces or [])
+
+
+@dataclasses.dataclass(slots=True)
+class SpeculativeStats:
+    """Drafts of self-speculative decoding (docs/speculative.md), summed over steps: at draft position i of a
+    step (0-based), proposed[i] drafts were made and accepted[i] of them were accepted. A step that drafts
+    k tokens and accepts a of them appends a + 1 tokens (k when a = k)."""
+
+    steps: int = 0
+    tokens: int = 0  # tokens the steps yielded (before any stop cut them short)
+    proposed: list[int] = dataclasses.field(default_factory=list)
+    accepted: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, num_drafted: int, num_accepted: int) -> None:
+        grow = num_drafted - len(self.proposed)
+        if grow > 0:
+            self.proposed += [0] * grow
+            self.accepted += [0] * grow
+        self.steps += 1
+        self.tokens += num_accepted + (num_accepted < num_drafted)
+        for i in range(num_drafted):
+            self.proposed[i] += 1
+            self.accepted[i] += i < num_accepted
+
+    def copy(self) -> SpeculativeStats:
+        return SpeculativeStats(self.steps, self.tokens, list(self.proposed), list(self.accepted))
+
+    def merge(self, other: SpeculativeStats) -> None:
+        for i, (p, a) in enumerate(zip(other.proposed, other.accepted)):
+            if i == len(self.proposed):
+                self.proposed.append(0)
+                self.accepted.append(0)
+            self.proposed[i] += p
+            self.accepted[i] += a
+        self.steps += other.steps
+        self.tokens += other.tokens
+
+    @property
+    def num_drafted(self) -> int:
+        return sum(self.proposed)
+
+    @property
+    def num_accepted(self) -> int:
+        return sum(self.accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over drafts made (NaN before any)."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else math.nan
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Per draft position i: accepted[i] / proposed[i]."""
+        return [a / p if p else math.nan for p, a in zip(self.proposed, self.accepted)]
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a speculative step yields: its accepted drafts, plus the target's token where it rejected
+        one (NaN before any step)."""
+        return self.tokens / self.steps if self.steps else math.nan
 
 
 @dataclasses.dataclass(slots=True)

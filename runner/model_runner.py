@@ -1,10 +1,11 @@
 """Turns a scheduled batch into tensors once per step, runs the model's loops over it through the loop driver
 (a captured graph where one fits, eagerly otherwise), reads out under each row's exit policy and samples.
 
-A run changes no request: what the step adds to them comes back in a StepResult, which `commit` appends once
-the scheduler has applied the step. Until then `rollback` puts back the little a run does change (seeded
-generators, loop counters), so a step cut short (KeyboardInterrupt included) leaves no trace. A row whose
-readout or sampling fails ends in StepResult.errors; the other rows are sampled without it.
+A speculative step (ScheduledBatch.draft_lens) goes to runner/speculative.py instead of one pass of every
+loop. A run changes no request: what the step adds to them comes back in a StepResult, which `commit`
+appends once the scheduler has applied the step. Until then `rollback` puts back the little a run does
+change (seeded generators, loop counters), so a step cut short (KeyboardInterrupt included) leaves no trace.
+A row whose readout or sampling fails ends in StepResult.errors; the other rows are sampled without it.
 """
 
 from __future__ import annotations
@@ -20,25 +21,29 @@ from cache.layout import KVLayout
 from engine_config import EngineConfig
 from model.exit_policy import readout_logits
 from model.ouro import LoopStates, OuroForCausalLM
-from request import FULL, ExitPolicy, Logprob, LoopTrace, Request, ScheduledBatch, request_policy
+from request import (FULL, ExitPolicy, Logprob, LoopTrace, Request, ScheduledBatch, SpeculativeStats,
+                     request_policy)
 from runner.block_tables import BlockTables
 from runner.cuda_graph import DecodeGraphs
 from runner.host_to_device import upload
 from runner.loop_driver import EagerLoops, EarlyExit, LoopStats, StepInputs, run_loops
 from runner.sampler import logprob_dicts, logprobs_topn, process_logits, sample
+from runner.speculative import SelfSpeculation
 
 
 @dataclasses.dataclass(slots=True)
 class StepResult:
-    """One step's outcome, before any request changes. Per batch row: the next token (None where the row does
-    not sample or failed), why it failed, and what commit() appends to its request: the sampled token's loop
-    trace and logprobs, the prompt logprobs of its chunk."""
+    """One step's outcome, before any request changes. Per batch row: the next token (None where the row
+    does not sample or failed; a list of tokens in a speculative step), why it failed, and what commit()
+    appends to its request: per new token its loop trace and logprobs, the prompt logprobs of its chunk, and
+    (speculative) how many tokens it drafted and how many of them were accepted."""
 
-    tokens: list[int | None]
+    tokens: list[int | list[int] | None]
     errors: dict[int, str] = dataclasses.field(default_factory=dict)
-    traces: dict[int, LoopTrace] = dataclasses.field(default_factory=dict)
-    logprobs: dict[int, dict[int, Logprob]] = dataclasses.field(default_factory=dict)
+    traces: dict[int, list[LoopTrace]] = dataclasses.field(default_factory=dict)
+    logprobs: dict[int, list[dict[int, Logprob]]] = dataclasses.field(default_factory=dict)
     prompt_logprobs: dict[int, list[dict[int, Logprob]]] = dataclasses.field(default_factory=dict)
+    drafts: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True)
@@ -77,12 +82,14 @@ class ModelRunner:
         self.hook = (EarlyExit(float(config.exit_policy.value), self.loops, layout, pool, self.loop_stats)
                      if config.exit_policy.can_exit else None)
         self.eager = EagerLoops(model, backend)
+        self.speculation = SelfSpeculation(self, config.draft_loops) if config.draft_loops else None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs:
             self.graphs = self._capture(scratch_block)
 
     def _capture(self, scratch_block: int) -> DecodeGraphs:
-        """One graph per decode bucket for the whole step; one per (bucket, loop) when rows can stop early."""
+        """One graph per decode bucket for the whole step; one per (bucket, loop) when rows can stop early or
+        a step may run some loops only (speculative decoding, whose verify pass has k rows per request)."""
         if self.model.fused_kernels:
             from model.kernels.gemv import reserve_workspace
 
@@ -91,9 +98,11 @@ class ModelRunner:
         shared = (self.loops, config.model.num_hidden_layers, self.max_pages) \
             if self.generated_tables is not None else None
         threshold = self.hook.threshold if self.hook is not None else None
-        graphs = DecodeGraphs(self.model, self.backend, "loop" if self.hook is not None else "step",
-                              config.max_num_seqs, self.block_tables.width, config.block_size, scratch_block,
-                              self.device, shared, threshold)
+        per_loop = self.hook is not None or self.speculation is not None
+        graphs = DecodeGraphs(self.model, self.backend, "loop" if per_loop else "step",
+                              config.max_num_seqs * max(1, config.speculative_tokens),
+                              self.block_tables.width, config.block_size, scratch_block, self.device, shared,
+                              threshold)
         graphs.capture_all()
         return graphs
 
@@ -127,12 +136,33 @@ class ModelRunner:
             if num_new == 1 and start >= request.num_prompt_tokens:
                 generated_rows.append(row)
         readout += prompt_readout
-        # Two host-to-device copies in all (runner/host_to_device.py), one per dtype.
+        return self._inputs(batch.requests, input_ids, positions, slot_mapping, query_start, context_lens,
+                            list(batch.num_new_tokens), readout, generated_rows)
+
+    def decode_inputs(self, requests: list[Request], tokens: list[int], positions: list[int],
+                      hidden: torch.Tensor | None = None) -> StepInputs:
+        """One token per row, at a position of the caller's choosing (its block table covers it): the draft
+        and verify passes of speculative decoding (runner/speculative.py). A request may fill several rows,
+        one per position; each row attends causally up to its own position, so the rows of one request see
+        each other's K/V of the same loop, stored before any row attends. hidden: the state the first loop
+        starts from, [rows, H]. Every row reads out."""
+        slot_mapping = [s for request, p in zip(requests, positions)
+                        for s in self.layout.slot_mapping(request, p, p + 1)]
+        rows = range(len(requests))
+        inputs = self._inputs(requests, tokens, positions, slot_mapping, list(range(len(requests) + 1)),
+                              [p + 1 for p in positions], [1] * len(requests), list(rows), list(rows))
+        inputs.hidden = hidden
+        return inputs
+
+    def _inputs(self, requests: list[Request], input_ids: list[int], positions: list[int],
+                slot_mapping: list[int], query_start: list[int], context_lens: list[int],
+                query_lens: list[int], readout: list[int], generated_rows: list[int]) -> StepInputs:
+        """The step's tensors, in two host-to-device copies (runner/host_to_device.py), one per dtype."""
         int32_parts: list[list[int] | torch.Tensor] = [query_start, context_lens,
-                                                       self.block_tables.gather(batch.requests)]
+                                                       self.block_tables.gather(requests)]
         if self.generated_tables is not None:
-            prompt_lens = [r.num_prompt_tokens for r in batch.requests]
-            int32_parts += [prompt_lens, self.generated_tables.gather(batch.requests)]
+            prompt_lens = [r.num_prompt_tokens for r in requests]
+            int32_parts += [prompt_lens, self.generated_tables.gather(requests)]
         int32 = upload(int32_parts, torch.int32, self.device)
         ids, positions_d, slots, readout_d = upload([input_ids, positions, slot_mapping, readout],
                                                     torch.int64, self.device)
@@ -145,7 +175,7 @@ class ModelRunner:
             context_lens=int32[1],
             block_tables=int32[2],
             slot_mapping=slots,
-            query_lens_cpu=list(batch.num_new_tokens),
+            query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
             block_size=self.config.block_size,
             shared_kv=shared,
@@ -170,11 +200,29 @@ class ModelRunner:
             return run_loops(graphs, self.model, inputs, range(self.loops), self.hook)
         return run_loops(self.eager, self.model, inputs, range(self.loops), self.hook)
 
+    def executor_for(self, num_rows: int):
+        """The loop driver's executor for a decode batch of num_rows one-token rows: the per-loop graphs
+        where they exist and a bucket fits, else eager."""
+        graphs = self.graphs
+        if graphs is not None and graphs.mode == "loop" and graphs.bucket_for(num_rows):
+            return graphs
+        return self.eager
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
         """The next token of every request whose chunk reaches the end of its sequence (None elsewhere), and
         the logprobs, prompt logprobs and traces its SamplingParams ask for, staged for commit()."""
         self._stage(batch)
+        if batch.draft_lens:
+            try:
+                result = StepResult([None] * batch.num_seqs)
+                self.speculation.run(batch, result)
+                self.loop_stats.decode_tokens += sum(len(tokens) for tokens in result.tokens)
+                self.loop_stats.decode_loops += self.loops * sum(batch.draft_lens)
+                return result
+            except BaseException:
+                self.rollback()
+                raise
         try:
             inputs = self.prepare(batch)
             states = self.forward(inputs)
@@ -198,11 +246,15 @@ class ModelRunner:
         if staged is None:
             return
         for row, request in enumerate(staged.batch.requests):
-            if request.num_tokens == staged.num_tokens[row] + 1:  # its sampled token was appended
-                if row in result.traces:
-                    request.traces.append(result.traces[row])
-                if row in result.logprobs:
-                    request.logprobs.append(result.logprobs[row])
+            added = request.num_tokens - staged.num_tokens[row]  # tokens the scheduler appended (a stop may
+            if added > 0:                                         # have cut a speculative row's short)
+                request.traces += result.traces.get(row, [])[:added]
+                request.logprobs += result.logprobs.get(row, [])[:added]
+            if row in result.drafts:
+                if request.speculative is None:
+                    request.speculative = SpeculativeStats()
+                request.speculative.add(*result.drafts[row])
+                self.speculation.stats.add(*result.drafts[row])
             if row in result.prompt_logprobs and request.num_computed_tokens > staged.num_computed[row]:
                 request.prompt_logprobs.extend(result.prompt_logprobs[row])
 
@@ -258,14 +310,14 @@ class ModelRunner:
                                         [r.params.loop_trace for r in requests],
                                         self.config.model.early_exit_threshold)
         sampled = sample(process_logits(logits, requests), [r.params for r in requests],
-                         [self._generator(r) for r in requests])
+                         [self.generator_of(r) for r in requests])
         logprobs = self._logprobs(requests, logits, sampled)  # of the raw logits, as vLLM's default
         for row, token, trace, entry in zip(rows, sampled.tolist(), traces, logprobs):
             result.tokens[row] = token
             if trace is not None:
-                result.traces[row] = trace
+                result.traces[row] = [trace]
             if entry is not None:
-                result.logprobs[row] = entry
+                result.logprobs[row] = [entry]
 
     def _logprobs(self, requests: list[Request], logits: torch.Tensor,
                   sampled: torch.Tensor) -> list[dict[int, Logprob] | None]:
@@ -308,6 +360,11 @@ class ModelRunner:
             entries.setdefault(row, []).append(entry)
         result.prompt_logprobs.update(entries)
 
+    def policies_of(self, requests: list[Request]) -> list[ExitPolicy]:
+        """Each request's readout policy (its own override, else the engine's)."""
+        engine_policy = self.config.exit_policy
+        return [request_policy(r.params.exit_policy, engine_policy, self.loops) for r in requests]
+
     def _readout_policies(self, batch: ScheduledBatch, rows: list[int]) -> list[ExitPolicy]:
         """Each sampling row's readout policy. A generated row under early:Q stopped looping exactly where
         its CDF reached Q (or ran every loop), so its last state is its threshold readout: untraced, it reads
@@ -323,7 +380,7 @@ class ModelRunner:
             policies.append(policy)
         return policies
 
-    def _generator(self, request: Request) -> torch.Generator | None:
+    def generator_of(self, request: Request) -> torch.Generator | None:
         if request.params.seed is None or request.params.greedy:
             return None
         if request.request_id not in self.generators:

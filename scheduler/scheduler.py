@@ -6,6 +6,10 @@ recomputed. It sees token ids, block ids and a detokenizer; it never touches ten
 update() first decides every row's outcome (detokenizing the new tokens) and changes nothing, then applies
 them all, so an exception while deciding (KeyboardInterrupt included) leaves every request as it was. A
 request whose detokenizing fails, or whose row the caller reports failed, ends alone with "error".
+
+Under speculative decoding (num_speculative_tokens = k > 0) a decode row reserves the positions of up to k
+tokens, and a step in which every row decodes is a speculative one (ScheduledBatch.draft_lens): a row may
+then come back with several tokens, each checked for stops in turn as if it had come alone.
 """
 
 from __future__ import annotations
@@ -33,19 +37,43 @@ class Detokenizer(Protocol):
 
 
 class _DetokenizerFailed(Exception):
-    pass
+    token: int | None = None
 
 
 @dataclasses.dataclass(slots=True)
 class _Outcome:
-    """What update() will do to one row's request: advance it by num_new computed tokens, append `token`,
+    """What update() will do to one row's request: advance it by num_new computed tokens, append `tokens`,
     set its text, and finish it (reason, stop_reason, error), each where not None."""
 
     request: Request
     num_new: int
-    token: int | None = None
+    tokens: list[int] | None = None
     text: str | None = None
     finish: tuple[str, int | str | None, str | None] | None = None
+
+
+class _Ahead:
+    """A request as it would be with `tokens` appended (and `text` its output text): what deciding the next
+    token of a speculative row reads, before anything is applied."""
+
+    def __init__(self, request: Request, tokens: list[int], text: str) -> None:
+        self.request_id, self.params = request.request_id, request.params
+        self.eos_token_ids = request.eos_token_ids
+        self.token_ids = request.token_ids + tokens
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.output_text = text
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 class Scheduler:
@@ -56,6 +84,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         detokenizer: Detokenizer,
+        num_speculative_tokens: int = 0,
     ) -> None:
         for name, value in [
             ("max_num_seqs", max_num_seqs),
@@ -69,6 +98,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.detokenizer = detokenizer
+        self.num_speculative_tokens = num_speculative_tokens  # k: the most drafts per decode row and step
         # Under early:Q and kv_sharing="last" a generated token must finish its loops before the next one
         # starts, so a recomputed request replays its generated tokens one per step, after its prompt.
         self.replay_generated_singly = block_manager.layout.replay_generated_singly
@@ -116,6 +146,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """One step: running requests (decode rows before prefill chunks), then newly admitted ones."""
         rows: dict[Request, int] = {}
+        drafts: dict[Request, int] = {}  # decode rows' reserved positions, under speculative decoding
         budget = self.max_num_batched_tokens
         preempted = False
         decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
@@ -125,29 +156,48 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
             num_new = self._chunk_len(request, budget)
+            drafts_here = bool(self.num_speculative_tokens) and num_new == 1 and \
+                request.num_tokens - request.num_computed_tokens == 1
+            reserved = self._draft_len(request, budget) if drafts_here else num_new
+            if reserved > num_new and not self.block_manager.can_append(request, reserved):
+                reserved = num_new  # drafting never preempts anyone
             num_preemptions = self.num_preemptions
-            fits = self._make_room(request, num_new, rows)
+            fits = self._make_room(request, reserved, rows)
             if self.num_preemptions != num_preemptions:
                 preempted = True
-                budget = self.max_num_batched_tokens - sum(rows.values())
+                budget = self.max_num_batched_tokens - sum(drafts.get(r, n) for r, n in rows.items())
             if fits:
-                self.block_manager.append_slots(request, num_new)
+                self.block_manager.append_slots(request, reserved)
                 rows[request] = num_new
-                budget -= num_new
+                if drafts_here:
+                    drafts[request] = reserved
+                budget -= reserved
         if not preempted:  # as vLLM: no admissions in a step that had to preempt
             self._admit_waiting(rows, budget)
+        # Speculative only when every row decodes (a prefill chunk runs every loop of its tokens anyway).
+        speculative = bool(rows) and len(drafts) == len(rows)
         return ScheduledBatch(
             requests=list(rows),
             num_new_tokens=list(rows.values()),
             sample=[r.num_computed_tokens + n == r.num_tokens for r, n in rows.items()],
+            draft_lens=[drafts[r] for r in rows] if speculative else [],
         )
 
-    def update(self, batch: ScheduledBatch, sampled: list[int | None],
+    def _draft_len(self, request: Request, budget: int) -> int:
+        """How many tokens a speculative step may draft for this decode row: k, or fewer where max_tokens,
+        max_model_len or the step's token budget leave less room (at least 1: the token it must produce)."""
+        room = min(self.num_speculative_tokens, self.max_model_len - request.num_tokens, budget)
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens)
+        return max(1, room)
+
+    def update(self, batch: ScheduledBatch, sampled: list[int | list[int] | None],
                errors: dict[int, str] | None = None) -> list[Request]:
-        """Advance the batch's requests by one step. sampled[i] is read only where batch.sample[i]; errors:
-        batch row -> why that row failed in this step (its request finishes with "error"). Every row's
-        outcome is decided before any is applied. Returns every request finished since the last hand-back,
-        this step's included."""
+        """Advance the batch's requests by one step. sampled[i] is read only where batch.sample[i]: a token,
+        or (a speculative step) the row's tokens in order; errors: batch row -> why that row failed in this
+        step (its request finishes with "error"). Every row's outcome is decided before any is applied.
+        Returns every request finished since the last hand-back, this step's included."""
         if len(sampled) != batch.num_seqs:
             raise ValueError(f"update got {len(sampled)} sampled tokens for {batch.num_seqs} rows")
         errors = errors or {}
@@ -168,14 +218,33 @@ class Scheduler:
             return _Outcome(request, 0, finish=("error", None, error))
         if not sample:
             return _Outcome(request, num_new)
-        if token is None:
+        if token is None or token == []:
             raise ValueError(f"row of request {request.request_id} samples but got no token")
+        tokens = token if isinstance(token, list) else [token]
         try:
-            return self._decide_token(request, num_new, token)
+            return self._decide_tokens(request, num_new, tokens)
         except _DetokenizerFailed as err:  # this request alone ends
-            return _Outcome(request, 0, finish=("error", None, f"detokenizing token {token} failed: {err}"))
+            return _Outcome(request, 0, finish=("error", None, f"detokenizing token {err.token} failed: "
+                                                                f"{err}"))
 
-    def _decide_token(self, request: Request, num_new: int, token: int) -> _Outcome:
+    def _decide_tokens(self, request: Request, num_new: int, tokens: list[int]) -> _Outcome:
+        """The row's outcome for its tokens appended in order, up to the first that ends it. A speculative
+        row's tokens after the first are each one more computed position (num_new grows by one per token:
+        the token before it ran every loop in this step)."""
+        state: Request | _Ahead = request
+        for i, token in enumerate(tokens):
+            try:
+                outcome = self._decide_token(state, num_new + i, token)
+            except _DetokenizerFailed as err:
+                err.token = token
+                raise
+            if outcome.finish is not None or i == len(tokens) - 1:
+                outcome.request, outcome.tokens = request, tokens[:i + 1]
+                return outcome
+            state = _Ahead(request, tokens[:i + 1], outcome.text)
+        raise AssertionError("unreachable")
+
+    def _decide_token(self, request: Request | _Ahead, num_new: int, token: int) -> _Outcome:
         """Stop token, stop string, max_tokens, or no room to grow, for `token` appended. Text grows by the
         token's piece only, and a stop string is searched for only where the new piece could complete it."""
         params = request.params
@@ -187,7 +256,7 @@ class Scheduler:
             # As vLLM: the stop token's text is left out unless include_stop_str_in_output.
             text_ids = request.output_token_ids + ([token] if params.include_stop_str_in_output else [])
             stop_reason = token if token in params.stop_token_ids else None
-            return _Outcome(request, num_new, token,
+            return _Outcome(request, num_new, [token],
                             self._detokenize(self.detokenizer.decode, text_ids, skip),
                             ("stop", stop_reason, None))
         before = len(request.output_text)
@@ -197,15 +266,16 @@ class Scheduler:
             if hit is not None:
                 start, stop = hit
                 end = start + len(stop) if params.include_stop_str_in_output else start
-                return _Outcome(request, num_new, token, text[:end], ("stop", stop, None))
+                return _Outcome(request, num_new, [token], text[:end], ("stop", stop, None))
         num_output = request.num_output_tokens + 1
         limit = (params.max_tokens is not None and num_output >= params.max_tokens) or (
             request.num_tokens + 1 >= self.max_model_len)
         if limit or not self._can_grow(request, num_output):
             final = self._detokenize(self.detokenizer.decode, request.output_token_ids + [token], skip)
             # As vLLM, a length ending has no stop_reason; one the KV pool forced says so.
-            return _Outcome(request, num_new, token, final, ("length", None if limit else KV_POOL_FULL, None))
-        return _Outcome(request, num_new, token, text)
+            return _Outcome(request, num_new, [token], final,
+                            ("length", None if limit else KV_POOL_FULL, None))
+        return _Outcome(request, num_new, [token], text)
 
     @staticmethod
     def _detokenize(call: Callable[..., str], *args) -> str:
@@ -234,9 +304,9 @@ class Scheduler:
             self._finish(request, "error", error=outcome.finish[2], text=request.output_text)
             return
         request.num_computed_tokens += outcome.num_new
+        if outcome.tokens is not None:
+            request.token_ids += outcome.tokens
         self.block_manager.cache_full_blocks(request)
-        if outcome.token is not None:
-            request.token_ids.append(outcome.token)
         if outcome.text is not None:
             request.output_text = outcome.text
         if outcome.finish is not None:
