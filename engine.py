@@ -428,7 +428,8 @@ class Engine:
         if result is not None:
             decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
             before = [r.num_tokens for r in batch.requests]
-            finished = self.scheduler.update(batch, result.tokens, result.errors)
+            finished = self.scheduler.update(batch, result.tokens, result.errors,
+                                             {row: a for row, (_, a) in result.drafts.items()})
             self.runner.commit(result)
             touched = [r for r, n in zip(batch.requests, before) if r.num_tokens > n or r.is_finished]
             for row, (is_decode, num_new) in enumerate(zip(decode, batch.num_new_tokens)):

@@ -9,7 +9,10 @@ request whose detokenizing fails, or whose row the caller reports failed, ends a
 
 Under speculative decoding (num_speculative_tokens = k > 0) a decode row reserves the positions of up to k
 tokens, and a step in which every row decodes is a speculative one (ScheduledBatch.draft_lens): a row may
-then come back with several tokens, each checked for stops in turn as if it had come alone.
+then come back with several tokens, each checked for stops in turn as if it had come alone. How many a row
+drafts follows the "heuristic" schedule of HF transformers' assisted generation: it starts at k, grows by 2
+(up to k) after a step whose drafts were all accepted and shrinks by 1 (down to 1) after one that rejected a
+draft, so a request whose drafts keep failing pays for one draft per step, not k.
 """
 
 from __future__ import annotations
@@ -186,18 +189,21 @@ class Scheduler:
     def _draft_len(self, request: Request, budget: int) -> int:
         """How many tokens a speculative step may draft for this decode row: k, or fewer where max_tokens,
         max_model_len or the step's token budget leave less room (at least 1: the token it must produce)."""
-        room = min(self.num_speculative_tokens, self.max_model_len - request.num_tokens, budget)
+        room = min(request.draft_len or self.num_speculative_tokens, self.max_model_len - request.num_tokens,
+                   budget)
         max_tokens = request.params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens)
         return max(1, room)
 
     def update(self, batch: ScheduledBatch, sampled: list[int | list[int] | None],
-               errors: dict[int, str] | None = None) -> list[Request]:
+               errors: dict[int, str] | None = None,
+               accepted: dict[int, int] | None = None) -> list[Request]:
         """Advance the batch's requests by one step. sampled[i] is read only where batch.sample[i]: a token,
         or (a speculative step) the row's tokens in order; errors: batch row -> why that row failed in this
-        step (its request finishes with "error"). Every row's outcome is decided before any is applied.
-        Returns every request finished since the last hand-back, this step's included."""
+        step (its request finishes with "error"); accepted: a speculative step's batch row -> how many of its
+        drafts were accepted, for the draft-length schedule. Every row's outcome is decided before any is
+        applied. Returns every request finished since the last hand-back, this step's included."""
         if len(sampled) != batch.num_seqs:
             raise ValueError(f"update got {len(sampled)} sampled tokens for {batch.num_seqs} rows")
         errors = errors or {}
@@ -207,6 +213,10 @@ class Scheduler:
         for outcome in outcomes:
             if outcome is not None:
                 self._apply(outcome)
+        for row, (request, drafted) in enumerate(zip(batch.requests, batch.draft_lens)):
+            if accepted and row in accepted:
+                request.draft_len = min(self.num_speculative_tokens, drafted + 2) \
+                    if accepted[row] == drafted else max(1, drafted - 1)
         return self.take_finished()
 
     def _decide(self, request: Request, num_new: int, sample: bool, token: int | None,
