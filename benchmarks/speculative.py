@@ -80,6 +80,24 @@ def decode_tpot(engine: Engine, batch: int, prompt: int, tokens: int, seed: int)
             "tokens_per_step": round(tokens / steps, 3)}
 
 
+def project(rows: list[dict], args: argparse.Namespace) -> list[dict] | None:
+    """TPOT at the tiny model's measured tokens per step: the step time of the forced-100% rows (steps that
+    draft k tokens, as a well-accepted request's steps do) over those tokens per step."""
+    measured = json.loads(Path(args.acceptance_json).read_text())["rows"]
+    match = [m for m in measured if m["d"] == args.d and m["k"] == args.k]
+    if not match:
+        return None
+    per_step = match[0]["tokens_per_step"]
+    base = {r["batch"]: r["tpot_ms"] for r in rows if r["mode"] == "non-speculative"}
+    projected = []
+    for r in rows:
+        if r["mode"].endswith("forced 100%"):
+            tpot = r["step_ms"] / per_step
+            projected.append({"batch": r["batch"], "tokens_per_step": per_step, "tpot_ms": round(tpot, 3),
+                              "speedup": round(base[r["batch"]] / tpot, 3)})
+    return projected
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,19 +146,7 @@ def main() -> None:
         base = {r["batch"]: r["tpot_ms"] for r in rows if r["mode"] == "non-speculative"}
         for r in rows:
             r["speedup"] = round(base[r["batch"]] / r["tpot_ms"], 3)
-        projected = None
-        if args.acceptance_json:
-            measured = json.loads(Path(args.acceptance_json).read_text())["rows"]
-            match = [m for m in measured if m["d"] == args.d and m["k"] == args.k]
-            if match:
-                per_step = match[0]["tokens_per_step"]
-                projected = []
-                for r in rows:
-                    if r["mode"].endswith("forced 0%"):  # one token per step: the step's own time
-                        tpot = r["step_ms"] / per_step
-                        projected.append({"batch": r["batch"], "tokens_per_step": per_step,
-                                          "tpot_ms": round(tpot, 3),
-                                          "speedup": round(base[r["batch"]] / tpot, 3)})
+        projected = project(rows, args) if args.acceptance_json else None
         lines = [f"Self-speculative decode TPOT per generated token, {path} (random weights, bf16), "
                  f"prompt {args.prompt}, {args.tokens} tokens per row; {env['device']}, torch "
                  f"{env['torch']}, triton {env['triton']}, commit {env['commit']}.", "",
