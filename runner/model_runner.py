@@ -139,13 +139,14 @@ class ModelRunner:
         return self._inputs(batch.requests, input_ids, positions, slot_mapping, query_start, context_lens,
                             list(batch.num_new_tokens), readout, generated_rows)
 
-    def decode_inputs(self, requests: list[Request], tokens: list[int], positions: list[int],
+    def decode_inputs(self, requests: list[Request], tokens: list[int] | torch.Tensor, positions: list[int],
                       hidden: torch.Tensor | None = None) -> StepInputs:
         """One token per row, at a position of the caller's choosing (its block table covers it): the draft
         and verify passes of speculative decoding (runner/speculative.py). A request may fill several rows,
         one per position; each row attends causally up to its own position, so the rows of one request see
         each other's K/V of the same loop, stored before any row attends. hidden: the state the first loop
-        starts from, [rows, H]. Every row reads out."""
+        starts from, [rows, H]. tokens may be a device tensor (int64): drafts that never visit the host.
+        Every row reads out."""
         slot_mapping = [s for request, p in zip(requests, positions)
                         for s in self.layout.slot_mapping(request, p, p + 1)]
         rows = range(len(requests))
@@ -154,7 +155,7 @@ class ModelRunner:
         inputs.hidden = hidden
         return inputs
 
-    def _inputs(self, requests: list[Request], input_ids: list[int], positions: list[int],
+    def _inputs(self, requests: list[Request], input_ids: list[int] | torch.Tensor, positions: list[int],
                 slot_mapping: list[int], query_start: list[int], context_lens: list[int],
                 query_lens: list[int], readout: list[int], generated_rows: list[int]) -> StepInputs:
         """The step's tensors, in two host-to-device copies (runner/host_to_device.py), one per dtype."""
@@ -164,8 +165,11 @@ class ModelRunner:
             prompt_lens = [r.num_prompt_tokens for r in requests]
             int32_parts += [prompt_lens, self.generated_tables.gather(requests)]
         int32 = upload(int32_parts, torch.int32, self.device)
-        ids, positions_d, slots, readout_d = upload([input_ids, positions, slot_mapping, readout],
-                                                    torch.int64, self.device)
+        on_device = isinstance(input_ids, torch.Tensor)
+        ids, positions_d, slots, readout_d = upload([[] if on_device else input_ids, positions, slot_mapping,
+                                                     readout], torch.int64, self.device)
+        if on_device:
+            ids = input_ids
         shared = None
         if self.generated_tables is not None:
             shared = SharedKVMetadata(int32[3], int32[4], prompt_lens, self.loops,

@@ -46,31 +46,49 @@ class SelfSpeculation:
 
     def run(self, batch: ScheduledBatch, result) -> None:
         """Fill result (a StepResult) for a speculative batch: per row its tokens (a list), their traces and
-        logprobs (lists, one per token), and (drafts, accepted) in result.drafts."""
+        logprobs (lists, one per token), and (drafts, accepted) in result.drafts.
+
+        The drafts stay on the device until the verify has been launched: pass j's input ids are pass j-1's
+        draft tensor, so the host never waits for a pass and prepares the next one while the GPU runs it.
+        One device-to-host read, after the verify, brings back every draft and every target."""
         runner, d = self.runner, self.d
         requests, lengths = batch.requests, batch.draft_lens
+        device = runner.device
         starts = [r.num_computed_tokens for r in requests]
-        inputs: list[list[int]] = [[r.token_ids[-1]] for r in requests]  # per row: the k inputs, in order
-        drafts: list[list[int]] = [[] for _ in requests]
+        lives: list[list[int]] = []  # per pass: the rows that draft in it, in batch order
+        passes: list[torch.Tensor] = []  # per pass: its drafts [len(live)] int64, on the device
         draft_states: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in requests]
         draft_probs: list[list[torch.Tensor]] = [[] for _ in requests]  # q, for the sampled rows
         for j in range(max(lengths)):
             live = [row for row, k in enumerate(lengths) if k > j]
-            states = self._loops([requests[r] for r in live], [inputs[r][j] for r in live],
-                                 [starts[r] + j for r in live], range(d))
+            if j == 0:
+                ids: list[int] | torch.Tensor = [requests[r].token_ids[-1] for r in live]
+            else:  # the previous pass's drafts of the rows still drafting (its live rows are a superset)
+                if live == lives[-1]:
+                    ids = passes[-1]
+                else:
+                    position = {row: i for i, row in enumerate(lives[-1])}
+                    ids = passes[-1][_index([position[r] for r in live], device)]
+            states = self._loops([requests[r] for r in live], ids, [starts[r] + j for r in live], range(d))
             logits = self.model.compute_logits(states.hidden[-1]).float()
-            tokens = self.draft_tokens(logits, [requests[r] for r in live], draft_probs, live)
-            for i, (row, token) in enumerate(zip(live, tokens)):
-                drafts[row].append(token)
+            passes.append(self.draft_tokens(logits, [requests[r] for r in live], draft_probs, live))
+            lives.append(live)
+            for i, row in enumerate(live):
                 draft_states[row].append((states.hidden[:, i], states.gate_logits[:, i]))
-                if j + 1 < lengths[row]:
-                    inputs[row].append(token)
-        # Verify: every row's k inputs as k one-token rows, from their loop d-1 states.
-        rows = [row for row, k in enumerate(lengths) for _ in range(k)]
+        # Verify: every row's k inputs (its last token, then its first k-1 drafts) as k one-token rows, from
+        # their loop d-1 states. Their ids are gathered on the device from [last tokens; every pass's drafts].
+        offsets = [0]
+        for live in lives:
+            offsets.append(offsets[-1] + len(live))
+        where = {(row, j): len(requests) + offsets[j] + i for j, live in enumerate(lives)
+                 for i, row in enumerate(live)}  # (row, pass) -> index of that draft in `pool`
         flat = [(row, j) for row, k in enumerate(lengths) for j in range(k)]
+        pool = torch.cat([_index([r.token_ids[-1] for r in requests], device), *passes])
+        ids = pool[_index([row if j == 0 else where[row, j - 1] for row, j in flat], device)]
         hidden = torch.stack([draft_states[row][j][0][-1] for row, j in flat])
-        verified = self._loops([requests[r] for r in rows], [inputs[row][j] for row, j in flat],
-                               [starts[row] + j for row, j in flat], range(d, self.loops), hidden)
+        rows = [row for row, _ in flat]
+        verified = self._loops([requests[r] for r in rows], ids, [starts[row] + j for row, j in flat],
+                               range(d, self.loops), hidden)
         every = LoopStates(
             torch.cat([torch.stack([draft_states[row][j][0] for row, j in flat], 1), verified.hidden]),
             torch.cat([torch.stack([draft_states[row][j][1] for row, j in flat], 1), verified.gate_logits]))
@@ -78,7 +96,10 @@ class SelfSpeculation:
         logits, traces = readout_logits(self.model.compute_logits, every.hidden, every.gate_logits,
                                         runner.policies_of(pseudo), [r.params.loop_trace for r in pseudo],
                                         runner.config.model.early_exit_threshold)
-        self._accept_all(batch, result, logits, traces, drafts, draft_probs, rows)
+        both = torch.cat([pool[len(requests):], logits.argmax(dim=-1)]).tolist()
+        drafted, targets = both[:offsets[-1]], both[offsets[-1]:]
+        drafts = [[drafted[where[row, j] - len(requests)] for j in range(k)] for row, k in enumerate(lengths)]
+        self._accept_all(batch, result, logits, targets, traces, drafts, draft_probs)
 
     def _loops(self, requests: list[Request], tokens: list[int], positions: list[int], loops: range,
                hidden: torch.Tensor | None = None) -> LoopStates:
@@ -87,14 +108,15 @@ class SelfSpeculation:
         return run_loops(runner.executor_for(len(requests)), self.model, inputs, loops)
 
     def draft_tokens(self, logits: torch.Tensor, requests: list[Request],
-                     draft_probs: list[list[torch.Tensor]], rows: list[int]) -> list[int]:
-        """Each live row's draft: the argmax for a greedy row; for a sampled row a draw from q (the draft
-        logits under its temperature and filters), whose q is kept in draft_probs[row]."""
-        tokens = logits.argmax(dim=-1).tolist()
+                     draft_probs: list[list[torch.Tensor]], rows: list[int]) -> torch.Tensor:
+        """Each live row's draft, [rows] int64 on the device: the argmax for a greedy row; for a sampled row
+        a draw from q (the draft logits under its temperature and filters), whose q is kept in
+        draft_probs[row]. Nothing here waits for the device."""
+        tokens = logits.argmax(dim=-1)
         for i, (request, row) in enumerate(zip(requests, rows)):
             if not request.params.greedy:
                 q = apply_filters(logits[i:i + 1], [request.params]).softmax(-1)[0]
-                tokens[i] = int(torch.multinomial(q, 1, generator=self.runner.generator_of(request)))
+                tokens[i] = torch.multinomial(q, 1, generator=self.runner.generator_of(request))[0]
                 draft_probs[row].append(q)
         return tokens
 
@@ -119,9 +141,9 @@ class SelfSpeculation:
             return i, int(torch.multinomial(residual, 1, generator=generator))
         return len(drafts), None
 
-    def _accept_all(self, batch: ScheduledBatch, result, logits: torch.Tensor, traces: list[LoopTrace | None],
-                    drafts: list[list[int]], draft_probs: list[list[torch.Tensor]], rows: list[int]) -> None:
-        targets = logits.argmax(dim=-1).tolist()
+    def _accept_all(self, batch: ScheduledBatch, result, logits: torch.Tensor, targets: list[int],
+                    traces: list[LoopTrace | None], drafts: list[list[int]],
+                    draft_probs: list[list[torch.Tensor]]) -> None:
         first = 0
         logprob_rows: list[tuple[int, int, int]] = []  # (batch row, verify row, token)
         for row, (request, k) in enumerate(zip(batch.requests, batch.draft_lens)):
@@ -152,3 +174,7 @@ class SelfSpeculation:
                                                             device=logits.device), max(counts))
             for (row, _, _), entry in zip(logprob_rows, logprob_dicts(top, counts, self.runner.token_text)):
                 result.logprobs.setdefault(row, []).append(entry)
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
