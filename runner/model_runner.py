@@ -224,6 +224,10 @@ class ModelRunner:
                 self.loop_stats.decode_tokens += sum(len(tokens) for tokens in result.tokens)
                 self.loop_stats.decode_loops += self.loops * sum(batch.draft_lens)
                 return result
+            except Exception:
+                # One row's failure (its sampling, say) must not take down the batch: run the step the plain
+                # way, which isolates failing rows. What the drafts wrote lies at positions it rewrites.
+                self._restore_generators(self._staged.generators)
             except BaseException:
                 self.rollback()
                 raise

@@ -14,6 +14,7 @@ import torch
 
 from engine import DEFAULT_MODEL, Engine, SamplingParams
 from request import SpeculativeStats
+from runner import sampler
 from runner.speculative import SelfSpeculation
 
 PROMPTS = ["12+7=19\n31+5=", "Hello", "4821+337=5158\n96+4=100\n7+", "0123456789 + - * / = 42"]
@@ -262,3 +263,39 @@ def test_cuda_graphs_and_eager_give_the_same_speculative_tokens(tiny_checkpoint,
     assert outputs["graphs"] == outputs["eager"]
     if dtype == "float32":
         assert outputs["graphs"] == outputs["plain"]
+
+
+def test_a_failing_speculative_step_falls_back_and_isolates_the_row(monkeypatch):
+    """A speculative step that raises (here: one row's draft sampling) reruns as a plain step, which isolates
+    failing rows: the row whose sampling fails there too ends alone with finish_reason 'error', and the
+    other keeps its greedy tokens."""
+    original_draft, original_sample = SelfSpeculation.draft_tokens, sampler.sample
+    failed = []
+
+    def draft_tokens(self, logits, requests, draft_probs, rows):
+        if any(r.params.temperature == 0.7 for r in requests):
+            failed.append(True)
+            raise RuntimeError("injected draft failure")
+        return original_draft(self, logits, requests, draft_probs, rows)
+
+    def sample(logits, params, generators):
+        if failed and any(p.temperature == 0.7 for p in params):  # the fallback step's sampling, too
+            raise RuntimeError("injected sampling failure")
+        return original_sample(logits, params, generators)
+
+    monkeypatch.setattr(SelfSpeculation, "draft_tokens", draft_tokens)
+    monkeypatch.setattr("runner.model_runner.sample", sample)
+    base, _, _, _ = run(TRAINED, greedy(), PROMPTS[:1])
+    with Engine(TRAINED, device="cpu", dtype="float32", verbose=False, speculative="loops:2") as engine:
+        good = engine.add_request(PROMPTS[0], greedy())
+        bad = engine.add_request(PROMPTS[1], SamplingParams(temperature=0.7, max_tokens=NEW_TOKENS))
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0]
+        assert engine.speculative_stats.steps > 0  # once the bad row is gone, the good one speculates
+    assert failed
+    assert done[bad].finish_reason == "error" and "injected sampling failure" in done[bad].error
+    assert len(done[bad].token_ids) == 1  # its prefill token, before any speculative step
+    assert done[good].token_ids == base[0].token_ids
