@@ -1,5 +1,7 @@
 """What every benchmark records: the environment, a copy bandwidth measured in the same run, a
-checkpoint to run (a given one, or a generated real-shape one), and the decode bandwidth floor."""
+checkpoint to run (a given one, or a generated real-shape one), and the decode bandwidth floor; and the
+decode timing loop they share (random prompts, prefill until every row has its first token, then the timed
+steps)."""
 
 from __future__ import annotations
 
@@ -75,6 +77,36 @@ def weight_bytes_per_step(engine) -> int:
     head = sum(p.numel() * p.element_size() for m in (model.lm_head, model.norm, model.early_exit_gate)
                for p in m.parameters())
     return engine.config.total_ut_steps * layer + head
+
+
+def add_random_prompts(engine, batch: int, prompt: int, params, rng) -> None:
+    """`batch` requests of `prompt` random token ids (3 and up: past the special tokens)."""
+    vocab = engine.config.vocab_size
+    for _ in range(batch):
+        engine.add_request([rng.randrange(3, vocab) for _ in range(prompt)], params)
+
+
+def prefill_until_first_tokens(engine, batch: int) -> None:
+    """Step until each of the `batch` newest requests has its first token (its prefill is done)."""
+    produced = 0
+    while produced < batch:
+        produced += sum(1 for out in engine.step() if len(out.outputs[0].token_ids) == 1)
+
+
+def time_until_done(engine) -> tuple[float, int]:
+    """Step until nothing is left: (wall ms, steps), synchronized with the device on both ends."""
+    sync(engine.device)
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    sync(engine.device)
+    return (time.perf_counter() - start) * 1e3, steps
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def write_results(out: str, payload: dict, table: str) -> None:

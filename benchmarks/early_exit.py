@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
-import torch
 
-from benchmarks.common import checkpoint, environment, write_results
+from benchmarks.common import (add_random_prompts, checkpoint, environment, prefill_until_first_tokens,
+                               time_until_done, write_results)
 from engine import Engine, SamplingParams
 from model.exit_policy import force_exit_loop
 
@@ -30,29 +29,15 @@ def decode_run(engine: Engine, batch: int, prompt: int, steps: int, seed: int) -
     loops the engine ran per decode token in that time."""
     if steps > 4:  # warm-up on the same shapes: Triton compiles stay out of the timed loop
         decode_run(engine, batch, prompt, 4, seed + 1)
-    rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request([rng.randrange(3, engine.config.vocab_size) for _ in range(prompt)], params)
-    produced = 0
-    while produced < batch:
-        produced += sum(1 for out in engine.step() if len(out.outputs[0].token_ids) == 1)
+    add_random_prompts(engine, batch, prompt, params, random.Random(seed))
+    prefill_until_first_tokens(engine, batch)
     stats = engine.loop_stats
     tokens0, loops0 = stats.decode_tokens, stats.decode_loops
-    _sync(engine)
-    start, count = time.perf_counter(), 0
-    while engine.has_unfinished():
-        engine.step()
-        count += 1
-    _sync(engine)
-    tpot = (time.perf_counter() - start) * 1e3 / max(count, 1)
+    elapsed, count = time_until_done(engine)
+    tpot = elapsed / max(count, 1)
     loops = (stats.decode_loops - loops0) / max(stats.decode_tokens - tokens0, 1)
     return {"tpot_ms": round(tpot, 3), "loops_per_token": round(loops, 3)}
-
-
-def _sync(engine: Engine) -> None:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
 
 
 def mode_name(engine: Engine) -> str:

@@ -11,34 +11,24 @@ import argparse
 import random
 import time
 
-import torch
 
-from benchmarks.common import (checkpoint, copy_bandwidth, environment,
-                               weight_bytes_per_step, write_results)
+from benchmarks.common import (add_random_prompts, checkpoint, copy_bandwidth, environment,
+                               prefill_until_first_tokens, sync, time_until_done, weight_bytes_per_step,
+                               write_results)
 from engine import Engine, SamplingParams
 
 
 def _run(engine: Engine, batch: int, prompt: int, decode_steps: int,
          rng: random.Random) -> tuple[float, float]:
     params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
-    vocab = engine.config.vocab_size
-    torch.cuda.synchronize()
+    sync(engine.device)
     start = time.perf_counter()
-    for _ in range(batch):
-        engine.add_request([rng.randrange(3, vocab) for _ in range(prompt)], params)
-    produced = 0
-    while produced < batch:  # until every row has its first token
-        produced += sum(1 for out in engine.step() if len(out.outputs[0].token_ids) == 1)
-    torch.cuda.synchronize()
+    add_random_prompts(engine, batch, prompt, params, rng)
+    prefill_until_first_tokens(engine, batch)
+    sync(engine.device)
     ttft = time.perf_counter() - start
-    start = time.perf_counter()
-    steps = 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    torch.cuda.synchronize()
-    return ttft * 1e3, (time.perf_counter() - start) * 1e3 / max(steps, 1)
-
+    elapsed, steps = time_until_done(engine)
+    return ttft * 1e3, elapsed / max(steps, 1)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,

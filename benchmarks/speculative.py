@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 from pathlib import Path
 
-import torch
 
-from benchmarks.common import ROOT, checkpoint, environment, write_results
+from benchmarks.common import (ROOT, add_random_prompts, checkpoint, environment, prefill_until_first_tokens,
+                               time_until_done, write_results)
 from engine import DEFAULT_MODEL, Engine, SamplingParams
 
 
@@ -62,20 +61,10 @@ def decode_tpot(engine: Engine, batch: int, prompt: int, tokens: int, seed: int)
     taken per row's token."""
     if tokens > 8:
         decode_tpot(engine, batch, prompt, 8, seed + 1)  # warm-up on the same shapes
-    rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request([rng.randrange(3, engine.config.vocab_size) for _ in range(prompt)], params)
-    produced = 0
-    while produced < batch:
-        produced += sum(1 for out in engine.step() if len(out.outputs[0].token_ids) == 1)
-    torch.cuda.synchronize()
-    start, steps = time.perf_counter(), 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    torch.cuda.synchronize()
-    elapsed = (time.perf_counter() - start) * 1e3
+    add_random_prompts(engine, batch, prompt, params, random.Random(seed))
+    prefill_until_first_tokens(engine, batch)
+    elapsed, steps = time_until_done(engine)
     return {"tpot_ms": round(elapsed / tokens, 3), "step_ms": round(elapsed / steps, 3),
             "tokens_per_step": round(tokens / steps, 3)}
 

@@ -194,15 +194,14 @@ class ModelRunner:
         stats.decode_tokens += len(inputs.generated_rows)
         if self.hook is None:
             stats.decode_loops += self.loops * len(inputs.generated_rows)
-        graphs = self.graphs
-        if graphs is not None and inputs.meta.is_decode and graphs.bucket_for(inputs.meta.num_rows):
-            if graphs.mode == "step":
-                states = graphs.replay_step(inputs)
-                if inputs.reads_out_every_token:
-                    return states
-                return LoopStates(states.hidden[:, inputs.readout], states.gate_logits[:, inputs.readout])
-            return run_loops(graphs, self.model, inputs, range(self.loops), self.hook)
-        return run_loops(self.eager, self.model, inputs, range(self.loops), self.hook)
+        graphs, decode, rows = self.graphs, inputs.meta.is_decode, inputs.meta.num_rows
+        if graphs is not None and graphs.mode == "step" and decode and graphs.bucket_for(rows):
+            states = graphs.replay_step(inputs)
+            if inputs.reads_out_every_token:
+                return states
+            return LoopStates(states.hidden[:, inputs.readout], states.gate_logits[:, inputs.readout])
+        executor = self.executor_for(rows) if decode else self.eager
+        return run_loops(executor, self.model, inputs, range(self.loops), self.hook)
 
     def executor_for(self, num_rows: int):
         """The loop driver's executor for a decode batch of num_rows one-token rows: the per-loop graphs
@@ -319,7 +318,7 @@ class ModelRunner:
                                         self.config.model.early_exit_threshold)
         sampled = sample(process_logits(logits, requests), [r.params for r in requests],
                          [self.generator_of(r) for r in requests])
-        logprobs = self._logprobs(requests, logits, sampled)  # of the raw logits, as vLLM's default
+        logprobs = self.logprobs_of(requests, logits, sampled)  # of the raw logits, as vLLM's default
         for row, token, trace, entry in zip(rows, sampled.tolist(), traces, logprobs):
             result.tokens[row] = token
             if trace is not None:
@@ -327,8 +326,8 @@ class ModelRunner:
             if entry is not None:
                 result.logprobs[row] = [entry]
 
-    def _logprobs(self, requests: list[Request], logits: torch.Tensor,
-                  sampled: torch.Tensor) -> list[dict[int, Logprob] | None]:
+    def logprobs_of(self, requests: list[Request], logits: torch.Tensor,
+                    sampled: torch.Tensor) -> list[dict[int, Logprob] | None]:
         """SamplingParams(logprobs=N): the sampled token's logprob and the top N per row (None: not asked)."""
         out: list[dict[int, Logprob] | None] = [None] * len(requests)
         rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]

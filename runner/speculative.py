@@ -32,7 +32,7 @@ from model.exit_policy import readout_logits
 from model.ouro import LoopStates
 from request import LoopTrace, Request, ScheduledBatch, SpeculativeStats
 from runner.loop_driver import run_loops
-from runner.sampler import apply_filters, logprob_dicts, logprobs_topn
+from runner.sampler import apply_filters
 
 
 class SelfSpeculation:
@@ -167,12 +167,11 @@ class SelfSpeculation:
                 result.traces[row] = kept
             if request.params.logprobs is not None:
                 logprob_rows += [(row, span[i], token) for i, token in enumerate(tokens)]
-        if logprob_rows:
-            index = [i for _, i, _ in logprob_rows]
-            counts = [batch.requests[row].params.logprobs for row, _, _ in logprob_rows]
-            top = logprobs_topn(logits[index], torch.tensor([t for _, _, t in logprob_rows],
-                                                            device=logits.device), max(counts))
-            for (row, _, _), entry in zip(logprob_rows, logprob_dicts(top, counts, self.runner.token_text)):
+        if logprob_rows:  # each token's, under the full model's raw logits at its position
+            tokens = torch.tensor([t for _, _, t in logprob_rows], device=logits.device)
+            entries = self.runner.logprobs_of([batch.requests[row] for row, _, _ in logprob_rows],
+                                              logits[[i for _, i, _ in logprob_rows]], tokens)
+            for (row, _, _), entry in zip(logprob_rows, entries):
                 result.logprobs.setdefault(row, []).append(entry)
 
 
