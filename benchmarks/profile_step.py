@@ -24,13 +24,16 @@ def main() -> None:
     parser.add_argument("--preset", default="ouro-1.4b")
     parser.add_argument("--policy", default="full")
     parser.add_argument("--forced-exit", type=int, default=None, help="force every exit after this loop")
+    parser.add_argument("--kv-sharing", default="none", choices=["none", "last"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--gaps", type=int, default=0, help="also list the N longest device idle gaps")
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
     with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=args.batch, exit_policy=args.policy,
+                kv_sharing=args.kv_sharing,
                 max_model_len=args.prompt + 4 * args.steps + 8, enable_prefix_caching=False,
                 verbose=False) as engine:
         if args.forced_exit is not None:
@@ -48,12 +51,33 @@ def main() -> None:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - start) * 1e3 / args.steps
     events = prof.key_averages()
-    print(f"{args.policy} forced {args.forced_exit} batch {args.batch}: {wall:.3f} ms per step (profiled)")
+    print(f"{args.policy} forced {args.forced_exit} kv_sharing={args.kv_sharing} batch {args.batch}: "
+          f"{wall:.3f} ms per step (profiled)")
     for title, key in (("host", "self_cpu_time_total"), ("device", "self_device_time_total")):
         print(f"-- top {args.top} by {title} time, µs per step (calls per step)")
         for event in sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)[:args.top]:
             print(f"{getattr(event, key, 0.0) / args.steps:9.1f}  {event.count / args.steps:6.1f}  "
                   f"{event.key[:90]}")
+    if args.gaps:
+        print_gaps(prof, args.steps, args.gaps)
+
+
+def print_gaps(prof, steps: int, count: int) -> None:
+    """Device idle time per step (the profiled span less the union of kernel and copy intervals), and the
+    longest idle gaps with the device work on either side."""
+    work = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0)
+    gaps, reach, last = [], work[0][1], work[0][2]
+    for begin, end, name in work[1:]:
+        if begin > reach:
+            gaps.append((begin - reach, last, name))
+        if end > reach:
+            reach, last = end, name
+    idle = sum(g for g, _, _ in gaps)
+    print(f"-- device idle between the first and last kernel: {idle / steps:.1f} µs per step; "
+          f"longest {count} gaps (µs, after -> before)")
+    for gap, before, after in sorted(gaps, reverse=True)[:count]:
+        print(f"{gap:9.1f}  {before[:45]} -> {after[:45]}")
 
 
 if __name__ == "__main__":

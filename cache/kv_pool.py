@@ -1,5 +1,5 @@
 """The KV tensors: one key and one value pool, each addressed by (slot, block, offset), and the one
-operation that moves K/V between slots (copy-forward after an early exit).
+operation that moves K/V between slots (copy-forward after an early exit, cache/copy_forward.py).
 
 slot = loop * num_layers + layer. A block id names the same token range in every slot, so one block
 table per request serves all T x L slots, and a block costs T * L * 2 * block_size * kv_heads *
@@ -9,6 +9,8 @@ head_dim * dtype bytes. Where a token's K/V sits is the KV layout's business (ca
 from __future__ import annotations
 
 import torch
+
+from cache.copy_forward import copy_forward
 
 
 def slot_token_bytes(kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -47,17 +49,12 @@ class KVPool:
     def bytes_per_block(self) -> int:
         return self.num_slots * self.block_size * self.slot_token_bytes
 
-    def copy_forward(self, slots: torch.Tensor, loop: int) -> None:
+    def copy_forward(self, slots: torch.Tensor, loop: int, mask: torch.Tensor | None = None) -> None:
         """Every layer's slots of loops > `loop` get the loop-`loop` K/V of the tokens at in-plane indices
         `slots` ([n] int64, block * block_size + offset): what a token that stopped after `loop` leaves
-        for the deeper loops of later tokens to read."""
-        if loop + 1 >= self.loops or slots.numel() == 0:
-            return
-        deeper = self.loops - loop - 1
-        for cache in (self.key_cache, self.value_cache):  # two kernels per cache, whatever the loop count
-            planes = cache.view(self.loops, self.num_layers, -1, *cache.shape[3:])  # [T, L, tokens, kvh, D]
-            source = planes[loop].index_select(1, slots)
-            planes[loop + 1:].index_copy_(2, slots, source.expand(deeper, *source.shape))
+        for the deeper loops of later tokens to read. mask ([n] bool, on the device): only those rows, decided
+        without a host sync (cache/copy_forward.py; one launch on CUDA)."""
+        copy_forward(self.key_cache, self.value_cache, self.loops, slots, loop, mask)
 
     @staticmethod
     def blocks_for_budget(bytes_per_block: int, budget_bytes: float) -> int:

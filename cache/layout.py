@@ -30,6 +30,8 @@ class KVLayout(ABC):
     name: ClassVar[str]
     # True when a generated token's K/V lives in generated_block_table's pages, not in block_table.
     stores_generated_apart: ClassVar[bool] = False
+    # False when an early exit leaves nothing to copy into the deeper slots
+    copies_forward: ClassVar[bool] = True
 
     def __init__(self, loops: int, num_layers: int, block_size: int, generated_kv_exact: bool = True) -> None:
         """generated_kv_exact: False when the exit policy leaves generated tokens' deeper slots holding
@@ -67,9 +69,10 @@ class KVLayout(ABC):
         bs, table = self.block_size, request.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def copy_forward(self, pool: KVPool, slots, loop: int) -> None:
-        """Tokens that stopped looping after `loop`: make the deeper slots hold what later tokens read."""
-        pool.copy_forward(slots, loop)
+    def copy_forward(self, pool: KVPool, slots, loop: int, mask=None) -> None:
+        """Tokens that stopped looping after `loop` (those of `slots` where `mask`, if given): make the
+        deeper slots hold what later tokens read."""
+        pool.copy_forward(slots, loop, mask)
 
     def max_concurrent_sequences(self, num_blocks: int, prompt_tokens: int, generated_tokens: int) -> int:
         return num_blocks // self.blocks_per_sequence(prompt_tokens, generated_tokens)
@@ -137,7 +140,9 @@ class SharedLastLayout(KVLayout):
         slots = super().slot_mapping(request, start, min(end, num_prompt))
         return slots + [-1] * (end - max(start, num_prompt))
 
-    def copy_forward(self, pool: KVPool, slots, loop: int) -> None:
+    copies_forward = False
+
+    def copy_forward(self, pool: KVPool, slots, loop: int, mask=None) -> None:
         """Nothing to copy: an exited token's shared location already holds its last computed loop."""
 
 

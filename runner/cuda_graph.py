@@ -66,10 +66,13 @@ class DecodeGraphs:
 
     def __init__(self, model: OuroForCausalLM, backend: AttentionBackend, mode: str, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device,
-                 shared_kv: tuple[int, int, int] | None = None, exit_threshold: float | None = None) -> None:
+                 shared_kv: tuple[int, int, int] | None = None, exit_threshold: float | None = None,
+                 copy_forward: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None) -> None:
         """shared_kv: (loops, num_layers, max generated pages per sequence) under kv_sharing="last".
         exit_threshold: early:Q's Q, for mode "loop": each loop's graph then also advances the rows' exit
-        CDF and marks the generated rows that reached Q, so that the host reads one small flag vector."""
+        CDF and marks the generated rows that reached Q, so that the host reads one small flag vector.
+        copy_forward(slots, mask, loop): the KV layout's copy-forward of the rows where mask; each loop's
+        graph then copies the K/V of the rows that reached Q forward itself, masked on the device."""
         if mode not in ("step", "loop"):
             raise ValueError(f"DecodeGraphs mode must be 'step' or 'loop', got {mode!r}")
         self.model = model
@@ -95,6 +98,7 @@ class DecodeGraphs:
             self.generated_block_tables = torch.full((n, shared_kv[2]), scratch_block, dtype=torch.int32,
                                                      device=device)
         self.exit_threshold = exit_threshold
+        self.copy_forward = copy_forward
         self.gate_logits = torch.zeros(n, dtype=dtype, device=device)
         self.cdf = torch.zeros(n, dtype=torch.float64, device=device)
         self.survival = torch.ones(n, dtype=torch.float64, device=device)
@@ -104,6 +108,7 @@ class DecodeGraphs:
         self.outputs: dict[int, LoopStates] = {}  # mode "step": each bucket's graph-owned states
         self.pool = None
         self.rows = self.bucket = 0
+        self.views = self.hidden[:0], self.gate_logits[:0], self.reached[:0]
 
     def _meta(self, bs: int) -> AttentionMetadata:
         shared = None
@@ -128,6 +133,9 @@ class DecodeGraphs:
         h = self.hidden[:bs]
         if t == 0:
             h.copy_(model.embed_tokens(self.input_ids[:bs]))
+            if self.exit_threshold is not None:  # a new step's exit CDF, reset on the device
+                self.cdf[:bs].zero_()
+                self.survival[:bs].fill_(1.0)
         cos, sin = model.rotary(self.positions[:bs], h.dtype)
         self.backend.prepare(self._meta(bs))
         out = model.run_loop(h, cos, sin, self.backend.forward, t)
@@ -137,6 +145,8 @@ class DecodeGraphs:
         if self.exit_threshold is not None and t < self.loops - 1:
             hit = advance_exit_cdf(self.cdf[:bs], self.survival[:bs], gate, self.exit_threshold)
             torch.logical_and(hit, self.may_exit[:bs], out=self.reached[:bs])
+            if self.copy_forward is not None:
+                self.copy_forward(self.slot_mapping[:bs], self.reached[:bs], t)
 
     @torch.inference_mode()
     def capture_all(self, collect: Callable[[], None] = collect_garbage) -> None:
@@ -191,18 +201,22 @@ class DecodeGraphs:
             self.prompt_lens[:n].copy_(meta.shared_kv.prompt_lens)
             self.generated_block_tables[:n, :tables.shape[1]].copy_(tables)
         if self.exit_threshold is not None:
-            may_exit = torch.zeros(n, dtype=torch.bool)
-            may_exit[inputs.generated_rows] = True
-            self.may_exit[:n].copy_(may_exit, non_blocking=True)
-            self.cdf[:n].zero_()
-            self.survival[:n].fill_(1.0)
+            if len(inputs.generated_rows) == n:  # the usual decode step: one launch, no host-to-device copy
+                self.may_exit[:n].fill_(True)
+            else:
+                may_exit = torch.zeros(n, dtype=torch.bool)
+                may_exit[inputs.generated_rows] = True
+                self.may_exit[:n].copy_(may_exit, non_blocking=True)
+            if inputs.hidden is not None:  # loop 0's graph, which resets the CDF, does not run
+                self.cdf[:n].zero_()
+                self.survival[:n].fill_(1.0)
         self._pad(n)
 
     def run_loop(self, t: int) -> LoopOutput:
         self.graphs[self.bucket, t].replay()
-        decided = self.exit_threshold is not None and t < self.loops - 1
-        return LoopOutput(self.hidden[:self.rows], self.gate_logits[:self.rows],
-                          self.reached[:self.rows] if decided else None)
+        h, gate_logits, reached = self.views
+        return LoopOutput(h, gate_logits, reached if self.exit_threshold is not None and t < self.loops - 1
+                          else None)
 
     def keep(self, rows: list[int]) -> None:
         index = torch.tensor(rows, dtype=torch.int64).to(self.hidden.device, non_blocking=True)
@@ -217,7 +231,11 @@ class DecodeGraphs:
     def _pad(self, n: int) -> None:
         """Rows n..bucket become padding rows (restored here in case a larger batch used them)."""
         bs = self.bucket = self.bucket_for(n)
+        if n != self.rows:
+            self.views = self.hidden[:n], self.gate_logits[:n], self.reached[:n]  # run_loop's outputs
         self.rows = n
+        if n == bs:
+            return
         self.input_ids[n:bs].zero_()
         self.positions[n:bs].zero_()
         self.slot_mapping[n:bs].fill_(self.scratch_block * self.block_size)

@@ -49,7 +49,8 @@ class StepInputs:
 class LoopOutput:
     """What one loop over the live rows gives: h [live tokens, H], the loop's post-norm output; and, where
     the executor computed them on the device already (a captured loop), the gate logits [live tokens] and
-    which live rows' exit CDF reached the threshold ([live rows] bool)."""
+    which live rows' exit CDF reached the threshold ([live rows] bool), whose K/V the executor has then
+    copied forward too."""
 
     h: torch.Tensor
     gate_logits: torch.Tensor | None = None
@@ -219,23 +220,23 @@ class EarlyExit:
         self.stats.decode_loops += len(self.looping)
         if t >= self.loops - 1 or not self.looping:
             return []
-        if reached is not None:  # decided on the device, for the live rows (generated rows only)
+        if reached is not None:  # decided on the device (generated rows only), which copied their K/V forward
             leaving = [row for row, hit in zip(live, reached.tolist()) if hit]
-        else:
-            if self.cdf is None:
-                index = torch.tensor([self.tokens[r] for r in self.rows], dtype=torch.int64)
-                self.token_index = index.to(self.device, non_blocking=True)
-                self.cdf = torch.zeros(len(self.rows), dtype=torch.float64, device=self.device)
-                self.survival = torch.ones_like(self.cdf)
-            hits = advance_exit_cdf(self.cdf, self.survival, gate_logits[self.token_index], self.threshold)
-            # A row that stopped has NaN gates, so its CDF is NaN and never reaches the threshold again.
-            leaving = [row for row, hit in zip(self.rows, hits.tolist()) if hit and row in self.looping]
+            self.looping.difference_update(leaving)
+            return leaving
+        if self.cdf is None:
+            index = torch.tensor([self.tokens[r] for r in self.rows], dtype=torch.int64)
+            self.token_index = index.to(self.device, non_blocking=True)
+            self.cdf = torch.zeros(len(self.rows), dtype=torch.float64, device=self.device)
+            self.survival = torch.ones_like(self.cdf)
+        hits = advance_exit_cdf(self.cdf, self.survival, gate_logits[self.token_index], self.threshold)
+        # A row that stopped has NaN gates, so its CDF is NaN and never reaches the threshold again.
+        leaving = [row for row, hit in zip(self.rows, hits.tolist()) if hit and row in self.looping]
         if leaving:
             self.looping.difference_update(leaving)
             tokens = torch.tensor([self.tokens[r] for r in leaving], dtype=torch.int64)
             self.layout.copy_forward(self.pool, self.slot_mapping[tokens.to(self.slot_mapping.device)], t)
         return leaving
-
 
 
 def advance_exit_cdf(cdf: torch.Tensor, survival: torch.Tensor, gate_logits: torch.Tensor,

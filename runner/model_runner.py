@@ -97,12 +97,17 @@ class ModelRunner:
         config = self.config
         shared = (self.loops, config.model.num_hidden_layers, self.max_pages) \
             if self.generated_tables is not None else None
-        threshold = self.hook.threshold if self.hook is not None else None
-        per_loop = self.hook is not None or self.speculation is not None
+        hook, layout = self.hook, self.layout
+        threshold = hook.threshold if hook is not None else None
+        copy_forward = None
+        if hook is not None and layout.copies_forward:
+            def copy_forward(slots: torch.Tensor, mask: torch.Tensor, loop: int) -> None:
+                layout.copy_forward(hook.pool, slots, loop, mask)
+        per_loop = hook is not None or self.speculation is not None
         graphs = DecodeGraphs(self.model, self.backend, "loop" if per_loop else "step",
                               config.max_num_seqs * max(1, config.speculative_tokens),
                               self.block_tables.width, config.block_size, scratch_block, self.device, shared,
-                              threshold)
+                              threshold, copy_forward)
         graphs.capture_all()
         return graphs
 

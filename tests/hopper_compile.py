@@ -17,12 +17,14 @@ from triton.compiler import ASTSource
 from attention.kernels.decode import decode_merge_kernel, decode_split_kernel
 from attention.kernels.kv_store import kv_store_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
+from cache.copy_forward import copy_forward_kernel
 
 OURO = {"HEADS": 16, "KV_HEADS": 16, "HEAD_DIM": 128}
 INDEX_POINTERS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "rows_ptr": "*i32",
                   "query_start_loc_ptr": "*i32", "work_ptr": "*i32", "packed_ptr": "*i32",
                   "tickets_ptr": "*i32", "slot_mapping_ptr": "*i64", "partials_ptr": "*fp32",
-                  "gen_tables_ptr": "*i32", "prompt_lens_ptr": "*i32"}
+                  "gen_tables_ptr": "*i32", "prompt_lens_ptr": "*i32", "slots_ptr": "*i64",
+                  "mask_ptr": "*i1"}
 WIDE_INTS = {"plane_elems"}  # a pool plane can exceed 2^31 elements: the launcher passes it as i64
 
 
@@ -57,6 +59,9 @@ def main() -> None:
         compile_for_hopper(prefill_paged_kernel, dtype, {**prefill, "BLOCK_SIZE": 16}, 8)
         compile_for_hopper(prefill_packed_kernel, dtype, prefill, 8)
         compile_for_hopper(kv_store_kernel, dtype, {"KV_HEADS": 16, "HEAD_DIM": 128, "BLOCK_H": 16}, 4)
+        for masked in (False, True):
+            compile_for_hopper(copy_forward_kernel, dtype, {"LOOPS": 4, "LAYERS": 24, "ROW": 2048, "BLOCK": 2048,
+                                                            "MASKED": masked}, 4)
     print("all kernel variants compile for sm_90")
 
 

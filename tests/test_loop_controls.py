@@ -223,6 +223,21 @@ def test_triton_backend_matches_reference_under_loop_controls_fp32(tiny_checkpoi
         assert_traces_match(completion, trace, tolerance)
 
 
+def test_triton_shared_last_decode_over_a_long_prompt_matches_the_torch_backend(tiny_checkpoint):
+    """kv_sharing="last" decode tiles that lie wholly in the prompt take the kernel's paged addressing; a
+    prompt of several tiles (decode tiles are 32 keys in fp32) puts tiles on both sides of the boundary."""
+    prompt = [3 + (7 * i) % 200 for i in range(150)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, loop_trace=True)
+    tokens = {}
+    for attention in ("triton", "torch"):
+        with Engine(tiny_checkpoint, device="cpu", dtype="float32", attention=attention, kv_sharing="last",
+                    verbose=False) as engine:
+            out = engine.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            tokens[attention] = out.token_ids, stack_traces(out.traces).exit_pdf
+    assert tokens["triton"][0] == tokens["torch"][0]
+    torch.testing.assert_close(tokens["triton"][1], tokens["torch"][1], rtol=1e-4, atol=1e-5)
+
+
 def test_kv_sharing_changes_what_later_tokens_read(tiny_checkpoint):
     shared, _, _, _ = generate(tiny_checkpoint, 4, traced(), kv_sharing="last")
     full, _, _, _ = generate(tiny_checkpoint, 4, traced())

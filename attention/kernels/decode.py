@@ -27,14 +27,16 @@ def split_count(context_len, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constex
 
 
 @triton.jit
-def _key_rows(table, gen_table, positions, end, prompt_len, loop, plane_elems, kv_head,
-              BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _key_rows(table, gen_table, first, positions, end, prompt_len, loop, plane_elems, kv_head,
+              WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
               SHARED: tl.constexpr, LOOPS: tl.constexpr, NUM_LAYERS: tl.constexpr):
-    """Offsets of the K/V of `positions` (those below end; a vector or one position), from the start of the
-    call's slot plane, 64-bit: a pool plane can exceed 2^31 elements."""
+    """Offsets of the K/V of `positions` (those below end; WIDTH of them from `first` on, a vector, or one
+    position), from the start of the call's slot plane, 64-bit: a pool plane can exceed 2^31 elements. With
+    SHARED, a run of positions that lies wholly in the prompt takes the paged addressing (a uniform branch),
+    so only tiles that reach the generated tokens pay for the second table."""
     PAGE: tl.constexpr = BLOCK_SIZE * KV_HEADS * HEAD_DIM
     inside = positions < end
-    if SHARED:
+    if SHARED and first + WIDTH > prompt_len:
         PAGE_TOKENS: tl.constexpr = LOOPS * BLOCK_SIZE
         in_prompt = positions < prompt_len
         g = tl.maximum(positions - prompt_len, 0)
@@ -124,18 +126,20 @@ def decode_split_kernel(
         # Software pipelining by hand (Triton does not pipeline these gathers): while a tile computes, the
         # next tile's K/V and the page ids of the one after are already loading.
         mask_n = start + tile < cached_end
-        rows = _key_rows(table, gen_table, start + tile, cached_end, prompt_len, loop, plane_elems, kv_head,
-                         BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
+        rows = _key_rows(table, gen_table, start, start + tile, cached_end, prompt_len, loop, plane_elems,
+                         kv_head, BLOCK_N, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
         k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        rows = _key_rows(table, gen_table, start + BLOCK_N + tile, cached_end, prompt_len, loop, plane_elems,
-                         kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
+        rows = _key_rows(table, gen_table, start + BLOCK_N, start + BLOCK_N + tile, cached_end, prompt_len,
+                         loop, plane_elems, kv_head, BLOCK_N, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS,
+                         NUM_LAYERS)
         for n0 in range(start, cached_end, BLOCK_N):
             mask_next = (n0 + BLOCK_N + tile < cached_end)[:, None]
             k_next = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_next, other=0.0)
             v_next = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_next, other=0.0)
-            rows = _key_rows(table, gen_table, n0 + 2 * BLOCK_N + tile, cached_end, prompt_len, loop,
-                             plane_elems, kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
+            rows = _key_rows(table, gen_table, n0 + 2 * BLOCK_N, n0 + 2 * BLOCK_N + tile, cached_end,
+                             prompt_len, loop, plane_elems, kv_head, BLOCK_N, BLOCK_SIZE, KV_HEADS, HEAD_DIM,
+                             SHARED, LOOPS, NUM_LAYERS)
 
             s = tl.where(mask_n, tl.sum(k.to(tl.float32) * q[None, :], 1), float("-inf"))
             # Every tile holds at least one key, so m_new is finite here.
@@ -154,8 +158,9 @@ def decode_split_kernel(
             if head % GROUP == 0:
                 dst = tl.load(slot_mapping_ptr + token).to(tl.int64) * (KV_HEADS * HEAD_DIM)
                 if SHARED:  # a generated token's slot is -1: it goes to its generated page
-                    generated = _key_rows(table, gen_table, last, context_len, prompt_len, loop, plane_elems,
-                                          0, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
+                    generated = _key_rows(table, gen_table, last, last, context_len, prompt_len, loop,
+                                          plane_elems, 0, 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS,
+                                          NUM_LAYERS)
                     dst = tl.where(dst >= 0, dst, generated)
                 dst += kv_head * HEAD_DIM + offs_d
                 tl.store(key_cache_ptr + dst, k_new)

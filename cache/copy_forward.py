@@ -1,0 +1,65 @@
+"""Copy-forward: a token that stopped looping after loop t leaves its loop-t K/V in the slots of loops t+1..T-1
+(every layer), where later tokens' deeper loops read it. One Triton launch on CUDA, for every stopped token
+and both pools; optionally masked on the device, so that a captured loop graph copies exactly the rows whose
+exit it just decided, with no host round trip. Elsewhere (CPU), plain indexing.
+
+The pools are [T * L, blocks, block_size, kv_heads, head_dim], contiguous: slot (plane) p = loop * L + layer,
+and an in-plane index s = block * block_size + offset addresses one token's kv_heads * head_dim values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def copy_forward_kernel(key_ptr, value_ptr, slots_ptr, mask_ptr, loop, plane_tokens,
+                        LOOPS: tl.constexpr, LAYERS: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+                        MASKED: tl.constexpr):
+    """One program per (stopped token, layer): its K and V row of plane (loop, layer) into planes (t, layer)
+    for every t > loop. 64-bit offsets: a pool exceeds 2^31 elements."""
+    row = tl.program_id(0)
+    layer = tl.program_id(1)
+    if MASKED:
+        if tl.load(mask_ptr + row).to(tl.int32) == 0:
+            return
+    token = tl.load(slots_ptr + row).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    inside = offs < ROW
+    plane = (loop * LAYERS + layer).to(tl.int64)
+    source = (plane * plane_tokens + token) * ROW + offs
+    k = tl.load(key_ptr + source, mask=inside)
+    v = tl.load(value_ptr + source, mask=inside)
+    for deeper in range(loop + 1, LOOPS):
+        target = ((deeper * LAYERS + layer).to(tl.int64) * plane_tokens + token) * ROW + offs
+        tl.store(key_ptr + target, k, mask=inside)
+        tl.store(value_ptr + target, v, mask=inside)
+
+
+def copy_forward(key_cache: torch.Tensor, value_cache: torch.Tensor, loops: int, slots: torch.Tensor,
+                 loop: int, mask: torch.Tensor | None = None, use_triton: bool | None = None) -> None:
+    """Planes of loops > `loop` get the loop-`loop` K/V of the tokens at in-plane indices `slots` ([n] int64),
+    in every layer. mask ([n] bool): copy only those rows (on the device: no host sync). use_triton: default
+    on CUDA."""
+    if loop + 1 >= loops or slots.numel() == 0:
+        return
+    if use_triton is None:
+        use_triton = key_cache.is_cuda
+    layers = key_cache.shape[0] // loops
+    row = key_cache[0, 0, 0].numel()
+    plane_tokens = key_cache.shape[1] * key_cache.shape[2]
+    if use_triton:
+        copy_forward_kernel[(slots.numel(), layers)](
+            key_cache, value_cache, slots, mask if mask is not None else slots, loop, plane_tokens,
+            LOOPS=loops, LAYERS=layers, ROW=row, BLOCK=triton.next_power_of_2(row), MASKED=mask is not None,
+            num_warps=4)
+        return
+    if mask is not None:
+        slots = slots[mask]
+    deeper = loops - loop - 1
+    for cache in (key_cache, value_cache):
+        planes = cache.view(loops, layers, plane_tokens, *cache.shape[3:])  # [T, L, tokens, kvh, D]
+        source = planes[loop].index_select(1, slots)
+        planes[loop + 1:].index_copy_(2, slots, source.expand(deeper, *source.shape))
