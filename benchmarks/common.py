@@ -19,12 +19,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def commit() -> str:
     """The git commit benchmarked. The device machine gets a copy of the tree without .git, so the
-    caller passes the hash as LOOP_ENGINE_COMMIT there (read once, here, at benchmark start)."""
+    caller passes the hash as LOOP_ENGINE_COMMIT there (read once, here, at benchmark start). A tree with
+    uncommitted changes to tracked files reports its HEAD + "+uncommitted"."""
     if os.environ.get("LOOP_ENGINE_COMMIT"):
         return os.environ["LOOP_ENGINE_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True).stdout.strip() or "unknown"
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                 capture_output=True, text=True).stdout.strip()
+        return head + "+uncommitted" if changed and head != "unknown" else head
     except OSError:
         return "unknown"
 
