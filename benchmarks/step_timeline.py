@@ -45,7 +45,8 @@ def main() -> None:
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
     with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=args.batch, exit_policy=args.policy,
-                max_model_len=512 + 2 * args.steps + 16, enable_prefix_caching=False, verbose=False) as engine:
+                max_model_len=512 + 2 * args.steps + 16, enable_prefix_caching=False,
+                verbose=False) as engine:
         if args.forced_exit is not None:
             force_exit_loop(engine.model, args.forced_exit, float(args.policy.partition(":")[2]))
         params = SamplingParams(temperature=0, max_tokens=2 * args.steps + 8, ignore_eos=True)
@@ -70,7 +71,8 @@ def main() -> None:
             start = time.perf_counter()
             engine.step()
             end = time.perf_counter()
-            steps.append([(label, (t - start) * 1e6) for label, t in marks] + [("step end", (end - start) * 1e6)])
+            steps.append([(label, (t - start) * 1e6) for label, t in marks]
+                         + [("step end", (end - start) * 1e6)])
     print(f"{args.policy} forced {args.forced_exit} batch {args.batch}: µs from step start, mean over "
           f"{len(steps)} steps")
     for i, (label, _) in enumerate(steps[-1]):

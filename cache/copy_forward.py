@@ -1,7 +1,7 @@
-"""Copy-forward: a token that stopped looping after loop t leaves its loop-t K/V in the slots of loops t+1..T-1
-(every layer), where later tokens' deeper loops read it. One Triton launch on CUDA, for every stopped token
-and both pools; optionally masked on the device, so that a captured loop graph copies exactly the rows whose
-exit it just decided, with no host round trip. Elsewhere (CPU), plain indexing.
+"""Copy-forward: a token that stopped looping after loop t leaves its loop-t K/V in the slots of loops
+t+1..T-1 (every layer), where later tokens' deeper loops read it. One Triton launch on CUDA, for every
+stopped token and both pools; optionally masked on the device, so that a captured loop graph copies exactly
+the rows whose exit it just decided, with no host round trip. Elsewhere (CPU), plain indexing.
 
 The pools are [T * L, blocks, block_size, kv_heads, head_dim], contiguous: slot (plane) p = loop * L + layer,
 and an in-plane index s = block * block_size + offset addresses one token's kv_heads * head_dim values.

@@ -60,8 +60,8 @@ def main() -> None:
         compile_for_hopper(prefill_packed_kernel, dtype, prefill, 8)
         compile_for_hopper(kv_store_kernel, dtype, {"KV_HEADS": 16, "HEAD_DIM": 128, "BLOCK_H": 16}, 4)
         for masked in (False, True):
-            compile_for_hopper(copy_forward_kernel, dtype, {"LOOPS": 4, "LAYERS": 24, "ROW": 2048, "BLOCK": 2048,
-                                                            "MASKED": masked}, 4)
+            compile_for_hopper(copy_forward_kernel, dtype, {"LOOPS": 4, "LAYERS": 24, "ROW": 2048,
+                                                            "BLOCK": 2048, "MASKED": masked}, 4)
     print("all kernel variants compile for sm_90")
 
 
