@@ -1,0 +1,244 @@
+"""Low-bit KV formats (cache/kv_format.py, cache/kvarn.py) measured before they enter the engine: capacity at
+Ouro-1.4B's shape, and what each format does to the embedded tiny trained model's outputs. CPU.
+
+    python -m benchmarks.kv_formats --out benchmarks/results/kv_formats.json
+
+Capacity: 4096-token sequences in a 64 GiB pool, per format and per high-precision side pool (sink, tail),
+with and without kv_sharing="last" (generated tokens in L slots, not T x L), against bf16; byte accounting of
+packed tiles, their fp16 scales and the side pool's rows.
+
+Outputs: the tiny model (fp32) drives its loops itself with one PackedSequence per sequence as the attention
+(cache/packed_sequence.py: K/V packed into tiles and read back through the codec, sink and tail rows in
+high precision). The reference is the same loop with the dense format, whose greedy tokens must equal the
+engine's. Each format is teacher-forced on the reference tokens, token by token, so every position's
+next-token distribution has the same context: token-level KL(reference || format), mean and p99 per position
+bucket, and the greedy agreement up to the first divergence (the first position whose argmax differs is
+where free-running greedy output would first differ). Task accuracy: the addition task with a few-shot
+prefix long enough for the prompt to fill tiles, free-running greedy under each format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from benchmarks.common import ROOT, environment, write_results
+from cache.kv_format import KVFormat, parse_kv_cache_dtype
+from cache.packed_sequence import PackedSequence
+from engine import DEFAULT_MODEL, Engine, SamplingParams
+
+FORMATS = ["fp8_e4m3", "kvarn_k5v5_g64", "kvarn_k4v4_g64", "kvarn_k4v4_g128", "kvarn_k4v2_g64",
+           "kvarn_k4v2_g128"]
+# (sink, tail, bytes per side-pool value): the last bf16 row is KVarN's default; 1 byte: an fp8 side pool
+SIDE_POOLS = [(0, 0, 2), (0, 64, 2), (64, 64, 2), (64, 256, 2), (64, 256, 1), (128, 1024, 2), (128, 1024, 1)]
+BUCKETS = [(0, 64), (64, 128), (128, 256), (256, 512), (512, 1 << 30)]
+OURO_1_4B = dict(loops=4, layers=24, kv_heads=16, head_dim=128)
+
+
+def capacity(budget_gib: float, sequence: int, prompt: int) -> list[dict]:
+    """Sequences of `sequence` tokens (`prompt` of them prompt) that fit in the budget, per format, side pool
+    and kv_sharing. Under kv_sharing="last" the generated tokens' tiles and side rows sit in L slots; the
+    prompt's in T x L (the prompt/generated boundary is taken as a tile boundary)."""
+    shape = OURO_1_4B
+    slots, layers = shape["loops"] * shape["layers"], shape["layers"]
+    budget = budget_gib * 2 ** 30
+    bf16 = parse_kv_cache_dtype("bf16")
+
+    def sequence_bytes(fmt: KVFormat, sink: int, tail: int, side: int, sharing: str) -> int:
+        args = (shape["kv_heads"], shape["head_dim"])
+        if sharing == "none":
+            return fmt.sequence_bytes(sequence, slots, *args, sink=sink, tail=tail, high_precision_bytes=side)
+        generated = sequence - prompt
+        return (fmt.sequence_bytes(prompt, slots, *args, sink=sink, tail=0, high_precision_bytes=side)
+                + fmt.sequence_bytes(generated, layers, *args, sink=0, tail=tail, high_precision_bytes=side))
+
+    base = int(budget // sequence_bytes(bf16, 0, 0, 2, "none"))
+    rows = []
+    for sharing in ("none", "last"):
+        for name in ["bf16", *FORMATS]:
+            fmt = parse_kv_cache_dtype(name)
+            for sink, tail, side in SIDE_POOLS if fmt.kind == "kvarn" else [(0, 0, 2)]:
+                size = sequence_bytes(fmt, sink, tail, side, sharing)
+                count = int(budget // size)
+                rows.append({"kv_cache_dtype": name, "kv_sharing": sharing, "sink": sink, "tail": tail,
+                             "side_pool": "fp8" if side == 1 else "bf16",
+                             "mib_per_sequence": round(size / 2 ** 20, 1), "sequences": count,
+                             "x_bf16": round(count / base, 2)})
+    return rows
+
+
+class LoopedDecoder:
+    """The model's forward, all loops, last-loop readout (the engine's default policy), through one
+    attention callable per sequence."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.loops = model.config.total_ut_steps
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int], start: int, attention) -> torch.Tensor:
+        """Logits [n, V] of the n tokens `ids` at positions start.. (stored in `attention` as they run)."""
+        model = self.model
+        h = model.embed_tokens(torch.tensor(ids))
+        cos, sin = model.rotary(torch.arange(start, start + len(ids)), h.dtype)
+        for t in range(self.loops):
+            h = model.run_loop(h, cos, sin, attention, t)
+        return model.compute_logits(h).float()
+
+
+def new_store(model, fmt: KVFormat, sink: int, tail: int) -> PackedSequence:
+    config = model.config
+    return PackedSequence(fmt, config.total_ut_steps * config.num_hidden_layers, config.num_attention_heads,
+                          config.num_key_value_heads, config.head_dim, sink=sink, tail=tail)
+
+
+def greedy(decoder: LoopedDecoder, prompt: list[int], new_tokens: int, store: PackedSequence,
+           stop: set[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """Free-running greedy decode: the tokens and each step's log-probabilities."""
+    logits = decoder.logits(prompt, 0, store)[-1]
+    tokens, logprobs = [], []
+    while len(tokens) < new_tokens:
+        logprobs.append(torch.log_softmax(logits, -1))
+        token = int(logits.argmax())
+        tokens.append(token)
+        if stop and token in stop:
+            break
+        logits = decoder.logits([token], len(prompt) + len(tokens) - 1, store)[-1]
+    return tokens, logprobs
+
+
+def teacher_forced(decoder: LoopedDecoder, prompt: list[int], tokens: list[int],
+                   store: PackedSequence) -> list[torch.Tensor]:
+    """Log-probabilities before each of `tokens`, feeding the given tokens (not the format's own)."""
+    logits = decoder.logits(prompt, 0, store)[-1]
+    out = []
+    for i, token in enumerate(tokens):
+        out.append(torch.log_softmax(logits, -1))
+        if i + 1 < len(tokens):
+            logits = decoder.logits([token], len(prompt) + i, store)[-1]
+    return out
+
+
+def kl_rows(reference: list[list[torch.Tensor]], tokens: list[list[int]],
+            measured: list[list[torch.Tensor]]) -> dict:
+    kls, agreement = [], []
+    for ref, toks, got in zip(reference, tokens, measured):
+        kl = [float((r.exp() * (r - g)).sum()) for r, g in zip(ref, got)]
+        kls.append(kl)
+        first = next((i for i, (g, t) in enumerate(zip(got, toks)) if int(g.argmax()) != t), len(toks))
+        agreement.append(first)
+    buckets = {}
+    for low, high in BUCKETS:
+        values = sorted(v for kl in kls for v in kl[low:high])
+        if values:
+            buckets[f"{low}-{min(high, max(len(k) for k in kls))}"] = {
+                "mean": float(sum(values) / len(values)),
+                "p99": float(values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)])}
+    every = [v for kl in kls for v in kl]
+    return {"kl_mean": sum(every) / len(every), "kl_by_position": buckets,
+            "agreement_tokens": agreement, "agreement_mean": sum(agreement) / len(agreement)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget-gib", type=float, default=64.0)
+    parser.add_argument("--prompts", type=int, default=6, help="KL prompts (addition items with shots)")
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--shots", type=int, default=16, help="few-shot prefix of the task prompts (the tiny "
+                        "model keeps its accuracy to about 300 tokens)")
+    parser.add_argument("--accuracy-items", type=int, default=40)
+    parser.add_argument("--side-pools", default="0:0,64:64", help="sink:tail pairs for the output rows")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results = {**environment(), "capacity": capacity(args.budget_gib, 4096, 512)}
+    side_pools = [tuple(int(x) for x in pair.split(":")) for pair in args.side_pools.split(",")]
+    task = ROOT / "benchmarks" / "tasks" / "addition.jsonl"
+    items = [json.loads(line) for line in task.read_text().splitlines()]
+    prefix = "".join(f"{item['prompt']}{item['answer']}\n" for item in items[:args.shots])
+    with Engine(DEFAULT_MODEL, device="cpu", dtype="float32", verbose=False) as engine:
+        model, tokenizer = engine.model, engine.tokenizer
+        decoder = LoopedDecoder(model)
+        kl_items = items[args.shots:args.shots + args.prompts]
+        prompts = [tokenizer.encode(prefix + item["prompt"]) for item in kl_items]
+        results["prompt_tokens"] = [len(p) for p in prompts]
+        # The reference loop against the engine: the same greedy tokens.
+        check = engine.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].token_ids
+        dense = parse_kv_cache_dtype("auto")
+        reference = [greedy(decoder, p, args.new_tokens, new_store(model, dense, 0, 0)) for p in prompts]
+        assert reference[0][0][:32] == check, "the benchmark's loop does not reproduce the engine's tokens"
+        ref_tokens = [tokens for tokens, _ in reference]
+        ref_logprobs = [logprobs for _, logprobs in reference]
+        stop = set(engine.config.eos_token_ids) | set(tokenizer.encode("\n"))
+        accuracy_items = items[args.shots + args.prompts:args.shots + args.prompts + args.accuracy_items]
+
+        def accuracy(fmt: KVFormat, sink: int, tail: int) -> float:
+            correct = 0
+            for item in accuracy_items:
+                ids = tokenizer.encode(prefix + item["prompt"])
+                tokens, _ = greedy(decoder, ids, 12, new_store(model, fmt, sink, tail), stop)
+                correct += tokenizer.decode(tokens).strip().split("\n")[0].strip() == item["answer"]
+            return correct / len(accuracy_items)
+
+        rows = [{"kv_cache_dtype": "auto (fp32, reference)", "sink": 0, "tail": 0,
+                 "accuracy": accuracy(dense, 0, 0)}]
+        print(rows[-1], flush=True)
+        for name in FORMATS:
+            fmt = parse_kv_cache_dtype(name)
+            for sink, tail in side_pools if fmt.kind == "kvarn" else [(0, 0)]:
+                measured = [teacher_forced(decoder, p, t, new_store(model, fmt, sink, tail))
+                            for p, t in zip(prompts, ref_tokens)]
+                row = {"kv_cache_dtype": name, "sink": sink, "tail": tail,
+                       **kl_rows(ref_logprobs, ref_tokens, measured), "accuracy": accuracy(fmt, sink, tail)}
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "kl_by_position"}, flush=True)
+    results["outputs"] = rows
+    results["new_tokens"] = args.new_tokens
+    results["shots"] = args.shots
+    if args.out:
+        write_results(args.out, results, markdown(results))
+    print(markdown(results))
+
+
+def markdown(results: dict) -> str:
+    lines = [f"Low-bit KV formats, {results['device']}, torch {results['torch']}, "
+             f"commit {results['commit']}.", "",
+             "Capacity: 4096-token sequences (512 prompt + 3584 generated) in a 64 GiB pool at Ouro-1.4B's "
+             "shape (96 slots, 16 kv heads, head_dim 128), byte accounting:", "",
+             "| kv_cache_dtype | kv_sharing | sink | tail | side pool | MiB / sequence | sequences "
+             "| x bf16 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results["capacity"]:
+        lines.append(f"| {r['kv_cache_dtype']} | {r['kv_sharing']} | {r['sink']} | {r['tail']} | "
+                     f"{r['side_pool']} | "
+                     f"{r['mib_per_sequence']} | {r['sequences']} | {r['x_bf16']} |")
+    if "outputs" in results:
+        buckets = [key for key in results["outputs"][1]["kl_by_position"]]
+        sizes = results["prompt_tokens"]
+        lines += ["", f"The embedded tiny trained model (fp32, CPU), {len(sizes)} prompts of {min(sizes)}-"
+                  f"{max(sizes)} tokens ({results['shots']}-shot addition), {results['new_tokens']} "
+                  "teacher-forced greedy tokens each; KL(reference || format) per generated position, mean / "
+                  "p99 per position bucket; agreement: tokens before the first greedy divergence (mean over "
+                  "prompts); accuracy: the addition task, free-running greedy:", "",
+                  "| kv_cache_dtype | sink | tail | KL mean | " + " | ".join(buckets)
+                  + " | agreement | accuracy |",
+                  "|---|---|---|---|" + "---|" * len(buckets) + "---|---|"]
+        for r in results["outputs"]:
+            if "kl_mean" not in r:
+                lines.append(f"| {r['kv_cache_dtype']} | - | - | 0 | " + " | ".join("0" for _ in buckets)
+                             + f" | all | {r['accuracy']:.3f} |")
+                continue
+            cells = [f"{r['kl_by_position'][b]['mean']:.2e} / {r['kl_by_position'][b]['p99']:.2e}"
+                     if b in r["kl_by_position"] else "-" for b in buckets]
+            lines.append(f"| {r['kv_cache_dtype']} | {r['sink']} | {r['tail']} | {r['kl_mean']:.2e} | "
+                         + " | ".join(cells) + f" | {r['agreement_mean']:.0f} | {r['accuracy']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The KVarN tile codec in plain torch (arXiv 2606.03458): the reference that the packed-KV kernels must
+match, and which runs on CPU.
+
+A tile is X [G tokens, D channels] of one kv head's keys or values (any leading batch dims: [..., G, D]).
+1. Rotation: X_r = X H, H the orthonormal Sylvester-Hadamard matrix of size D. Queries are rotated alike
+   (q_r . k_r = q . k), and an attention output over rotated values is rotated back (out = out_r H^T).
+2. Variance normalization, Sinkhorn-style in the log domain: X_r = diag(r) N diag(c). Alternately divide
+   N's columns and rows by their standard deviation (two-pass, centred), accumulating log c and log r, and
+   keep the iterate whose imbalance (the largest over the smallest row and column std of N) is lowest.
+3. Asymmetric round-to-nearest of N with the normalization scales folded into the matching axis:
+   keys   K ~ r_i (q_ij s_j + z_j)    per-channel scale s and zero z, per-token scale r
+   values V ~ c_j (q_ij t_i + u_i)    per-channel scale c, per-token scale t and zero u
+   Every scale is stored fp16, and codes are computed against the stored scales.
+These foldings make attention cheap over codes: a score is r_i (sum_j (q_j s_j) code_ij + q . z), and an
+output channel is c_j (sum_i (p_i t_i) code_ij + sum_i p_i u_i) (`packed_scores`, `packed_output`).
+
+Codes pack along the channels of each token row, into bit planes of 4, 2 or 1 bits: 4 bits one nibble
+plane, 2 bits one crumb plane, 5 bits a nibble plane and a one-bit plane.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+FP16_MAX = 65504.0
+PLANES = {2: (2,), 4: (4,), 5: (4, 1), 8: (4, 4)}
+
+
+def hadamard(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix of size n (a power of two): symmetric, H H = I."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two size, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(n)).to(dtype=dtype, device=device)
+
+
+def centred_std(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Population standard deviation in two passes (mean first, then the mean squared deviation), which
+    keeps its precision where E[x^2] - E[x]^2 would cancel."""
+    return (x - x.mean(dim, keepdim=True)).square().mean(dim).sqrt()
+
+
+def sinkhorn_normalize(x: torch.Tensor, iterations: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """log r [..., G] and log c [..., D] of the best-balanced iterate, x = diag(r) N diag(c) [..., G, D]. A
+    std is clamped to [1e-3, 1e3] times the tile's own std, so a constant row or column stays finite."""
+    x = x.float()
+    floor = centred_std(x.flatten(-2), -1).clamp_min(1e-30)[..., None]
+    log_r = torch.zeros(x.shape[:-1], dtype=torch.float32, device=x.device)
+    log_c = torch.zeros(x.shape[:-2] + x.shape[-1:], dtype=torch.float32, device=x.device)
+
+    def clamped_log(std: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.clamp(std, min=floor * 1e-3, max=floor * 1e3))
+
+    def imbalance(n: torch.Tensor) -> torch.Tensor:
+        stds = torch.cat([centred_std(n, -1), centred_std(n, -2)], -1)
+        return stds.amax(-1) / stds.amin(-1).clamp_min(1e-30)
+
+    def normalized() -> torch.Tensor:
+        return x * torch.exp(-log_r)[..., :, None] * torch.exp(-log_c)[..., None, :]
+
+    best = imbalance(x)
+    best_r, best_c = log_r.clone(), log_c.clone()
+    for _ in range(iterations):
+        log_c = log_c + clamped_log(centred_std(normalized(), -2))
+        log_r = log_r + clamped_log(centred_std(normalized(), -1))
+        score = imbalance(normalized())
+        better = score < best
+        best = torch.where(better, score, best)
+        best_r = torch.where(better[..., None], log_r, best_r)
+        best_c = torch.where(better[..., None], log_c, best_c)
+    return best_r, best_c
+
+
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    """x as stored: fp16, clamped to its finite range, back in fp32."""
+    return x.clamp(-FP16_MAX, FP16_MAX).half().float()
+
+
+def _codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """round((x - zero) / scale) in [0, 2^bits - 1], uint8; a zero scale (a constant run) gives code 0."""
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.round((x - zero) / safe).clamp(0, (1 << bits) - 1).to(torch.uint8)
+
+
+@dataclasses.dataclass
+class QuantizedKeys:
+    codes: torch.Tensor  # [..., G, D] uint8 (unpacked)
+    channel_scale: torch.Tensor  # [..., D] fp16
+    channel_zero: torch.Tensor  # [..., D] fp16
+    token_scale: torch.Tensor  # [..., G] fp16
+
+
+@dataclasses.dataclass
+class QuantizedValues:
+    codes: torch.Tensor  # [..., G, D] uint8 (unpacked)
+    channel_scale: torch.Tensor  # [..., D] fp16
+    token_scale: torch.Tensor  # [..., G] fp16
+    token_zero: torch.Tensor  # [..., G] fp16
+
+
+def quantize_keys(x: torch.Tensor, bits: int, iterations: int = 8) -> QuantizedKeys:
+    """x [..., G, D] (rotated already): per-channel asymmetric codes of the normalized tile, with the channel
+    normalization folded into the channel scale and zero and the token normalization kept per token."""
+    x = x.float()
+    log_r, log_c = sinkhorn_normalize(x, iterations)
+    r = _fp16(torch.exp(log_r))
+    n = x / r[..., :, None] / torch.exp(log_c)[..., None, :]
+    low, high = n.amin(-2), n.amax(-2)
+    c = torch.exp(log_c)
+    scale = _fp16(c * (high - low) / ((1 << bits) - 1))
+    zero = _fp16(c * low)
+    codes = _codes(x / r[..., :, None], scale[..., None, :], zero[..., None, :], bits)
+    return QuantizedKeys(codes, scale.half(), zero.half(), r.half())
+
+
+def dequantize_keys(q: QuantizedKeys) -> torch.Tensor:
+    return q.token_scale.float()[..., :, None] * (q.codes.float() * q.channel_scale.float()[..., None, :]
+                                                  + q.channel_zero.float()[..., None, :])
+
+
+def quantize_values(x: torch.Tensor, bits: int, iterations: int = 8) -> QuantizedValues:
+    """x [..., G, D] (rotated already): per-token asymmetric codes of the normalized tile, with the token
+    normalization folded into the token scale and zero and the channel normalization kept per channel."""
+    x = x.float()
+    log_r, log_c = sinkhorn_normalize(x, iterations)
+    c = _fp16(torch.exp(log_c))
+    n = x / torch.exp(log_r)[..., :, None] / c[..., None, :]
+    low, high = n.amin(-1), n.amax(-1)
+    r = torch.exp(log_r)
+    scale = _fp16(r * (high - low) / ((1 << bits) - 1))
+    zero = _fp16(r * low)
+    codes = _codes(x / c[..., None, :], scale[..., :, None], zero[..., :, None], bits)
+    return QuantizedValues(codes, c.half(), scale.half(), zero.half())
+
+
+def dequantize_values(q: QuantizedValues) -> torch.Tensor:
+    return q.channel_scale.float()[..., None, :] * (q.codes.float() * q.token_scale.float()[..., :, None]
+                                                    + q.token_zero.float()[..., :, None])
+
+
+def packed_scores(q: torch.Tensor, keys: QuantizedKeys) -> torch.Tensor:
+    """q [..., D] (rotated) against one tile's key codes [..., G, D]: the G scores q . k_i, with the channel
+    scale folded into the query and the token scale applied once per score."""
+    folded = q.float() * keys.channel_scale.float()
+    offset = (q.float() * keys.channel_zero.float()).sum(-1, keepdim=True)
+    return keys.token_scale.float() * ((keys.codes.float() @ folded[..., :, None])[..., 0] + offset)
+
+
+def packed_output(p: torch.Tensor, values: QuantizedValues) -> torch.Tensor:
+    """p [..., G] attention weights over one tile's value codes: sum_i p_i v_i [..., D] (rotated), with the
+    token scale folded into the weights and the channel scale applied once per channel."""
+    weighted = p.float() * values.token_scale.float()
+    acc = (weighted[..., None, :] @ values.codes.float())[..., 0, :]
+    offset = (p.float() * values.token_zero.float()).sum(-1, keepdim=True)
+    return values.channel_scale.float() * (acc + offset)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """codes [..., D] uint8 < 2^bits into bit planes, each [..., D * width / 8] uint8: plane 0 holds the low
+    `width` bits, value j of a byte in bits j * width onward (little-endian within the byte)."""
+    if bits not in PLANES:
+        raise ValueError(f"codes of {bits} bits do not pack; supported: {sorted(PLANES)}")
+    planes, shift = [], 0
+    for width in PLANES[bits]:
+        per_byte = 8 // width
+        if codes.shape[-1] % per_byte:
+            raise ValueError(f"a row of {codes.shape[-1]} codes does not fill whole bytes of {width}-bit "
+                             "values")
+        part = ((codes.to(torch.int32) >> shift) & ((1 << width) - 1)).view(*codes.shape[:-1], -1, per_byte)
+        weights = torch.tensor([1 << (width * j) for j in range(per_byte)], dtype=torch.int32,
+                               device=codes.device)
+        planes.append((part * weights).sum(-1).to(torch.uint8))
+        shift += width
+    return planes
+
+
+def unpack_codes(planes: list[torch.Tensor], bits: int) -> torch.Tensor:
+    codes, shift = None, 0
+    for plane, width in zip(planes, PLANES[bits]):
+        per_byte = 8 // width
+        shifts = torch.tensor([width * j for j in range(per_byte)], dtype=torch.int32, device=plane.device)
+        part = ((plane.to(torch.int32)[..., None] >> shifts) & ((1 << width) - 1)).flatten(-2)
+        codes = part << shift if codes is None else codes | (part << shift)
+        shift += width
+    return codes.to(torch.uint8)
+
+
+def fp8_scale(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """The fp8_e4m3 scale that maps x's largest magnitude over `dims` to the format's largest finite value
+    (448), kept fp32; where x is all zero, 1."""
+    amax = x.float().abs().amax(dim=dims, keepdim=True)
+    return torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, torch.ones_like(amax))
+
+
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    top = torch.finfo(torch.float8_e4m3fn).max
+    return (x.float() / scale).clamp(-top, top).to(torch.float8_e4m3fn)
+
+
+def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale
+
+
+def roundtrip(x: torch.Tensor, bits: int, keys: bool, rotate: bool = True,
+              iterations: int = 8) -> torch.Tensor:
+    """x [..., G, D] through the codec and back (rotation included): what attention reads of a packed
+    tile."""
+    rotation = hadamard(x.shape[-1], device=x.device) if rotate else None
+    y = x.float() @ rotation if rotate else x.float()
+    if keys:
+        y = dequantize_keys(quantize_keys(y, bits, iterations))
+    else:
+        y = dequantize_values(quantize_values(y, bits, iterations))
+    return y @ rotation.T if rotate else y

@@ -1,0 +1,196 @@
+"""The KVarN tile codec (cache/kvarn.py), the format strings and their byte accounting (cache/kv_format.py),
+and the one-sequence reference store (cache/packed_sequence.py), on CPU."""
+
+import pytest
+import torch
+
+from cache import kvarn
+from cache.kv_format import KVARN_PRESETS, check_tile_dims, high_precision_rows, parse_kv_cache_dtype
+from cache.packed_sequence import PackedSequence
+
+
+def tiles(*shape, seed=0, outliers=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g)
+    if outliers:  # channels of very different spread, and tokens too: what the normalization is for
+        x = x * torch.exp(torch.randn(shape[-1], generator=g)) * torch.exp(0.5 * torch.randn(shape[-2], 1,
+                                                                                                generator=g))
+    return x
+
+
+def test_hadamard_is_orthonormal_and_symmetric():
+    h = kvarn.hadamard(64, torch.float64)
+    torch.testing.assert_close(h @ h, torch.eye(64, dtype=torch.float64))
+    assert torch.equal(h, h.T)
+    with pytest.raises(ValueError, match="power-of-two"):
+        kvarn.hadamard(48)
+
+
+def test_centred_std_keeps_its_precision_where_the_one_pass_formula_cancels():
+    x = (1e4 + torch.randn(4, 256, dtype=torch.float64) * 1e-2).float()
+    exact = x.double().std(-1, unbiased=False)
+    two_pass = kvarn.centred_std(x, -1).double()
+    one_pass = (x.square().mean(-1) - x.mean(-1).square()).clamp_min(0).sqrt().double()
+    assert ((two_pass - exact).abs() / exact).max() < 1e-2
+    assert ((one_pass - exact).abs() / exact).max() > 0.5
+
+
+def test_sinkhorn_returns_its_best_balanced_iterate():
+    x = tiles(16, 64, 32)
+    log_r, log_c = kvarn.sinkhorn_normalize(x, iterations=8)
+    n = x / torch.exp(log_r)[..., None] / torch.exp(log_c)[..., None, :]
+
+    def imbalance(m):
+        stds = torch.cat([kvarn.centred_std(m, -1), kvarn.centred_std(m, -2)], -1)
+        return stds.amax(-1) / stds.amin(-1)
+
+    assert (imbalance(n) <= imbalance(x) + 1e-6).all()
+    assert imbalance(n).mean() < 0.5 * imbalance(x).mean()
+    none_r, none_c = kvarn.sinkhorn_normalize(x, iterations=0)
+    assert not none_r.any() and not none_c.any()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 5])
+@pytest.mark.parametrize("keys", [True, False])
+def test_each_code_is_within_half_a_step_of_its_value(bits, keys):
+    """Round-to-nearest against the stored fp16 scales: every element is within half a quantization step
+    (in the tile's own units), allowing for fp16 rounding of the range ends."""
+    x = tiles(8, 64, 32, seed=bits)
+    if keys:
+        q = kvarn.quantize_keys(x, bits)
+        y = kvarn.dequantize_keys(q)
+        step = q.token_scale.float()[..., :, None] * q.channel_scale.float()[..., None, :]
+    else:
+        q = kvarn.quantize_values(x, bits)
+        y = kvarn.dequantize_values(q)
+        step = q.channel_scale.float()[..., None, :] * q.token_scale.float()[..., :, None]
+    assert q.codes.dtype == torch.uint8 and int(q.codes.max()) < (1 << bits)
+    assert ((y - x).abs() <= 0.5 * step * 1.01 + 2e-3 * x.abs()).all()
+    for scale in (q.channel_scale, q.token_scale):
+        assert scale.dtype == torch.float16
+
+
+def test_more_bits_and_the_normalization_give_less_error():
+    x = tiles(16, 64, 64)
+    x[..., 3] += 6.0  # a channel with a large mean and a small spread
+
+    def error(bits, keys, rotate=True, iterations=8):
+        return float((kvarn.roundtrip(x, bits, keys, rotate, iterations) - x).norm() / x.norm())
+
+    for keys in (True, False):
+        assert error(2, keys) > error(4, keys) > error(5, keys)
+        assert error(4, keys) < 0.12
+        assert error(4, keys) < error(4, keys, rotate=False, iterations=0)
+    assert error(4, True) < 0.8 * error(4, True, iterations=0)  # per-token spread is what keys' scales miss
+
+
+@pytest.mark.parametrize("bits", [2, 4, 5, 8])
+def test_codes_pack_into_bit_planes_and_back_exactly(bits):
+    codes = torch.randint(0, 1 << bits, (3, 64, 32), dtype=torch.uint8)
+    planes = kvarn.pack_codes(codes, bits)
+    assert sum(p.shape[-1] for p in planes) * 8 == 32 * bits
+    assert all(p.dtype == torch.uint8 for p in planes)
+    assert torch.equal(kvarn.unpack_codes(planes, bits), codes)
+    with pytest.raises(ValueError, match="do not pack"):
+        kvarn.pack_codes(codes, 3)
+
+
+def test_attention_over_codes_with_folded_scales_equals_attention_over_decoded_tiles():
+    x = tiles(4, 64, 32)
+    keys, values = kvarn.quantize_keys(x, 4), kvarn.quantize_values(x.flip(-2), 2)
+    q = torch.randn(4, 32)
+    scores = kvarn.packed_scores(q, keys)
+    torch.testing.assert_close(scores, (kvarn.dequantize_keys(keys) @ q[..., None])[..., 0], rtol=1e-5,
+                               atol=1e-4)
+    p = torch.softmax(scores, -1)
+    torch.testing.assert_close(kvarn.packed_output(p, values),
+                               (p[:, None, :] @ kvarn.dequantize_values(values))[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_scale_per_head_maps_the_largest_magnitude_to_448():
+    x = tiles(32, 4, 16, outliers=False) * torch.tensor([1.0, 10.0, 100.0, 0.0])[None, :, None]
+    scale = kvarn.fp8_scale(x, (0, 2))
+    assert scale.shape == (1, 4, 1) and float(scale[0, 3, 0]) == 1.0
+    y = kvarn.fp8_dequantize(kvarn.fp8_quantize(x, scale), scale)
+    assert ((y - x).abs() <= x.abs() * 2 ** -4 + scale * 2 ** -9).all()  # e4m3: 3 mantissa bits
+
+
+def test_format_strings_are_parsed_fail_closed():
+    assert parse_kv_cache_dtype("auto").kind == "dense"
+    assert parse_kv_cache_dtype("fp8_e4m3").kind == "fp8"
+    for name, (key_bits, value_bits, group) in KVARN_PRESETS.items():
+        fmt = parse_kv_cache_dtype(name)
+        assert (fmt.key_bits, fmt.value_bits, fmt.group, fmt.kind) == (key_bits, value_bits, group, "kvarn")
+    for bad in ("kvarn_k4v2", "KVARN_K4V2_G64", "int4", "", None, 4):
+        with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bf16, fp8_e4m3, kvarn_"):
+            parse_kv_cache_dtype(bad)
+    for group, head_dim in ((48, 128), (64, 96), (4, 128)):
+        with pytest.raises(ValueError, match="power-of-two"):
+            check_tile_dims(group, head_dim)
+
+
+def test_byte_accounting_of_a_tile_and_a_sequence():
+    fmt = parse_kv_cache_dtype("kvarn_k4v2_g64")
+    # keys: 64 x 128 x 4 bits + fp16 channel scale and zero + fp16 token scale; values: 2 bits + channel
+    # scale + token scale and zero
+    assert fmt.tile_bytes(128) == (4096 + 2 * 256 + 128) + (2048 + 256 + 2 * 128)
+    bf16 = parse_kv_cache_dtype("bf16")
+    assert bf16.sequence_bytes(4096, 96, 16, 128) == 4096 * 96 * 8192
+    packed = fmt.sequence_bytes(4096, 96, 16, 128)
+    assert packed == 96 * 64 * 16 * fmt.tile_bytes(128)
+    assert bf16.sequence_bytes(4096, 96, 16, 128) / packed > 4.4
+    side = fmt.sequence_bytes(4100, 96, 16, 128, sink=64, tail=256) - packed
+    assert side == 96 * (64 + 256) * 8192  # the 4 unfilled-tile tokens are among the newest 256
+    assert high_precision_rows(100, 64, sink=64, tail=16) == 64 + 36  # the unfilled tile exceeds the tail
+
+
+def attend_exactly(q, k, v, scale):
+    keys = k.repeat_interleave(q.shape[0] // k.shape[1], 1)
+    values = v.repeat_interleave(q.shape[0] // k.shape[1], 1)
+    weights = torch.softmax(torch.einsum("hd,lhd->hl", q, keys) * scale, -1)
+    return torch.einsum("hl,lhd->hd", weights, values)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "kvarn_k4v2_g64", "kvarn_k5v5_g64"])
+def test_packed_sequence_reads_packed_tiles_outside_the_sink_and_tail(name):
+    """Decode-style calls, one token each after a prompt: the output equals exact attention over the history
+    where each position outside the high-precision rows is replaced by its tile's codec round trip."""
+    fmt = parse_kv_cache_dtype(name)
+    heads, kv_heads, head_dim, sink, tail = 4, 2, 32, 8, 16
+    store = PackedSequence(fmt, 1, heads, kv_heads, head_dim, sink=sink, tail=tail)
+    g = torch.Generator().manual_seed(1)
+    k_all = torch.randn(150, kv_heads, head_dim, generator=g)
+    v_all = torch.randn(150, kv_heads, head_dim, generator=g)
+    q_all = torch.randn(150, heads, head_dim, generator=g)
+    store(q_all[:100], k_all[:100], v_all[:100], 0)
+    for position in range(100, 150):
+        out = store(q_all[position:position + 1], k_all[position:position + 1], v_all[position:position + 1],
+                    0)
+    length = 150
+    k_read, v_read = k_all.clone(), v_all.clone()
+    if fmt.kind == "kvarn":
+        high = set(range(sink)) | set(range(length - max(tail, length % 64), length))
+        for tile in range(length // 64):
+            rows = slice(tile * 64, (tile + 1) * 64)
+            k_tile = kvarn.roundtrip(k_all[rows].transpose(0, 1), fmt.key_bits, True).transpose(0, 1)
+            v_tile = kvarn.roundtrip(v_all[rows].transpose(0, 1), fmt.value_bits, False).transpose(0, 1)
+            for i in range(64):
+                if tile * 64 + i not in high:
+                    k_read[tile * 64 + i], v_read[tile * 64 + i] = k_tile[i], v_tile[i]
+        assert not torch.equal(k_read, k_all)
+    elif fmt.kind == "fp8":
+        k_scale, v_scale = kvarn.fp8_scale(k_all[:100], (0, 2)), kvarn.fp8_scale(v_all[:100], (0, 2))
+        k_read = kvarn.fp8_dequantize(kvarn.fp8_quantize(k_all, k_scale), k_scale)
+        v_read = kvarn.fp8_dequantize(kvarn.fp8_quantize(v_all, v_scale), v_scale)
+    want = attend_exactly(q_all[149], k_read, v_read, head_dim ** -0.5)
+    torch.testing.assert_close(out[0], want, rtol=1e-4, atol=1e-5)
+    exact = attend_exactly(q_all[149], k_all, v_all, head_dim ** -0.5)
+    if fmt.kind == "dense":
+        torch.testing.assert_close(out[0], exact, rtol=1e-5, atol=1e-6)
+    else:
+        assert not torch.allclose(out[0], exact, rtol=1e-6, atol=1e-7)
+
+
+def test_packed_sequence_refuses_tile_dims_that_do_not_pack():
+    with pytest.raises(ValueError, match="head_dim"):
+        PackedSequence(parse_kv_cache_dtype("kvarn_k4v2_g64"), 1, 4, 2, 24)
