@@ -118,7 +118,8 @@ class Engine:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  packed_prefill: bool = False, enforce_eager: bool = False,
                  exit_policy: str | None = None, kv_sharing: str = "none", speculative: str | None = None,
-                 num_speculative_tokens: int | None = None, verbose: bool = True) -> None:
+                 num_speculative_tokens: int | None = None, admission: str = "reserve",
+                 verbose: bool = True) -> None:
         if not isinstance(verbose, bool):
             raise ValueError(f"verbose must be True or False, got {verbose!r}")
         self.engine_config = config = EngineConfig.resolve(
@@ -128,7 +129,7 @@ class Engine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             packed_prefill=packed_prefill, enforce_eager=enforce_eager, kv_sharing=kv_sharing,
-            speculative=speculative, num_speculative_tokens=num_speculative_tokens)
+            speculative=speculative, num_speculative_tokens=num_speculative_tokens, admission=admission)
         model_dir = config.model_dir
         self.config: OuroConfig = config.model
         self.tokenizer = Tokenizer(model_dir)
@@ -159,7 +160,8 @@ class Engine:
                           f"finish_reason 'length' and stop_reason {KV_POOL_FULL!r}. Raise kv_cache_gib or "
                           "num_kv_blocks, or lower max_model_len", stacklevel=2)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, self.tokenizer, config.speculative_tokens)
+                                   config.max_model_len, self.tokenizer, config.speculative_tokens,
+                                   config.admission)
         self.runner = ModelRunner(config, self.model, self.backend, self.kv_pool, self.layout,
                                   scratch_block=num_blocks, token_text=self.tokenizer.token_text)
         self._requests: dict[str, Request] = {}  # every sequence the scheduler may still hand back, by id
@@ -843,6 +845,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(lossless; docs/speculative.md)")
     engine.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                         help="drafts per step under --speculative (default 4)")
+    engine.add_argument("--admission", default="reserve", choices=["reserve", "greedy"],
+                        help="reserve (default): admit a request only if the KV pool also covers what the "
+                             "running ones are expected to claim; greedy: whenever it fits, preempting later")
     output = gen.add_argument_group("output")
     output.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     output.add_argument("--loop-trace", action="store_true",
@@ -911,7 +916,8 @@ def cli_generate(args: argparse.Namespace) -> int:
                 loops=args.loops, enforce_eager=args.enforce_eager, exit_policy=args.exit_policy,
                 kv_sharing=args.kv_sharing, max_model_len=args.max_model_len,
                 num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
-                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens) as engine:
+                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                admission=args.admission) as engine:
         if rows is not None:
             return _generate_batch(engine, rows, params)
         return _generate_one(engine, args, params)

@@ -22,7 +22,7 @@ import torch
 from attention.base import check_name as check_backend_name
 from model.config import OuroConfig
 from model.loader import resolve_model_dir
-from request import ExitPolicy, parse_exit_policy
+from request import ADMISSION, ExitPolicy, parse_exit_policy
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -51,6 +51,9 @@ class EngineConfig:
     # Self-speculative decoding (docs/speculative.md): "loops:d" drafts with the first d loops; None: off.
     speculative: str | None = None
     num_speculative_tokens: int | None = None  # k, the drafts per step (default 4 when speculative is on)
+    # "reserve": admit a request only if the pool also covers what the running ones are expected to claim
+    # (scheduler/scheduler.py); "greedy": whenever its next chunk fits, preempting later if need be.
+    admission: str = "reserve"
 
     def __post_init__(self) -> None:
         check_options(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -135,6 +138,8 @@ def check_options(**values: Any) -> None:
         utilization = values["gpu_memory_utilization"]
         if not _is_number(utilization) or not 0.0 < utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+    if "admission" in values and values["admission"] not in ADMISSION:
+        raise ValueError(f"admission must be one of {', '.join(ADMISSION)}; got {values['admission']!r}")
     if "kv_sharing" in values and values["kv_sharing"] not in KV_SHARING:
         raise ValueError(f"kv_sharing must be 'none' or 'last', got {values['kv_sharing']!r}")
     threshold = values.get("exit_threshold")

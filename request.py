@@ -21,6 +21,8 @@ import torch
 # -- exit policies (docs/ouro.md §4) ------------------------------------------------------------------
 
 EXIT_POLICY_KINDS = ("full", "threshold", "step", "weighted", "early", "hf")
+# How the scheduler admits waiting requests (scheduler/scheduler.py: Scheduler's admission).
+ADMISSION = ("reserve", "greedy")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

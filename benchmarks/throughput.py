@@ -39,13 +39,14 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--admission", default="reserve", choices=["reserve", "greedy"])
     parser.add_argument("--out", default=f"benchmarks/results/throughput-{environment()['date']}.json")
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
     bandwidth, flops_rate = copy_bandwidth(), matmul_rate()
     rng = random.Random(0)
     with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=args.max_num_seqs,
-                max_model_len=2 * args.max_len + 8) as engine:
+                max_model_len=2 * args.max_len + 8, admission=args.admission) as engine:
         vocab = engine.config.vocab_size
         weights = weight_bytes_per_step(engine)
         kv_token = engine.kv_pool.bytes_per_token
@@ -75,21 +76,24 @@ def main() -> None:
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         preemptions = engine.scheduler.num_preemptions
+        kv_blocks = engine.block_manager.num_blocks
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     total_tokens = out_tokens + sum(len(p) for p in prompts)
     row = {"requests": args.num_requests, "output_tokens": out_tokens, "total_tokens": total_tokens,
            "seconds": round(elapsed, 2), "output_tok_s": round(out_tokens / elapsed, 1),
            "total_tok_s": round(total_tokens / elapsed, 1), "roofline_seconds": round(roofline[0], 2),
-           "fraction_of_roofline": round(roofline[0] / elapsed, 3), "preemptions": preemptions}
+           "fraction_of_roofline": round(roofline[0] / elapsed, 3), "preemptions": preemptions,
+           "admission": args.admission, "kv_blocks": kv_blocks}
     env = environment()
     table = (f"Throughput, {path} (bf16) on {env['device']}, "
              f"torch {env['torch']}, triton {env['triton']}, commit "
              f"{env['commit']}; copy {bandwidth / 1e12:.2f} TB/s, "
              f"bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s\n\n"
-             "| requests | output tok/s | total tok/s | time s | roofline s | fraction of roofline |\n"
-             "|---|---|---|---|---|---|\n"
-             f"| {row['requests']} | {row['output_tok_s']} | {row['total_tok_s']} | {row['seconds']} | "
-             f"{row['roofline_seconds']} | {row['fraction_of_roofline']} |")
+             "| requests | admission | KV blocks | preemptions | output tok/s | total tok/s | time s | "
+             "roofline s | fraction of roofline |\n|---|---|---|---|---|---|---|---|---|\n"
+             f"| {row['requests']} | {row['admission']} | {kv_blocks} | {preemptions} | {row['output_tok_s']} | "
+             f"{row['total_tok_s']} | {row['seconds']} | {row['roofline_seconds']} | "
+             f"{row['fraction_of_roofline']} |")
     write_results(args.out, {**env, "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops_rate,
                              "model": path, "rows": [row]}, table)
 

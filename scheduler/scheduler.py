@@ -19,15 +19,25 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Protocol
 
 from cache.blocks import BlockManager
-from request import Request, RequestStatus, ScheduledBatch
+from request import ADMISSION, Request, RequestStatus, ScheduledBatch
 
 # The stop_reason of a sequence that ended with finish_reason "length" because the KV pool cannot hold one
 # more of its tokens (even were it alone), not because of max_tokens or max_model_len.
 KV_POOL_FULL = "kv_pool_full"
+
+# admission="reserve" estimates the blocks the running requests will still claim, as SGLang's scheduler does
+# (its new_token_ratio): a fraction of each request's remaining output budget (clipped to RESERVE_CLIP
+# tokens), which starts at RESERVE_INIT, falls linearly to RESERVE_FLOOR over RESERVE_DECAY_STEPS steps
+# without a preemption, and goes back to RESERVE_INIT after one. SGLang's defaults: 0.7, 0.7 x 0.14, 600.
+RESERVE_INIT = 0.7
+RESERVE_FLOOR = 0.7 * 0.14
+RESERVE_DECAY_STEPS = 600
+RESERVE_CLIP = 4096
 
 
 class Detokenizer(Protocol):
@@ -88,7 +98,12 @@ class Scheduler:
         max_model_len: int,
         detokenizer: Detokenizer,
         num_speculative_tokens: int = 0,
+        admission: str = "reserve",
     ) -> None:
+        """admission: "greedy" admits a waiting request whenever its next chunk fits, and preempts when the
+        running requests outgrow the pool (vLLM's rule); "reserve" admits one only if the free blocks also
+        cover what the running requests and it are expected to claim (ADMISSION above), so that a
+        recompute of all T loops is rarely needed."""
         for name, value in [
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -96,6 +111,10 @@ class Scheduler:
         ]:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Scheduler.{name} must be an integer >= 1, got {value!r}")
+        if admission not in ADMISSION:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSION)}; got {admission!r}")
+        self.admission = admission
+        self.reserve_ratio = RESERVE_INIT
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -177,6 +196,9 @@ class Scheduler:
                 budget -= reserved
         if not preempted:  # as vLLM: no admissions in a step that had to preempt
             self._admit_waiting(rows, budget)
+        if self.admission == "reserve":
+            self.reserve_ratio = RESERVE_INIT if preempted else max(
+                RESERVE_FLOOR, self.reserve_ratio - (RESERVE_INIT - RESERVE_FLOOR) / RESERVE_DECAY_STEPS)
         # Speculative only when every row decodes (a prefill chunk runs every loop of its tokens anyway).
         speculative = bool(rows) and len(drafts) == len(rows)
         return ScheduledBatch(
@@ -368,8 +390,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _expected_blocks(self, request: Request, num_new: int = 0) -> int:
+        """Blocks the request is expected to claim beyond those it holds: its uncomputed tokens (num_new more
+        for one being admitted) and the reserve ratio of its remaining output budget."""
+        params = request.params
+        limit = self.max_model_len - request.num_tokens
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens - request.num_output_tokens)
+        pending = max(num_new, request.num_tokens - request.num_computed_tokens)
+        expected = pending + math.ceil(self.reserve_ratio * min(max(limit, 0), RESERVE_CLIP))
+        return sum(self.block_manager.layout.missing_blocks(request, expected))
+
     def _admit_waiting(self, rows: dict[Request, int], budget: int) -> None:
         bm = self.block_manager
+        reserved = None  # admission="reserve": blocks the running requests are expected to claim
+        if self.admission == "reserve" and self.running:
+            reserved = sum(self._expected_blocks(r) for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             num_cached = bm.allocate(request)
@@ -387,7 +423,14 @@ class Scheduler:
                     f"{bm.num_free_blocks} of the pool's {bm.num_blocks} are free, and no running request "
                     f"holds the other {bm.num_blocks - bm.num_free_blocks}"))
                 continue
+            if reserved is not None:
+                if self._expected_blocks(request, num_new) + reserved > bm.num_free_blocks:
+                    bm.free(request)  # it would likely force a preemption later: wait for blocks to free
+                    request.num_computed_tokens = 0
+                    return
             bm.append_slots(request, num_new)
+            if reserved is not None:
+                reserved += self._expected_blocks(request, num_new)  # beyond the blocks it now holds
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
             self.waiting.popleft()

@@ -62,7 +62,7 @@ def test_prefix_cache_hit_equals_miss(tiny_checkpoint):
 
 
 def test_preempted_request_resumes_token_identical(tiny_checkpoint, prompts, alone):
-    with _engine(tiny_checkpoint, num_kv_blocks=20, block_size=4) as engine:
+    with _engine(tiny_checkpoint, num_kv_blocks=20, block_size=4, admission="greedy") as engine:
         outputs = engine.generate(prompts[:8], GREEDY, use_tqdm=False)
         assert engine.scheduler.num_preemptions > 0
     assert [out.outputs[0].token_ids for out in outputs] == alone[:8]
@@ -94,7 +94,7 @@ def test_out_of_vocabulary_token_fails_that_request_alone(tiny_checkpoint):
 def test_stress_500_random_requests_under_preemption(tiny_checkpoint):
     rng = random.Random(0)
     with _engine(tiny_checkpoint, num_kv_blocks=40, block_size=4, max_num_seqs=24,
-                 max_num_batched_tokens=96) as engine:
+                 max_num_batched_tokens=96, admission="greedy") as engine:
         pending: dict[str, SamplingParams] = {}
         for i in range(500):
             prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 30))]

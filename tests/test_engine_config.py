@@ -12,7 +12,8 @@ PLAIN = [("block_size", 0), ("num_kv_blocks", 0), ("gpu_memory_utilization", Tru
          ("max_num_seqs", "8"), ("max_num_batched_tokens", 1.5), ("max_model_len", 0),
          ("enable_prefix_caching", "yes"), ("packed_prefill", 1), ("enforce_eager", None),
          ("exit_policy", "fast"), ("kv_sharing", "all"), ("loops", 0), ("exit_threshold", float("inf")),
-         ("dtype", "int8"), ("attention", "flash"), ("device", "tpu"), ("verbose", "no")]
+         ("dtype", "int8"), ("attention", "flash"), ("device", "tpu"), ("verbose", "no"),
+         ("admission", "eager")]
 
 
 @pytest.fixture

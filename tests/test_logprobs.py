@@ -100,7 +100,7 @@ def test_prompt_logprobs_survive_chunked_prefill_preemption_and_a_cached_prefix(
     whole = engine.generate(PROMPT, params, use_tqdm=False)[0]
     # Chunks of 5 tokens; a pool of 6 blocks of 4 tokens cannot hold three such sequences: preemption.
     with Engine(tiny_checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=5, block_size=4,
-                num_kv_blocks=12, verbose=False) as small:
+                num_kv_blocks=12, admission="greedy", verbose=False) as small:
         outs = small.generate([PROMPT] * 3, params, use_tqdm=False)
         assert small.scheduler.num_preemptions > 0
     ids = whole.prompt_token_ids + whole.outputs[0].token_ids

@@ -250,7 +250,8 @@ def test_preempted_requests_replay_generated_tokens_and_match_reference(tiny_che
     """A pool too small for all four: preempted requests recompute their generated tokens one per step."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     completions, prompt_ids, _, replayed = generate(tiny_checkpoint, 3, params, num_kv_blocks=16,
-                                                    block_size=4, enable_prefix_caching=False, **engine_args)
+                                                    block_size=4, enable_prefix_caching=False,
+                                                    admission="greedy", **engine_args)
     assert replayed > 0  # generated tokens recomputed after preemption
     reference = ReferenceOuro(tiny_checkpoint, loops=3)
     policy, kv_sharing = engine_args.get("exit_policy", "full"), engine_args.get("kv_sharing", "none")
@@ -268,7 +269,8 @@ def test_prefix_caching_and_preemption_give_the_tokens_of_an_uncached_unpreempte
     prompts = [prefix + [60 + i] * (1 + i) for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     common = dict(device="cpu", dtype="float32", loops=3, block_size=4, verbose=False, **engine_args)
-    with Engine(tiny_checkpoint, num_kv_blocks=12, max_num_batched_tokens=8, **common) as engine:
+    with Engine(tiny_checkpoint, num_kv_blocks=12, max_num_batched_tokens=8, admission="greedy",
+                **common) as engine:
         first = engine.generate(prompts[:1], params, use_tqdm=False)  # fills the prefix cache
         cached = engine.generate(prompts, params, use_tqdm=False)
         preemptions = engine.scheduler.num_preemptions

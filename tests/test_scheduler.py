@@ -93,9 +93,12 @@ def make_scheduler(
     max_num_batched_tokens=32,
     max_model_len=256,
     enable_prefix_caching=True,
+    admission="greedy",
 ) -> tuple[Scheduler, FakeModel]:
+    """admission: greedy by default here, so that small pools preempt (what most of these tests are about)."""
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
-    scheduler = Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, Letters())
+    scheduler = Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, Letters(),
+                          admission=admission)
     return scheduler, FakeModel(bm)
 
 
@@ -585,11 +588,13 @@ def test_invalid_budgets_raise_naming_the_field(field):
         Scheduler(BlockManager(8), detokenizer=Letters(), **kwargs)
 
 
-def test_stress_random_requests_in_a_tiny_pool_all_finish_right_and_free_every_block():
+@pytest.mark.parametrize("admission", ["greedy", "reserve"])
+def test_stress_random_requests_in_a_tiny_pool_all_finish_right_and_free_every_block(admission):
     rng = random.Random(1234)
     max_model_len = 64
     scheduler, model = make_scheduler(
-        num_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=max_model_len
+        num_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=max_model_len,
+        admission=admission,
     )
     prefixes = [[], [rng.randrange(1, VOCAB) for _ in range(8)], [rng.randrange(1, VOCAB) for _ in range(13)]]
     requests = random_requests(rng, 520, prefixes, max_prompt=40)
@@ -627,3 +632,57 @@ def test_stress_random_requests_in_a_tiny_pool_all_finish_right_and_free_every_b
     reasons = Counter(r.finish_reason for r in requests)
     assert reasons["stop"] > 50 and reasons["length"] > 50
     assert_all_blocks_free(scheduler)
+
+
+def test_reserve_admission_preempts_less_than_greedy_admission_with_the_same_tokens():
+    """Twelve requests of 8 prompt and 24 output tokens (8 blocks of 4 at their longest) in 24 blocks: greedy
+    admission takes them in as long as their first chunks fit and preempts as they grow; reserve admits what
+    the pool is expected to carry (it may still preempt: its ratio expects 70% of the remaining outputs)."""
+    results = {}
+    for admission in ("greedy", "reserve"):
+        scheduler, model = make_scheduler(num_blocks=24, admission=admission)
+        for i in range(12):
+            scheduler.add(make_request(str(i), [1 + i] * 8, max_tokens=24, ignore_eos=True))
+        finished = drive(scheduler, model)
+        assert_all_blocks_free(scheduler)
+        results[admission] = {k: r.output_token_ids for k, r in finished.items()}, scheduler.num_preemptions
+    assert results["reserve"][1] < results["greedy"][1] / 2
+    assert results["greedy"][0] == results["reserve"][0]
+    assert all(len(tokens) == 24 for tokens in results["reserve"][0].values())
+
+
+def test_reserve_admission_still_admits_into_an_idle_pool_a_request_it_expects_to_outgrow_it():
+    """Nothing runs: the head of the queue is admitted whenever its first chunk fits (else it would wait
+    forever), and grows until the pool is full."""
+    scheduler, model = make_scheduler(num_blocks=6, admission="reserve")
+    scheduler.add(make_request("long", [1] * 8, max_tokens=200, ignore_eos=True))
+    scheduler.add(make_request("next", [2] * 4, max_tokens=4, ignore_eos=True))
+    finished = drive(scheduler, model)
+    assert finished["long"].finish_reason == "length" and finished["long"].stop_reason == KV_POOL_FULL
+    assert len(finished["next"].output_token_ids) == 4 and scheduler.num_preemptions == 0
+
+
+def test_the_reserve_ratio_decays_per_step_to_its_floor_and_returns_to_its_start_after_a_preemption():
+    from scheduler.scheduler import RESERVE_DECAY_STEPS, RESERVE_FLOOR, RESERVE_INIT
+
+    scheduler, model = make_scheduler(num_blocks=6, max_num_batched_tokens=8, admission="reserve")
+    scheduler.add(make_request("a", [1] * 4, max_tokens=10, ignore_eos=True))
+    for _ in range(5):
+        batch = scheduler.schedule()
+        scheduler.update(batch, model.run(batch))
+    step = (RESERVE_INIT - RESERVE_FLOOR) / RESERVE_DECAY_STEPS
+    assert scheduler.reserve_ratio == pytest.approx(RESERVE_INIT - 5 * step)
+    scheduler.reserve_ratio = RESERVE_FLOOR  # a low estimate admits three that outgrow the pool together
+    for i in range(3):
+        scheduler.add(make_request(str(i), [2 + i] * 4, max_tokens=12, ignore_eos=True))
+    ratios = []
+    while scheduler.num_preemptions == 0:
+        batch = scheduler.schedule()
+        ratios.append(scheduler.reserve_ratio)
+        scheduler.update(batch, model.run(batch))
+    assert min(ratios[:-1]) == RESERVE_FLOOR and ratios[-1] == RESERVE_INIT
+
+
+def test_an_unknown_admission_policy_is_named():
+    with pytest.raises(ValueError, match="admission must be one of reserve, greedy"):
+        Scheduler(BlockManager(8), 4, 16, 64, Letters(), admission="fifo")

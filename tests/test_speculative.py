@@ -87,9 +87,9 @@ def test_preemption_and_prefix_caching_keep_greedy_tokens():
     prefix = "The same long prefix shared by every request, long enough to fill blocks: "
     prompts = [prefix + p for p in PROMPTS] * 2
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    base, _, _, _ = run(TRAINED, params, prompts, num_kv_blocks=24, block_size=4)
+    base, _, _, _ = run(TRAINED, params, prompts, num_kv_blocks=24, block_size=4, admission="greedy")
     spec, stats, preemptions, _ = run(TRAINED, params, prompts, num_kv_blocks=24, block_size=4,
-                                      speculative="loops:2", num_speculative_tokens=4)
+                                      admission="greedy", speculative="loops:2", num_speculative_tokens=4)
     assert preemptions > 0
     assert stats.steps > 0
     assert [o.token_ids for o in spec] == [o.token_ids for o in base]

@@ -24,9 +24,10 @@ PROMPTS = ["A looped language model", "Hello", "The quick brown fox jumps over t
 
 
 def small_engine(checkpoint, **overrides) -> Engine:
-    """A pool of 14 blocks of 4 tokens for five sequences that need 23 at their longest: they preempt."""
+    """A pool of 14 blocks of 4 tokens for five sequences that need 23 at their longest: under greedy
+    admission they preempt."""
     options = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=14, max_num_batched_tokens=16,
-                   verbose=False)
+                   admission="greedy", verbose=False)
     return Engine(checkpoint, **{**options, **overrides})
 
 
