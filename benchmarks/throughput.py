@@ -91,8 +91,8 @@ def main() -> None:
              f"bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s\n\n"
              "| requests | admission | KV blocks | preemptions | output tok/s | total tok/s | time s | "
              "roofline s | fraction of roofline |\n|---|---|---|---|---|---|---|---|---|\n"
-             f"| {row['requests']} | {row['admission']} | {kv_blocks} | {preemptions} | {row['output_tok_s']} | "
-             f"{row['total_tok_s']} | {row['seconds']} | {row['roofline_seconds']} | "
+             f"| {row['requests']} | {row['admission']} | {kv_blocks} | {preemptions} | "
+             f"{row['output_tok_s']} | {row['total_tok_s']} | {row['seconds']} | {row['roofline_seconds']} | "
              f"{row['fraction_of_roofline']} |")
     write_results(args.out, {**env, "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops_rate,
                              "model": path, "rows": [row]}, table)
