@@ -637,10 +637,13 @@ def test_stress_random_requests_in_a_tiny_pool_all_finish_right_and_free_every_b
 def test_reserve_admission_preempts_less_than_greedy_admission_with_the_same_tokens():
     """Twelve requests of 8 prompt and 24 output tokens (8 blocks of 4 at their longest) in 24 blocks: greedy
     admission takes them in as long as their first chunks fit and preempts as they grow; reserve admits what
-    the pool is expected to carry (it may still preempt: its ratio expects 70% of the remaining outputs)."""
+    the pool is expected to carry (it may still preempt: its ratio expects 70% of the remaining outputs).
+    The token budget takes every prompt in the first step, so the reserve must hold from the second
+    admission into the idle pool on."""
     results = {}
     for admission in ("greedy", "reserve"):
-        scheduler, model = make_scheduler(num_blocks=24, admission=admission)
+        scheduler, model = make_scheduler(num_blocks=24, max_num_batched_tokens=256, max_num_seqs=16,
+                                          admission=admission)
         for i in range(12):
             scheduler.add(make_request(str(i), [1 + i] * 8, max_tokens=24, ignore_eos=True))
         finished = drive(scheduler, model)
