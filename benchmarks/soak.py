@@ -103,12 +103,13 @@ def resident_mib() -> float:
 
 
 def soak(requests: int = 2000, seed: int = 0, model: str | Path | None = None, in_flight: int = 32,
-         num_kv_blocks: int = 48, max_num_batched_tokens: int = 256) -> dict:
+         num_kv_blocks: int = 48, max_num_batched_tokens: int = 256, admission: str = "greedy") -> dict:
+    """admission: greedy by default, so that the small pool preempts often (what the soak exercises)."""
     rng = random.Random(seed)
     marks = sorted({max(1, requests // 4), max(1, requests // 2), requests})
     with Engine(model if model is not None else DEFAULT_MODEL, device="cpu", dtype="float32",
                 num_kv_blocks=num_kv_blocks, block_size=16, max_num_seqs=in_flight,
-                max_num_batched_tokens=max_num_batched_tokens, verbose=False) as engine:
+                max_num_batched_tokens=max_num_batched_tokens, admission=admission, verbose=False) as engine:
         eos, vocab = engine.tokenizer.stop_token_ids, engine.config.vocab_size
         specs = [random_spec(rng, vocab) for _ in range(requests)]
         arrivals = collections.deque(enumerate(specs))
@@ -158,7 +159,7 @@ def soak(requests: int = 2000, seed: int = 0, model: str | Path | None = None, i
                         "commit": commit(), "date": datetime.date.today().isoformat()},
         "config": {"requests": requests, "seed": seed, "model": str(model or DEFAULT_MODEL.name),
                    "in_flight": in_flight, "num_kv_blocks": num_kv_blocks, "block_size": 16,
-                   "max_num_batched_tokens": max_num_batched_tokens},
+                   "max_num_batched_tokens": max_num_batched_tokens, "admission": admission},
         "finished_once": len(finished), "problems": problems[:20], "num_problems": len(problems),
         "by_reason": dict(sorted(counts.items())), "aborts_sent": len(aborted), "stop_strings": stop_strings,
         "preemptions": preemptions, "steps": steps, "generated_tokens": tokens,
@@ -200,10 +201,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--in-flight", type=int, default=32, help="requests kept in the engine at once")
     parser.add_argument("--num-kv-blocks", type=int, default=48, help="KV pool size, in blocks of 16 tokens")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--admission", default="greedy", choices=["greedy", "reserve"],
+                        help="greedy (default here: the pool preempts often) or reserve (the engine's)")
     parser.add_argument("--out", default=None, help="results JSON (a .md table is written beside it)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    report = soak(args.requests, args.seed, args.model, args.in_flight, args.num_kv_blocks)
+    report = soak(args.requests, args.seed, args.model, args.in_flight, args.num_kv_blocks,
+                  admission=args.admission)
     print(table(report))
     out = args.out or (f"benchmarks/results/soak-{report['environment']['date']}-"
                        f"{report['environment']['commit']}.json")

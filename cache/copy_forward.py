@@ -10,32 +10,6 @@ and an in-plane index s = block * block_size + offset addresses one token's kv_h
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def copy_forward_kernel(key_ptr, value_ptr, slots_ptr, mask_ptr, loop, plane_tokens,
-                        LOOPS: tl.constexpr, LAYERS: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
-                        MASKED: tl.constexpr):
-    """One program per (stopped token, layer): its K and V row of plane (loop, layer) into planes (t, layer)
-    for every t > loop. 64-bit offsets: a pool exceeds 2^31 elements."""
-    row = tl.program_id(0)
-    layer = tl.program_id(1)
-    if MASKED:
-        if tl.load(mask_ptr + row).to(tl.int32) == 0:
-            return
-    token = tl.load(slots_ptr + row).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    inside = offs < ROW
-    plane = (loop * LAYERS + layer).to(tl.int64)
-    source = (plane * plane_tokens + token) * ROW + offs
-    k = tl.load(key_ptr + source, mask=inside)
-    v = tl.load(value_ptr + source, mask=inside)
-    for deeper in range(loop + 1, LOOPS):
-        target = ((deeper * LAYERS + layer).to(tl.int64) * plane_tokens + token) * ROW + offs
-        tl.store(key_ptr + target, k, mask=inside)
-        tl.store(value_ptr + target, v, mask=inside)
 
 
 def copy_forward(key_cache: torch.Tensor, value_cache: torch.Tensor, loops: int, slots: torch.Tensor,
@@ -51,9 +25,11 @@ def copy_forward(key_cache: torch.Tensor, value_cache: torch.Tensor, loops: int,
     row = key_cache[0, 0, 0].numel()
     plane_tokens = key_cache.shape[1] * key_cache.shape[2]
     if use_triton:
+        from cache.copy_forward_kernel import copy_forward_kernel  # Triton only where it runs
+
         copy_forward_kernel[(slots.numel(), layers)](
             key_cache, value_cache, slots, mask if mask is not None else slots, loop, plane_tokens,
-            LOOPS=loops, LAYERS=layers, ROW=row, BLOCK=triton.next_power_of_2(row), MASKED=mask is not None,
+            LOOPS=loops, LAYERS=layers, ROW=row, BLOCK=1 << (row - 1).bit_length(), MASKED=mask is not None,
             num_warps=4)
         return
     if mask is not None:

@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 from attention.kernels.decode import decode_merge_kernel, decode_split_kernel
 from attention.kernels.kv_store import kv_store_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
-from cache.copy_forward import copy_forward_kernel
+from cache.copy_forward_kernel import copy_forward_kernel
 
 OURO = {"HEADS": 16, "KV_HEADS": 16, "HEAD_DIM": 128}
 INDEX_POINTERS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "rows_ptr": "*i32",
