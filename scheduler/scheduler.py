@@ -1,7 +1,9 @@
 """Continuous batching: each step is one batch within a token budget and a sequence budget. Running
 decodes go first, then prefill chunks (running requests first, then the waiting queue, FCFS), all mixed
-into one forward pass. When blocks run out, the most recently admitted request is preempted and later
-recomputed. It sees token ids, block ids and a detokenizer; it never touches tensors or the model.
+into one forward pass. Admission (admission="reserve", the default) keeps room for what the running
+requests are expected to grow into; when blocks still run out, the most recently admitted request is
+preempted and later recomputed. It sees token ids, block ids and a detokenizer; it never touches tensors
+or the model.
 
 update() first decides every row's outcome (detokenizing the new tokens) and changes nothing, then applies
 them all, so an exception while deciding (KeyboardInterrupt included) leaves every request as it was. A
@@ -102,7 +104,7 @@ class Scheduler:
     ) -> None:
         """admission: "greedy" admits a waiting request whenever its next chunk fits, and preempts when the
         running requests outgrow the pool (vLLM's rule); "reserve" admits one only if the free blocks also
-        cover what the running requests and it are expected to claim (ADMISSION above), so that a
+        cover what the running requests and it are expected to claim (RESERVE_* above), so that a
         recompute of all T loops is rarely needed."""
         for name, value in [
             ("max_num_seqs", max_num_seqs),
