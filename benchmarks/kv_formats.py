@@ -2,6 +2,7 @@
 Ouro-1.4B's shape, and what each format does to the embedded tiny trained model's outputs. CPU.
 
     python -m benchmarks.kv_formats --out benchmarks/results/kv_formats.json
+    python -m benchmarks.kv_formats --model <a checkpoint> --device cuda --dtype bfloat16 --out ...
 
 Capacity: 4096-token sequences in a 64 GiB pool, per format and per high-precision side pool (sink, tail),
 with and without kv_sharing="last" (generated tokens in L slots, not T x L), against bf16; byte accounting of
@@ -14,7 +15,8 @@ engine's. Each format is teacher-forced on the reference tokens, token by token,
 next-token distribution has the same context: token-level KL(reference || format), mean and p99 per position
 bucket, and the greedy agreement up to the first divergence (the first position whose argmax differs is
 where free-running greedy output would first differ). Task accuracy: the addition task with a few-shot
-prefix long enough for the prompt to fill tiles, free-running greedy under each format.
+prefix long enough for the prompt to fill tiles, free-running greedy under each format. With --model (say
+the Ouro-1.4B-shape random checkpoint, on CUDA in bf16) the prompts are random tokens and there is no task.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 
 import torch
 
@@ -82,8 +85,9 @@ class LoopedDecoder:
     def logits(self, ids: list[int], start: int, attention) -> torch.Tensor:
         """Logits [n, V] of the n tokens `ids` at positions start.. (stored in `attention` as they run)."""
         model = self.model
-        h = model.embed_tokens(torch.tensor(ids))
-        cos, sin = model.rotary(torch.arange(start, start + len(ids)), h.dtype)
+        device = model.embed_tokens.weight.device
+        h = model.embed_tokens(torch.tensor(ids, device=device))
+        cos, sin = model.rotary(torch.arange(start, start + len(ids), device=device), h.dtype)
         for t in range(self.loops):
             h = model.run_loop(h, cos, sin, attention, t)
         return model.compute_logits(h).float()
@@ -92,7 +96,8 @@ class LoopedDecoder:
 def new_store(model, fmt: KVFormat, sink: int, tail: int) -> PackedSequence:
     config = model.config
     return PackedSequence(fmt, config.total_ut_steps * config.num_hidden_layers, config.num_attention_heads,
-                          config.num_key_value_heads, config.head_dim, sink=sink, tail=tail)
+                          config.num_key_value_heads, config.head_dim, sink=sink, tail=tail,
+                          device=model.embed_tokens.weight.device)
 
 
 def greedy(decoder: LoopedDecoder, prompt: list[int], new_tokens: int, store: PackedSequence,
@@ -152,6 +157,11 @@ def main() -> None:
                         "model keeps its accuracy to about 300 tokens)")
     parser.add_argument("--accuracy-items", type=int, default=40)
     parser.add_argument("--side-pools", default="0:0,64:64", help="sink:tail pairs for the output rows")
+    parser.add_argument("--model", default=None, help="a checkpoint with random prompts, no task accuracy "
+                        "(default: the embedded tiny trained model on its addition task)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompt-len", type=int, default=512, help="random prompt tokens, with --model")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -160,24 +170,34 @@ def main() -> None:
     task = ROOT / "benchmarks" / "tasks" / "addition.jsonl"
     items = [json.loads(line) for line in task.read_text().splitlines()]
     prefix = "".join(f"{item['prompt']}{item['answer']}\n" for item in items[:args.shots])
-    with Engine(DEFAULT_MODEL, device="cpu", dtype="float32", verbose=False) as engine:
+    task_mode = args.model is None
+    with Engine(args.model or DEFAULT_MODEL, device=args.device, dtype=args.dtype, verbose=False,
+                max_model_len=1024 if task_mode else args.prompt_len + args.new_tokens + 8) as engine:
         model, tokenizer = engine.model, engine.tokenizer
         decoder = LoopedDecoder(model)
-        kl_items = items[args.shots:args.shots + args.prompts]
-        prompts = [tokenizer.encode(prefix + item["prompt"]) for item in kl_items]
+        if task_mode:
+            kl_items = items[args.shots:args.shots + args.prompts]
+            prompts = [tokenizer.encode(prefix + item["prompt"]) for item in kl_items]
+        else:
+            rng = random.Random(0)
+            prompts = [[rng.randrange(3, engine.config.vocab_size) for _ in range(args.prompt_len)]
+                       for _ in range(args.prompts)]
         results["prompt_tokens"] = [len(p) for p in prompts]
         # The reference loop against the engine: the same greedy tokens.
-        check = engine.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-                                use_tqdm=False)[0].outputs[0].token_ids
+        checked = min(32, args.new_tokens)
+        check_params = SamplingParams(temperature=0, max_tokens=checked, ignore_eos=True)
+        check = engine.generate([prompts[0]], check_params, use_tqdm=False)[0].outputs[0].token_ids
         dense = parse_kv_cache_dtype("auto")
         reference = [greedy(decoder, p, args.new_tokens, new_store(model, dense, 0, 0)) for p in prompts]
-        assert reference[0][0][:32] == check, "the benchmark's loop does not reproduce the engine's tokens"
+        assert reference[0][0][:checked] == check, "the benchmark's loop does not reproduce the engine"
         ref_tokens = [tokens for tokens, _ in reference]
         ref_logprobs = [logprobs for _, logprobs in reference]
         stop = set(engine.config.eos_token_ids) | set(tokenizer.encode("\n"))
         accuracy_items = items[args.shots + args.prompts:args.shots + args.prompts + args.accuracy_items]
 
-        def accuracy(fmt: KVFormat, sink: int, tail: int) -> float:
+        def accuracy(fmt: KVFormat, sink: int, tail: int) -> float | None:
+            if not task_mode:
+                return None
             correct = 0
             for item in accuracy_items:
                 ids = tokenizer.encode(prefix + item["prompt"])
@@ -199,10 +219,15 @@ def main() -> None:
                 print({k: v for k, v in row.items() if k != "kl_by_position"}, flush=True)
     results["outputs"] = rows
     results["new_tokens"] = args.new_tokens
-    results["shots"] = args.shots
+    results["shots"] = args.shots if task_mode else None
+    results["model"] = "embedded tiny trained model (fp32)" if task_mode else f"{args.model} ({args.dtype})"
     if args.out:
         write_results(args.out, results, markdown(results))
     print(markdown(results))
+
+
+def accuracy_cell(row: dict) -> str:
+    return "-" if row["accuracy"] is None else f"{row['accuracy']:.3f}"
 
 
 def markdown(results: dict) -> str:
@@ -220,8 +245,10 @@ def markdown(results: dict) -> str:
     if "outputs" in results:
         buckets = [key for key in results["outputs"][1]["kl_by_position"]]
         sizes = results["prompt_tokens"]
-        lines += ["", f"The embedded tiny trained model (fp32, CPU), {len(sizes)} prompts of {min(sizes)}-"
-                  f"{max(sizes)} tokens ({results['shots']}-shot addition), {results['new_tokens']} "
+        shots = f"{results['shots']}-shot addition" if results.get("shots") else "random tokens"
+        model = results.get("model", "The embedded tiny trained model (fp32)")
+        lines += ["", f"{model}, {len(sizes)} prompts of {min(sizes)}-{max(sizes)} tokens ({shots}), "
+                  f"{results['new_tokens']} "
                   "teacher-forced greedy tokens each; KL(reference || format) per generated position, mean / "
                   "p99 per position bucket; agreement: tokens before the first greedy divergence (mean over "
                   "prompts); accuracy: the addition task, free-running greedy:", "",
@@ -231,12 +258,12 @@ def markdown(results: dict) -> str:
         for r in results["outputs"]:
             if "kl_mean" not in r:
                 lines.append(f"| {r['kv_cache_dtype']} | - | - | 0 | " + " | ".join("0" for _ in buckets)
-                             + f" | all | {r['accuracy']:.3f} |")
+                             + f" | all | {accuracy_cell(r)} |")
                 continue
             cells = [f"{r['kl_by_position'][b]['mean']:.2e} / {r['kl_by_position'][b]['p99']:.2e}"
                      if b in r["kl_by_position"] else "-" for b in buckets]
             lines.append(f"| {r['kv_cache_dtype']} | {r['sink']} | {r['tail']} | {r['kl_mean']:.2e} | "
-                         + " | ".join(cells) + f" | {r['agreement_mean']:.0f} | {r['accuracy']:.3f} |")
+                         + " | ".join(cells) + f" | {r['agreement_mean']:.0f} | {accuracy_cell(r)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -21,16 +21,18 @@ from cache.kv_format import KVFormat, check_tile_dims
 class PackedSequence:
     def __init__(self, fmt: KVFormat, num_slots: int, num_heads: int, kv_heads: int, head_dim: int,
                  sink: int = 0, tail: int = 0, iterations: int = 8, rotate: bool = True,
-                 capacity: int = 1024) -> None:
+                 capacity: int = 1024, device: torch.device | str = "cpu") -> None:
+        """The history is kept in fp32 on `device`, up to `capacity` tokens per slot."""
         if fmt.kind == "kvarn":
             check_tile_dims(fmt.group, head_dim)
         self.fmt, self.sink, self.tail, self.iterations = fmt, sink, tail, iterations
         self.num_heads, self.kv_heads, self.head_dim = num_heads, kv_heads, head_dim
         self.scale = head_dim ** -0.5
-        self.rotation = kvarn.hadamard(head_dim) if rotate and fmt.kind == "kvarn" else None
+        self.rotation = kvarn.hadamard(head_dim, device=device) if rotate and fmt.kind == "kvarn" else None
         shape = (num_slots, capacity, kv_heads, head_dim)
-        self.keys, self.values = torch.zeros(shape), torch.zeros(shape)  # as stored, high precision
-        self.read_keys, self.read_values = torch.zeros(shape), torch.zeros(shape)  # as attention reads them
+        zeros = [torch.zeros(shape, device=device) for _ in range(4)]
+        self.keys, self.values = zeros[0], zeros[1]  # as stored, high precision
+        self.read_keys, self.read_values = zeros[2], zeros[3]  # as attention reads them
         self.lengths = [0] * num_slots
         self.decoded: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_slots)]
         self.converted = [0] * num_slots  # positions below this (from `sink` on) read their decoded tile
