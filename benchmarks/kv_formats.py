@@ -172,7 +172,8 @@ def main() -> None:
     prefix = "".join(f"{item['prompt']}{item['answer']}\n" for item in items[:args.shots])
     task_mode = args.model is None
     with Engine(args.model or DEFAULT_MODEL, device=args.device, dtype=args.dtype, verbose=False,
-                max_model_len=1024 if task_mode else args.prompt_len + args.new_tokens + 8) as engine:
+                max_num_seqs=1, max_model_len=1024 if task_mode else args.prompt_len + args.new_tokens + 8,
+                ) as engine:
         model, tokenizer = engine.model, engine.tokenizer
         decoder = LoopedDecoder(model)
         if task_mode:
