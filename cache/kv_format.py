@@ -70,8 +70,7 @@ class KVFormat:
             return int(slots * tokens * self.packed_token_bytes(kv_heads, head_dim))
         full = tokens // self.group
         packed = full * kv_heads * self.tile_bytes(head_dim)
-        side = min(tokens, high_precision_rows(tokens, self.group, sink, tail))
-        return slots * (packed + side * row)
+        return slots * (packed + high_precision_rows(tokens, self.group, sink, tail) * row)
 
 
 def high_precision_rows(tokens: int, group: int, sink: int, tail: int) -> int:

@@ -206,14 +206,13 @@ def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale
 
 
-def roundtrip(x: torch.Tensor, bits: int, keys: bool, rotate: bool = True,
+def roundtrip(x: torch.Tensor, bits: int, keys: bool, rotation: torch.Tensor | None,
               iterations: int = 8) -> torch.Tensor:
-    """x [..., G, D] through the codec and back (rotation included): what attention reads of a packed
-    tile."""
-    rotation = hadamard(x.shape[-1], device=x.device) if rotate else None
-    y = x.float() @ rotation if rotate else x.float()
-    if keys:
-        y = dequantize_keys(quantize_keys(y, bits, iterations))
-    else:
-        y = dequantize_values(quantize_values(y, bits, iterations))
-    return y @ rotation.T if rotate else y
+    """x [..., G, D] through the codec and back: rotated (unless rotation is None), quantized, its codes
+    packed into bit planes and unpacked as a pool block keeps them, decoded and rotated back. What attention
+    reads of a packed tile."""
+    y = x.float() @ rotation if rotation is not None else x.float()
+    quantized = quantize_keys(y, bits, iterations) if keys else quantize_values(y, bits, iterations)
+    quantized.codes = unpack_codes(pack_codes(quantized.codes, bits), bits)
+    y = dequantize_keys(quantized) if keys else dequantize_values(quantized)
+    return y @ rotation.T if rotation is not None else y

@@ -64,10 +64,7 @@ class PackedSequence:
 
     def _update_reads(self, slot: int, start: int, length: int) -> None:
         fmt = self.fmt
-        if fmt.kind == "dense":
-            self.read_keys[slot, start:length] = self.keys[slot, start:length]
-            self.read_values[slot, start:length] = self.values[slot, start:length]
-        elif fmt.kind == "fp8":
+        if fmt.kind == "fp8":
             if self.fp8_scales[slot] is None:  # one scale per kv head, from the first store (the prompt)
                 self.fp8_scales[slot] = (kvarn.fp8_scale(self.keys[slot, :length], (0, 2)),
                                          kvarn.fp8_scale(self.values[slot, :length], (0, 2)))
@@ -76,9 +73,11 @@ class PackedSequence:
                                         (self.values, self.read_values, v_scale)):
                 read[slot, start:length] = kvarn.fp8_dequantize(
                     kvarn.fp8_quantize(stored[slot, start:length], scale[0]), scale[0])
-        else:
-            self.read_keys[slot, start:length] = self.keys[slot, start:length]  # the side pool's rows
-            self.read_values[slot, start:length] = self.values[slot, start:length]
+            return
+        # As stored: every position of a dense format, the side pool's rows of a KVarN one.
+        self.read_keys[slot, start:length] = self.keys[slot, start:length]
+        self.read_values[slot, start:length] = self.values[slot, start:length]
+        if fmt.kind == "kvarn":
             self._pack_full_tiles(slot, length)
             # Positions from `sink` up to the high-precision tail, in packed tiles, read their decoded rows.
             g = fmt.group
@@ -91,21 +90,13 @@ class PackedSequence:
             self.converted[slot] = max(self.converted[slot], boundary)
 
     def _pack_full_tiles(self, slot: int, length: int) -> None:
-        """Pack every tile that filled: codes into bit planes and fp16 scales, as a pool block keeps them;
-        a packed tile is immutable, so it is decoded once, from its planes, for the reads that follow."""
-        g, tiles = self.fmt.group, self.decoded[slot]
+        """Pack every tile that filled (kvarn.roundtrip: codes in bit planes and fp16 scales, as a pool block
+        keeps them); a packed tile is immutable, so it is decoded once, for the reads that follow."""
+        fmt, g, tiles = self.fmt, self.fmt.group, self.decoded[slot]
         while (len(tiles) + 1) * g <= length:
             rows = slice(len(tiles) * g, (len(tiles) + 1) * g)
-            k = self.keys[slot, rows].transpose(0, 1)  # [kvh, G, D]
-            v = self.values[slot, rows].transpose(0, 1)
-            if self.rotation is not None:
-                k, v = k @ self.rotation, v @ self.rotation
-            qk = kvarn.quantize_keys(k, self.fmt.key_bits, self.iterations)
-            qv = kvarn.quantize_values(v, self.fmt.value_bits, self.iterations)
-            qk.codes = kvarn.unpack_codes(kvarn.pack_codes(qk.codes, self.fmt.key_bits), self.fmt.key_bits)
-            qv.codes = kvarn.unpack_codes(kvarn.pack_codes(qv.codes, self.fmt.value_bits),
-                                          self.fmt.value_bits)
-            k, v = kvarn.dequantize_keys(qk), kvarn.dequantize_values(qv)
-            if self.rotation is not None:
-                k, v = k @ self.rotation.T, v @ self.rotation.T
+            k = kvarn.roundtrip(self.keys[slot, rows].transpose(0, 1), fmt.key_bits, True, self.rotation,
+                                self.iterations)  # [kvh, G, D]
+            v = kvarn.roundtrip(self.values[slot, rows].transpose(0, 1), fmt.value_bits, False,
+                                self.rotation, self.iterations)
             tiles.append((k.transpose(0, 1), v.transpose(0, 1)))  # [G, kvh, D]

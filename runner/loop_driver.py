@@ -222,8 +222,13 @@ class EarlyExit:
             return []
         if reached is not None:  # decided on the device (generated rows only), which copied their K/V forward
             leaving = [row for row, hit in zip(live, reached.tolist()) if hit]
-            self.looping.difference_update(leaving)
-            return leaving
+        else:
+            leaving = self._decide(t, gate_logits)
+        self.looping.difference_update(leaving)
+        return leaving
+
+    def _decide(self, t: int, gate_logits: torch.Tensor) -> list[int]:
+        """Loop t's exits, decided here from the gate logits, and their K/V copied forward."""
         if self.cdf is None:
             index = torch.tensor([self.tokens[r] for r in self.rows], dtype=torch.int64)
             self.token_index = index.to(self.device, non_blocking=True)
@@ -233,7 +238,6 @@ class EarlyExit:
         # A row that stopped has NaN gates, so its CDF is NaN and never reaches the threshold again.
         leaving = [row for row, hit in zip(self.rows, hits.tolist()) if hit and row in self.looping]
         if leaving:
-            self.looping.difference_update(leaving)
             tokens = torch.tensor([self.tokens[r] for r in leaving], dtype=torch.int64)
             self.layout.copy_forward(self.pool, self.slot_mapping[tokens.to(self.slot_mapping.device)], t)
         return leaving

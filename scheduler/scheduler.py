@@ -405,10 +405,7 @@ class Scheduler:
 
     def _admit_waiting(self, rows: dict[Request, int], budget: int) -> None:
         bm = self.block_manager
-        reserve = self.admission == "reserve"
-        reserved = 0  # admission="reserve": blocks the running requests are expected to claim
-        if reserve and self.running and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            reserved = sum(self._expected_blocks(r) for r in self.running)
+        reserved = None  # admission="reserve": blocks the running requests are expected to claim
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             num_cached = bm.allocate(request)
@@ -427,13 +424,15 @@ class Scheduler:
                     f"holds the other {bm.num_blocks - bm.num_free_blocks}"))
                 continue
             # Into an idle pool the head always goes (else it could wait forever); after it the reserve holds.
-            if reserve and self.running and \
-                    self._expected_blocks(request, num_new) + reserved > bm.num_free_blocks:
-                bm.free(request)  # it would likely force a preemption later: wait for blocks to free
-                request.num_computed_tokens = 0
-                return
+            if self.admission == "reserve" and self.running:
+                if reserved is None:
+                    reserved = sum(self._expected_blocks(r) for r in self.running)
+                if self._expected_blocks(request, num_new) + reserved > bm.num_free_blocks:
+                    bm.free(request)  # it would likely force a preemption later: wait for blocks to free
+                    request.num_computed_tokens = 0
+                    return
             bm.append_slots(request, num_new)
-            if reserve:
+            if reserved is not None:
                 reserved += self._expected_blocks(request, num_new)  # beyond the blocks it now holds
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
