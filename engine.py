@@ -29,6 +29,7 @@ import torch
 
 from attention.base import select
 from cache.blocks import BlockManager
+from cache.kv_format import parse_kv_cache_dtype
 from cache.kv_pool import KVPool
 from cache.layout import KV_SHARING, make_layout
 from engine_config import EngineConfig
@@ -119,7 +120,7 @@ class Engine:
                  packed_prefill: bool = False, enforce_eager: bool = False,
                  exit_policy: str | None = None, kv_sharing: str = "none", speculative: str | None = None,
                  num_speculative_tokens: int | None = None, admission: str = "reserve",
-                 verbose: bool = True) -> None:
+                 kv_cache_dtype: str = "auto", verbose: bool = True) -> None:
         if not isinstance(verbose, bool):
             raise ValueError(f"verbose must be True or False, got {verbose!r}")
         self.engine_config = config = EngineConfig.resolve(
@@ -129,7 +130,8 @@ class Engine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             packed_prefill=packed_prefill, enforce_eager=enforce_eager, kv_sharing=kv_sharing,
-            speculative=speculative, num_speculative_tokens=num_speculative_tokens, admission=admission)
+            speculative=speculative, num_speculative_tokens=num_speculative_tokens, admission=admission,
+            kv_cache_dtype=kv_cache_dtype)
         model_dir = config.model_dir
         self.config: OuroConfig = config.model
         self.tokenizer = Tokenizer(model_dir)
@@ -144,12 +146,15 @@ class Engine:
         self.model = load_model(model_dir, self.config, config.device, config.dtype,
                                 fused_kernels=config.device.type == "cuda" and fused_kernels_available())
         loops, layers = config.loops, self.config.num_hidden_layers
-        pool_shape = (config.block_size, self.config.num_key_value_heads, self.config.head_dim, config.dtype,
+        kv_dtype = parse_kv_cache_dtype(config.kv_cache_dtype).storage_dtype(config.dtype)
+        pool_shape = (config.block_size, self.config.num_key_value_heads, self.config.head_dim, kv_dtype,
                       config.device)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(KVPool(loops, layers, 1, *pool_shape))
         # One block more than the scheduler may hand out: the scratch block that graph padding rows write.
-        self.kv_pool = KVPool(loops, layers, num_blocks + 1, *pool_shape)
-        self.backend.bind(self.kv_pool.key_cache, self.kv_pool.value_cache, self.config.head_dim ** -0.5)
+        self.kv_pool = KVPool(loops, layers, num_blocks + 1, *pool_shape, loop_uniform_scales=(
+            config.exit_policy.can_exit or config.kv_sharing == "last"))
+        self.backend.bind(self.kv_pool.key_cache, self.kv_pool.value_cache, self.config.head_dim ** -0.5,
+                          self.kv_pool.kv_scales)
         self.layout = make_layout(config.kv_sharing, loops, layers, config.block_size,
                                   config.generated_kv_exact)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
@@ -175,7 +180,8 @@ class Engine:
         if verbose:
             speculation = f", speculative={config.speculative} x {config.speculative_tokens} tokens" \
                 if config.speculative else ""
-            print(f"loop-engine: {loops} loops x {layers} layers, {config.dtype}, {config.device}, "
+            kv = "" if config.kv_cache_dtype == "auto" else f", kv_cache_dtype={config.kv_cache_dtype}"
+            print(f"loop-engine: {loops} loops x {layers} layers, {config.dtype}{kv}, {config.device}, "
                   f"attention={self.backend.name}, exit_policy={config.exit_policy}{speculation}; "
                   f"{self.layout.report(self.kv_pool, num_blocks)} "
                   f"({self.kv_pool.num_bytes / 2**30:.2f} GiB)", file=sys.stderr)
@@ -837,6 +843,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--exit-policy", default=None,
                         help="full (default), threshold:Q, step:K (0-based), weighted, or early:Q (stops "
                              "looping a generated token once its exit CDF reaches Q)")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3"],
+                        help="how K/V is stored: the model dtype (auto), bf16, or fp8_e4m3 with one scale "
+                        "per (slot, kv head) (default auto)")
     engine.add_argument("--kv-sharing", default="none", choices=["none", "last"],
                         help="last: generated tokens keep only their last loop's K/V "
                              "(arXiv 2510.25741 §5.4.2)")
@@ -917,7 +926,7 @@ def cli_generate(args: argparse.Namespace) -> int:
                 kv_sharing=args.kv_sharing, max_model_len=args.max_model_len,
                 num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
                 speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                admission=args.admission) as engine:
+                admission=args.admission, kv_cache_dtype=args.kv_cache_dtype) as engine:
         if rows is not None:
             return _generate_batch(engine, rows, params)
         return _generate_one(engine, args, params)

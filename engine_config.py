@@ -5,8 +5,8 @@ Options are checked in two rounds, both before any weight is read: the plain one
 before the model directory is resolved, so a typo never waits for a download; those that depend on the
 checkpoint (max_model_len, step:K, dtype "auto") once its config.json is read.
 
-It imports the checkpoint's own config and locator (model/), the attention backend registry and the shared
-request types (request.py) only.
+It imports the checkpoint's own config and locator (model/), the attention backend registry, the KV format
+names (cache/kv_format.py) and the shared request types (request.py) only.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from attention.base import check_name as check_backend_name
+from cache.kv_format import parse_kv_cache_dtype
 from model.config import OuroConfig
 from model.loader import resolve_model_dir
 from request import ADMISSION, ExitPolicy, parse_exit_policy
@@ -54,6 +55,8 @@ class EngineConfig:
     # "reserve": admit a request only if the pool also covers what the running ones are expected to claim
     # (scheduler/scheduler.py); "greedy": whenever its next chunk fits, preempting later if need be.
     admission: str = "reserve"
+    # How K/V is stored (cache/kv_format.py): "auto" (the model dtype), "bf16" or "fp8_e4m3".
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_options(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -142,6 +145,8 @@ def check_options(**values: Any) -> None:
         raise ValueError(f"admission must be one of {', '.join(ADMISSION)}; got {values['admission']!r}")
     if "kv_sharing" in values and values["kv_sharing"] not in KV_SHARING:
         raise ValueError(f"kv_sharing must be 'none' or 'last', got {values['kv_sharing']!r}")
+    if "kv_cache_dtype" in values:
+        _check_kv_cache_dtype(values)
     threshold = values.get("exit_threshold")
     if threshold is not None and (not _is_number(threshold) or not 0 <= threshold < math.inf):
         raise ValueError(f"exit_threshold must be a finite number >= 0, got {threshold!r}")
@@ -155,6 +160,21 @@ def check_options(**values: Any) -> None:
         if not isinstance(attention, str):
             raise ValueError(f"attention must be a backend name, got {attention!r}")
         check_backend_name(attention)
+
+
+def _check_kv_cache_dtype(values: dict[str, Any]) -> None:
+    """A format the engine stores, in a combination it supports; ValueError naming both options otherwise
+    (fail-closed: never a silent fallback to another format)."""
+    name = values["kv_cache_dtype"]
+    fmt = parse_kv_cache_dtype(name)
+    if fmt.kind == "kvarn":
+        raise ValueError(f"kv_cache_dtype={name!r}: the engine's KV pool does not store KVarN tiles yet "
+                         "(the format's reference, cache/packed_sequence.py, is measured by "
+                         "benchmarks/kv_formats.py); the engine stores auto, bf16 and fp8_e4m3")
+    if fmt.kind == "fp8" and values.get("packed_prefill"):
+        raise ValueError(f"kv_cache_dtype={name!r} cannot be combined with packed_prefill=True: packed "
+                         "prefill reads the new K/V from the step's inputs, not through the fp8 cache that "
+                         "decode reads")
 
 
 def draft_loops(speculative: object, loops: int | None = None) -> int:

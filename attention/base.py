@@ -19,6 +19,9 @@ import torch
 @dataclasses.dataclass(slots=True)
 class Capabilities:
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+    # Element dtypes of the KV pool it reads and writes (float8_e4m3fn: with one scale per slot and kv head)
+    kv_cache_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16,
+                                                torch.float8_e4m3fn)
     head_dims: tuple[int, ...] | None = None  # None: any head_dim
     devices: tuple[str, ...] = ("cpu", "cuda")
     kv_formats: tuple[str, ...] = ("paged",)
@@ -121,11 +124,27 @@ class AttentionBackend(ABC):
         self.capabilities = capabilities
         self.meta: AttentionMetadata | None = None
 
-    def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float) -> None:
-        """key_cache / value_cache: [num_slots, num_blocks, block_size, kv_heads, head_dim]."""
+    def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
+             kv_scales: torch.Tensor | None = None) -> None:
+        """key_cache / value_cache: [num_slots, num_blocks, block_size, kv_heads, head_dim]. An fp8 pool comes
+        with kv_scales [num_slots, 2, kv_heads] fp32 (key, then value scales; attention/fp8.py), read at
+        every call, so they may change between steps."""
+        if key_cache.dtype not in self.capabilities.kv_cache_dtypes:
+            raise ValueError(f"attention backend {self.name!r} does not store K/V as {key_cache.dtype} "
+                             f"(kv_cache_dtype); it stores "
+                             f"{', '.join(str(d) for d in self.capabilities.kv_cache_dtypes)}")
+        quantized = key_cache.dtype == torch.float8_e4m3fn
+        if quantized and (kv_scales is None or kv_scales.shape != (key_cache.shape[0], 2, key_cache.shape[3])
+                          or kv_scales.dtype != torch.float32):
+            raise ValueError(f"an fp8 KV pool needs kv_scales of shape ({key_cache.shape[0]}, 2, "
+                             f"{key_cache.shape[3]}) fp32, got "
+                             f"{None if kv_scales is None else (tuple(kv_scales.shape), kv_scales.dtype)}")
+        if not quantized and kv_scales is not None:
+            raise ValueError(f"kv_scales belong to an fp8 KV pool, not a {key_cache.dtype} one")
         self.key_cache = key_cache
         self.value_cache = value_cache
         self.scale = scale
+        self.kv_scales = kv_scales
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step, before the first forward."""
@@ -141,9 +160,10 @@ class AttentionBackend(ABC):
     def capture_end(self) -> None:
         """After a capture: back to eager behaviour."""
 
-    def check(self, dtype: torch.dtype, head_dim: int, device: torch.device) -> None:
+    def check(self, dtype: torch.dtype | None, head_dim: int, device: torch.device) -> None:
+        """The model dtype (None: not checked), head_dim and device against the capabilities."""
         caps = self.capabilities
-        if dtype not in caps.dtypes:
+        if dtype is not None and dtype not in caps.dtypes:
             raise ValueError(f"attention backend {self.name!r} does not support dtype {dtype}")
         if caps.head_dims is not None and head_dim not in caps.head_dims:
             raise ValueError(f"attention backend {self.name!r} does not support head_dim {head_dim} (it "

@@ -1,27 +1,42 @@
 """The reference backend: gathers each row's pages and runs plain torch math. Runs on CPU and CUDA.
 
-It is slow and obviously right; every other backend is tested against it.
+It is slow and obviously right; every other backend is tested against it. An fp8 pool is stored and read
+through attention/fp8.py with the slot's scales.
 """
 
 from __future__ import annotations
 
 import torch
 
+from attention import fp8
 from attention.base import AttentionBackend, Capabilities, SharedKVMetadata, register
 
 
+def encode(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """x [..., kv_heads, D] as `cache` stores it; scales [kv_heads] for an fp8 cache (else None)."""
+    return fp8.quantize(x, scales[:, None]) if scales is not None else x.to(cache.dtype)
+
+
+def decode(x: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """Stored K/V [..., kv_heads, D] as attention reads it."""
+    return fp8.dequantize(x, scales[:, None]) if scales is not None else x
+
+
 def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write new tokens' K/V into one slot's pages. key_cache: [num_blocks, block_size, kv_heads, D]."""
-    key_cache.view(-1, *key_cache.shape[2:])[slot_mapping] = k
-    value_cache.view(-1, *value_cache.shape[2:])[slot_mapping] = v
+             slot_mapping: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+    """Write new tokens' K/V into one slot's pages. key_cache: [num_blocks, block_size, kv_heads, D];
+    scales: the slot's [2, kv_heads] fp8 scales (None for other dtypes)."""
+    key_scales, value_scales = (None, None) if scales is None else scales
+    key_cache.view(-1, *key_cache.shape[2:])[slot_mapping] = encode(k, key_cache, key_scales)
+    value_cache.view(-1, *value_cache.shape[2:])[slot_mapping] = encode(v, value_cache, value_scales)
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
-    """One row's context from one slot's pages: [context_len, kv_heads, D]."""
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int,
+                   scales: torch.Tensor | None = None) -> torch.Tensor:
+    """One row's context from one slot's pages, as attention reads it: [context_len, kv_heads, D]."""
     block_size = cache.shape[1]
     num_blocks = -(-context_len // block_size)
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:context_len]
+    return decode(cache[block_table[:num_blocks].long()].flatten(0, 1)[:context_len], scales)
 
 
 def paged_attention_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -51,26 +66,35 @@ class TorchBackend(AttentionBackend):
         if meta.shared_kv is not None:
             return self._forward_shared(q, k, v, slot)
         key_cache, value_cache = self.key_cache[slot], self.value_cache[slot]
-        store_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        scales = self._slot_scales(slot)
+        store_kv(key_cache, value_cache, k, v, meta.slot_mapping, scales)
+        key_scales, value_scales = (None, None) if scales is None else scales
         out = torch.empty_like(q)
         start = 0
         for row, (num_new, context_len) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
             table = meta.block_tables[row]
-            keys = gather_context(key_cache, table, context_len)
-            values = gather_context(value_cache, table, context_len)
+            keys = gather_context(key_cache, table, context_len, key_scales)
+            values = gather_context(value_cache, table, context_len, value_scales)
             out[start:start + num_new] = paged_attention_row(q[start:start + num_new], keys, values,
                                                              self.scale)
             start += num_new
         return out
 
+    def _slot_scales(self, slot: int) -> torch.Tensor | None:
+        """The slot's [2, kv_heads] fp8 scales; None for a pool of another dtype."""
+        return None if self.kv_scales is None else self.kv_scales[slot]
+
     def _forward_shared(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
         """kv_sharing="last" (attention/base.py SharedKVMetadata): a prompt row stores into and reads from
         plane `slot`; a generated row stores its one token in its generated page at this layer, and reads its
-        prompt from plane `slot` and its generated tokens from their pages."""
+        prompt from plane `slot` and its generated tokens from their pages. An fp8 pool's scales are the
+        same in every loop of a layer here (KVPool.set_kv_scales), so the call's slot scales serve all."""
         meta, shared = self.meta, self.meta.shared_kv
         key_cache, value_cache = self.key_cache[slot], self.value_cache[slot]
         key_flat = self.key_cache.view(-1, *self.key_cache.shape[3:])
         value_flat = self.value_cache.view(-1, *self.value_cache.shape[3:])
+        scales = self._slot_scales(slot)
+        key_scales, value_scales = (None, None) if scales is None else scales
         out = torch.empty_like(q)
         start = 0
         for row, (num_new, context_len) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
@@ -80,13 +104,15 @@ class TorchBackend(AttentionBackend):
                                              key_cache.shape[1])
             if len(generated):  # a generated row: one new token, the last generated position
                 assert num_new == 1, "a row with generated context computes one token"
-                key_flat[generated[-1:]] = k[new]
-                value_flat[generated[-1:]] = v[new]
+                key_flat[generated[-1:]] = encode(k[new], key_flat, key_scales)
+                value_flat[generated[-1:]] = encode(v[new], value_flat, value_scales)
             else:
-                store_kv(key_cache, value_cache, k[new], v[new], meta.slot_mapping[new])
+                store_kv(key_cache, value_cache, k[new], v[new], meta.slot_mapping[new], scales)
             table = meta.block_tables[row]
-            keys = torch.cat([gather_context(key_cache, table, prompt_len), key_flat[generated]])
-            values = torch.cat([gather_context(value_cache, table, prompt_len), value_flat[generated]])
+            keys = torch.cat([gather_context(key_cache, table, prompt_len, key_scales),
+                              decode(key_flat[generated], key_scales)])
+            values = torch.cat([gather_context(value_cache, table, prompt_len, value_scales),
+                                decode(value_flat[generated], value_scales)])
             out[new] = paged_attention_row(q[new], keys, values, self.scale)
             start += num_new
         return out

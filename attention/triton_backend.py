@@ -114,7 +114,8 @@ class TritonBackend(AttentionBackend):
         # Captured graphs keep pointing at these, so they live as long as the instance.
         self._graph_buffers: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
 
-    def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float) -> None:
+    def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
+             kv_scales: torch.Tensor | None = None) -> None:
         same = key_cache.shape == value_cache.shape and key_cache.dtype == value_cache.dtype
         if key_cache.dim() != 5 or not same:
             raise ValueError("key_cache and value_cache must both be [num_slots, num_blocks, block_size, "
@@ -125,19 +126,30 @@ class TritonBackend(AttentionBackend):
         device = key_cache.device
         if device.type == "cpu" and not INTERPRETED:
             raise ValueError("the triton attention backend runs on CPU only under TRITON_INTERPRET=1")
-        self.check(key_cache.dtype, key_cache.shape[-1], device)
-        super().bind(key_cache, value_cache, scale)
+        self.check(None, key_cache.shape[-1], device)  # the pool's dtype: super().bind checks it
+        self.quantized = key_cache.dtype == torch.float8_e4m3fn
+        if self.quantized and self.capabilities.packed_prefill:
+            raise ValueError("packed_prefill reads new K/V from the step's inputs, not through the fp8 "
+                             "cache, so it cannot be combined with kv_cache_dtype='fp8_e4m3'")
+        if self.quantized and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError("kv_cache_dtype='fp8_e4m3' with attention='triton' needs a GPU of compute "
+                             "capability 8.9 or newer (Ada, Hopper), for Triton's fp8 conversions; "
+                             "attention='torch' runs it anywhere")
+        super().bind(key_cache, value_cache, scale, kv_scales)
         self._device = device
         self._key_slots = list(key_cache.unbind(0))
         self._value_slots = list(value_cache.unbind(0))
         _, _, self.block_size, self.kv_heads, self.head_dim = key_cache.shape
         self._dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)
+        # Per slot, the fp8 key and value scales the kernels read (a dummy for other pools: never read).
+        self._scale_slots = (list(kv_scales.unbind(0)) if self.quantized
+                             else [self._dummy_f32] * key_cache.shape[0])
         self._dummy_i32 = torch.zeros(2, dtype=torch.int32, device=device)
         sm_count = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
                     else CPU_SM_COUNT)
         # Tunables (instance attributes, so tests and benchmarks may override them after bind).
         # Key tiles of about 16 KB each for K and V (64 keys x 128 dims in bf16); fp32 halves the keys.
-        narrow = 2 if key_cache.element_size() == 4 else 1
+        narrow = 2 if key_cache.element_size() == 4 else 1  # fp8 tiles keep bf16's width (dequantized)
         self.split_cap = split_cap(sm_count, self.kv_heads)
         self.split_min_keys = 512
         self.decode_block_n = (64 if self.head_dim <= 128 else 32) // narrow
@@ -211,11 +223,12 @@ class TritonBackend(AttentionBackend):
             plan = self._plan = self._build_plan(key, q, k, v)
         out = plan.out
         key_cache, value_cache = self._key_slots[slot], self._value_slots[slot]
+        scales = self._scale_slots[slot]
         stream = current_stream(self._device)
         if plan.store is not None:
-            plan.store(stream, (k, v, key_cache, value_cache) + plan.store_args)
+            plan.store(stream, (k, v, key_cache, value_cache, scales) + plan.store_args)
         if plan.prefill is not None:
-            plan.prefill(stream, (q, out, key_cache, value_cache) + plan.prefill_args)
+            plan.prefill(stream, (q, out, key_cache, value_cache, scales) + plan.prefill_args)
         if plan.packed is not None:
             plan.packed(stream, (q, k, v, out) + plan.packed_args)
         if plan.decode is not None:
@@ -223,7 +236,7 @@ class TritonBackend(AttentionBackend):
             if plan.workspace_size is not None:
                 entry = self.workspace.get(self._device, stream, *plan.workspace_size)
                 partials, tickets = entry.partials, entry.tickets
-            plan.decode(stream, (q, k, v, out, key_cache, value_cache) + plan.decode_mid
+            plan.decode(stream, (q, k, v, out, key_cache, value_cache, scales) + plan.decode_mid
                         + (partials, tickets) + plan.decode_shared
                         + (slot // plan.shared_layers if plan.shared_layers else 0,)
                         + plan.decode_tail)
@@ -256,14 +269,14 @@ class TritonBackend(AttentionBackend):
         if step.prefill_work is not None or step.packed is not None:
             plan.store = CompiledLaunch(kv_store_kernel, (num_tokens, 1, 1), 4, 1, direct)
             plan.store_args = (meta.slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                               self.kv_heads, head_dim, triton.next_power_of_2(self.kv_heads))
+                               self.kv_heads, head_dim, triton.next_power_of_2(self.kv_heads), self.quantized)
         if step.prefill_work is not None:
             plan.prefill = CompiledLaunch(prefill_paged_kernel, (step.prefill_work.shape[0], heads, 1),
                                    self.prefill_num_warps, self.prefill_num_stages, direct)
             plan.prefill_args = (meta.block_tables, meta.query_start_loc, meta.context_lens,
                                  step.prefill_work, self.scale, q.stride(0), q.stride(1),
                                  meta.block_tables.stride(0), heads, self.kv_heads, head_dim, self.block_size,
-                                 self.prefill_block_m, self.prefill_block_n, dot_fp32)
+                                 self.prefill_block_m, self.prefill_block_n, dot_fp32, self.quantized)
         if step.packed is not None:
             num_packed = step.packed.shape[0]
             bm = self.prefill_block_m
@@ -297,7 +310,7 @@ class TritonBackend(AttentionBackend):
                             k.stride(1), v.stride(0), v.stride(1), meta.block_tables.stride(0), gen_stride,
                             heads, self.kv_heads, self.head_dim, self.block_size, self.decode_block_n,
                             self.split_min_keys, self.split_cap, step.row_map is not None, fused,
-                            shared is not None, loops, layers)
+                            shared is not None, loops, layers, self.quantized)
         plan.partials, plan.tickets = self._dummy_f32, self._dummy_i32
         if splits == 1:
             return

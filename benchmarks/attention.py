@@ -7,7 +7,8 @@ itself untimed); and the host
 
 Device times come from CUDA-graph replays of many calls that walk through several KV slots, so neither
 host launch cost nor L2 reuse flatters the small shapes. Shapes are rows x context, bf16, 16 heads x 128
-(Ouro), pages of 16 tokens in shuffled order.
+(Ouro), pages of 16 tokens in shuffled order. --kv-cache-dtype fp8_e4m3 times an fp8 pool (half the KV
+bytes; SDPA then reads the pages widened to bf16, so its column is the bf16 reference).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from triton.runtime.errors import OutOfResources
 from benchmarks.common import bare_launch_us, graph_time_us, host_us
 from benchmarks.common import commit as common_commit
 
+from attention import fp8
 from attention.base import AttentionMetadata, select
 from attention.torch_backend import gather_context
 
@@ -42,12 +44,15 @@ SLOT_BYTES_FLOOR = 256 << 20  # walk at least this many KV bytes per graph: seve
 class DecodeStep:
     """One decode step's pool, metadata and inputs for `rows` rows of `context` tokens each."""
 
-    def __init__(self, rows: int, context: int, slots: int) -> None:
+    def __init__(self, rows: int, context: int, slots: int, kv_cache_dtype: str = "auto") -> None:
         pages = math.ceil(context / BLOCK_SIZE)
         num_blocks = rows * pages + 8
         shape = (slots, num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM)
-        self.key_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
-        self.value_cache = torch.randn(shape, device="cuda", dtype=DTYPE)
+        quantized = kv_cache_dtype == "fp8_e4m3"
+        cache_dtype = fp8.FP8_DTYPE if quantized else DTYPE
+        self.key_cache = torch.randn(shape, device="cuda", dtype=DTYPE).to(cache_dtype)
+        self.value_cache = torch.randn(shape, device="cuda", dtype=DTYPE).to(cache_dtype)
+        self.kv_scales = torch.ones(slots, 2, HEADS, device="cuda") if quantized else None
         tables = torch.randperm(num_blocks, device="cuda")[:rows * pages].view(rows, pages).int()
         last = context - 1
         self.meta = AttentionMetadata(
@@ -61,12 +66,12 @@ class DecodeStep:
         self.q, self.k, self.v = (qkv[:, i * width:(i + 1) * width].view(rows, HEADS, HEAD_DIM)
                                   for i in range(3))
         self.rows, self.context, self.slots = rows, context, slots
-        self.kv_bytes = 2 * rows * context * HEADS * HEAD_DIM * DTYPE.itemsize
+        self.kv_bytes = 2 * rows * context * HEADS * HEAD_DIM * cache_dtype.itemsize
         self.bytes = self.kv_bytes + 2 * self.q.numel() * DTYPE.itemsize
 
     def backend(self, **tunables):
         backend = select("triton", torch.device("cuda"))
-        backend.bind(self.key_cache, self.value_cache, HEAD_DIM ** -0.5)
+        backend.bind(self.key_cache, self.value_cache, HEAD_DIM ** -0.5, self.kv_scales)
         for name, value in tunables.items():
             setattr(backend, name, value)
         return backend
@@ -74,8 +79,9 @@ class DecodeStep:
     def gathered(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """SDPA's inputs: each row's pages gathered into [rows, heads, context, D]."""
         tables = self.meta.block_tables
-        keys = torch.stack([gather_context(self.key_cache[slot], table, self.context) for table in tables])
-        values = torch.stack([gather_context(self.value_cache[slot], table, self.context)
+        keys = torch.stack([gather_context(self.key_cache[slot], table, self.context).to(DTYPE)
+                            for table in tables])
+        values = torch.stack([gather_context(self.value_cache[slot], table, self.context).to(DTYPE)
                               for table in tables])
         return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
 
@@ -108,8 +114,8 @@ def sdpa_us(step: DecodeStep) -> float:
                           for s in slot_walk(step)])
 
 
-def slots_for(rows: int, context: int) -> int:
-    per_slot = 2 * rows * context * HEADS * HEAD_DIM * DTYPE.itemsize
+def slots_for(rows: int, context: int, element_bytes: int = DTYPE.itemsize) -> int:
+    per_slot = 2 * rows * context * HEADS * HEAD_DIM * element_bytes
     return max(2, min(32, math.ceil(SLOT_BYTES_FLOOR / per_slot)))
 
 
@@ -185,26 +191,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tunables sweep")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                        help="the pool's format (auto: bf16)")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="ROWSxCONTEXT",
+                        help="a subset of the shapes, e.g. 64x2048 16x8192")
     args = parser.parse_args()
+    shapes = SHAPES if args.shapes is None else [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth_gbps()
     rows_out, steps = [], {}
-    for rows, context in SHAPES:
-        step = steps[rows, context] = DecodeStep(rows, context, slots_for(rows, context))
+    element = 1 if args.kv_cache_dtype == "fp8_e4m3" else DTYPE.itemsize
+    for rows, context in shapes:
+        step = steps[rows, context] = DecodeStep(rows, context, slots_for(rows, context, element),
+                                                 args.kv_cache_dtype)
         us, graph_us, sdpa = triton_us(step), triton_us(step, graph_mode=True), sdpa_us(step)
         gbps = step.bytes / us / 1e3
-        rows_out.append({"rows": rows, "context": context, "slots": step.slots, "bytes": step.bytes,
+        rows_out.append({"rows": rows, "context": context, "kv_cache_dtype": args.kv_cache_dtype,
+                         "slots": step.slots, "bytes": step.bytes,
                          "triton_us": us, "triton_gbps": gbps, "triton_of_copy_bw": gbps / copy_gbps,
                          "triton_graph_mode_us": graph_us, "sdpa_us": sdpa,
-                         "sdpa_of_copy_bw": step.bytes / sdpa / 1e3 / copy_gbps,
+                         "sdpa_of_copy_bw": (step.bytes if element == DTYPE.itemsize else
+                                             2 * step.kv_bytes + 2 * step.q.numel() * DTYPE.itemsize)
+                         / sdpa / 1e3 / copy_gbps,
                          "target_of_copy_bw": TARGETS.get((rows, context))})
     host = host_costs()
-    defaults = steps[SHAPES[0]].backend()
+    defaults = steps[shapes[0]].backend()
     tunables = {name: getattr(defaults, name) for name in ("split_min_keys", "split_cap", "decode_block_n",
                                                            "decode_num_warps", "decode_num_stages")}
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "commit": common_commit(),
-              "copy_gbps": copy_gbps, "rows": rows_out,
+              "copy_gbps": copy_gbps, "kv_cache_dtype": args.kv_cache_dtype, "rows": rows_out,
               "tunables": tunables, "host": host, "host_target_us": HOST_TARGET_US}
     if not args.no_sweep:
         result["sweep"] = sweep(steps, copy_gbps)
@@ -215,7 +231,8 @@ def main() -> None:
 
 def print_table(result: dict) -> None:
     copy = result["copy_gbps"]
-    print(f"{result['device']}, torch {result['torch']}, triton {result['triton']}; "
+    print(f"{result['device']}, torch {result['torch']}, triton {result['triton']}, "
+          f"kv_cache_dtype {result.get('kv_cache_dtype', 'auto')}; "
           f"device-to-device copy {copy:.0f} GB/s (the floor's rate); tunables {result['tunables']}\n")
     print("| rows x context | triton µs | GB/s | of copy BW | target | graph-mode µs | SDPA µs "
           "| SDPA of copy BW |")
@@ -243,7 +260,7 @@ def print_table(result: dict) -> None:
         ok = [s for s in result["sweep"] if "us" in s]
         failed = len(result["sweep"]) - len(ok)
         print(f"\nsweep: {len(ok)} measurements, {failed} failed configs; best per shape:")
-        for rows, context in SHAPES:
+        for rows, context in sorted({(s["rows"], s["context"]) for s in ok}):
             mine = [s for s in ok if (s["rows"], s["context"]) == (rows, context)]
             if mine:
                 best = min(mine, key=lambda s: s["us"])

@@ -39,15 +39,18 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--modes", nargs="+", default=["graph", "eager"], choices=["graph", "eager"])
     parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
+                        choices=["auto", "bf16", "fp8_e4m3"],
+                        help="one engine per format (auto: the model's bf16)")
     parser.add_argument("--out", default=f"benchmarks/results/latency-{environment()['date']}.json")
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
     bandwidth = copy_bandwidth()
     rows = []
-    for mode in args.modes:
+    for mode, kv_cache_dtype in ((m, kv) for m in args.modes for kv in args.kv_cache_dtypes):
         with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                     max_model_len=max(args.prompts) + args.decode_steps + 8, enable_prefix_caching=False,
-                    enforce_eager=(mode == "eager"), verbose=True) as engine:
+                    enforce_eager=(mode == "eager"), kv_cache_dtype=kv_cache_dtype, verbose=True) as engine:
             weights = weight_bytes_per_step(engine)
             kv_token = engine.kv_pool.bytes_per_token
             capacity = engine.block_manager.num_blocks * engine.kv_pool.block_size
@@ -56,7 +59,8 @@ def main() -> None:
                 for batch in args.batches:
                     context = prompt + args.decode_steps // 2  # mean context during the timed decode
                     floor_ms = (weights + kv_token * batch * context) / bandwidth * 1e3
-                    row = {"mode": mode, "batch": batch, "prompt": prompt, "floor_ms": round(floor_ms, 3)}
+                    row = {"mode": mode, "kv_cache_dtype": kv_cache_dtype, "batch": batch, "prompt": prompt,
+                           "floor_ms": round(floor_ms, 3)}
                     if batch * (prompt + args.decode_steps + 1) > capacity:
                         row.update(ttft_ms=None, tpot_ms=None,
                                    note=f"does not fit: needs "
@@ -75,10 +79,11 @@ def main() -> None:
 
 def _write(out: str, path: str, bandwidth: float, rows: list[dict]) -> None:
     """Rewritten after every row, so a run cut short still leaves its numbers."""
-    lines = ["| mode | batch | prompt | TTFT ms | TPOT ms | floor ms | TPOT / floor | GB/s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | kv_cache_dtype | batch | prompt | TTFT ms | TPOT ms | floor ms | TPOT / floor "
+             "| GB/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['batch']} | {r['prompt']} | "
+        lines.append(f"| {r['mode']} | {r.get('kv_cache_dtype', 'auto')} | {r['batch']} | {r['prompt']} | "
                      f"{r.get('ttft_ms')} | {r.get('tpot_ms')} | "
                      f"{r['floor_ms']} | {r.get('ratio', r.get('note'))} | {r.get('gbps', '')} |")
     env = environment()

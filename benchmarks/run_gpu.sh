@@ -7,6 +7,8 @@
 #   c: the paired eval of CUDA graphs against eager (ABBA timing, token identity; docs/paired_eval.md);
 #      EARLY=1 runs benchmarks/early_exit.py first, EVAL_LIMIT (default 500) bounds the eval
 #   check: every gpu test (with their durations), then BASE vs this tree with decode_ab --profile
+#   kv: the KV-format gpu tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
+#       then (KVFORMATS=1) the low-bit formats' KL at the Ouro-1.4B shape (benchmarks/kv_formats.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -51,6 +53,20 @@ elif [ "$PART" = check ]; then
     | tail -n 40
   wait
   step 190 python -m benchmarks.decode_ab --a "${BASE:?set BASE}" --b . --profile 16 --out "$OUT/decode_ab.json"
+elif [ "$PART" = kv ]; then
+  timeout 200 python -m pytest -q tests/test_kv_cache_dtype.py tests/test_gpu_engine.py tests/test_triton_gpu.py \
+    ${KV_TESTS:-} --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+  for kv in auto fp8_e4m3; do
+    step 60 python -m benchmarks.attention --no-sweep --kv-cache-dtype "$kv" --shapes 1x512 64x2048 16x8192 \
+      --out "$OUT/attention-$kv.json"
+  done
+  wait
+  step 200 python -m benchmarks.latency --preset ouro-1.4b --prompts 2048 8192 --batches 16 64 --modes graph \
+    --kv-cache-dtypes auto fp8_e4m3 --out "$OUT/latency.json"
+  if [ -n "${KVFORMATS:-}" ]; then
+    step "${KVFORMATS_LIMIT:-300}" python -m benchmarks.kv_formats --model /tmp/loop-engine-bench/ouro-1.4b \
+      --device cuda --dtype bfloat16 --prompts 2 --prompt-len 512 --new-tokens 512 --out "$OUT/kv_formats_ouro.json"
+  fi
 elif [ "$PART" = c ]; then
   wait
   [ -n "${EARLY:-}" ] && step 120 python -m benchmarks.early_exit --preset ouro-1.4b --out "$OUT/early_exit.json"

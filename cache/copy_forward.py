@@ -21,6 +21,8 @@ def copy_forward(key_cache: torch.Tensor, value_cache: torch.Tensor, loops: int,
         return
     if use_triton is None:
         use_triton = key_cache.is_cuda
+    if key_cache.element_size() == 1:  # fp8: copied as bytes (CPU index_copy_ has no float8 kernel)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     layers = key_cache.shape[0] // loops
     row = key_cache[0, 0, 0].numel()
     plane_tokens = key_cache.shape[1] * key_cache.shape[2]

@@ -1,8 +1,9 @@
 """KV cache formats: what a `kv_cache_dtype` string means, which tile shapes are valid, and what a token
 costs.
 
-    auto, bf16         the model dtype's K/V, one (loop, layer) slot per token (the engine's pool today)
-    fp8_e4m3           8-bit float K/V, one scale per (slot, kv head)
+    auto               K/V in the model's dtype, one (loop, layer) slot per token
+    bf16               K/V in bfloat16 whatever the model's dtype
+    fp8_e4m3           8-bit float K/V, one fp32 scale per (slot, kv head) (attention/fp8.py)
     kvarn_kXvY_gG      KVarN (arXiv 2606.03458): tiles of G tokens x head_dim per (block, kv head), Hadamard-
                        rotated, variance-normalized, X-bit keys and Y-bit values with fp16 scales
                        (cache/kvarn.py); the first `sink` and newest `tail` tokens and the unfilled tile stay
@@ -17,6 +18,10 @@ ValueError naming `kv_cache_dtype` and the valid names.
 from __future__ import annotations
 
 import dataclasses
+
+import torch
+
+from attention.fp8 import FP8_DTYPE
 
 KVARN_PRESETS = {
     "kvarn_k4v2_g64": (4, 2, 64),
@@ -41,6 +46,14 @@ class KVFormat:
     @property
     def quantized(self) -> bool:
         return self.kind != "dense"
+
+    def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The element dtype of a per-token pool in this format (dense and fp8)."""
+        if self.kind == "kvarn":
+            raise ValueError(f"kv_cache_dtype {self.name!r} stores packed tiles, not per-token elements")
+        if self.kind == "fp8":
+            return FP8_DTYPE
+        return model_dtype if self.name == "auto" else torch.bfloat16
 
     def tile_bytes(self, head_dim: int) -> int:
         """KVarN: bytes of one packed tile (keys and values) of one kv head, scales included."""

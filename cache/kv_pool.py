@@ -4,12 +4,17 @@ operation that moves K/V between slots (copy-forward after an early exit, cache/
 slot = loop * num_layers + layer. A block id names the same token range in every slot, so one block
 table per request serves all T x L slots, and a block costs T * L * 2 * block_size * kv_heads *
 head_dim * dtype bytes. Where a token's K/V sits is the KV layout's business (cache/layout.py).
+
+An fp8_e4m3 pool (dtype torch.float8_e4m3fn) also holds `kv_scales` [T * L, 2, kv_heads] fp32: per slot the
+key scales, then the value scales, one per kv head (attention/fp8.py). They start at 1.0, vLLM's default for a
+checkpoint without calibrated scales, and `set_kv_scales` replaces them before the first token is stored.
 """
 
 from __future__ import annotations
 
 import torch
 
+from attention.fp8 import FP8_DTYPE
 from cache.copy_forward import copy_forward
 
 
@@ -20,7 +25,10 @@ def slot_token_bytes(kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
 
 class KVPool:
     def __init__(self, loops: int, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 loop_uniform_scales: bool = False) -> None:
+        """loop_uniform_scales: K/V moves between the loops of a layer as bytes (copy-forward after an early
+        exit, kv_sharing="last"), so an fp8 pool's scales may not differ between them."""
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         self.loops, self.num_layers = loops, num_layers
@@ -31,6 +39,29 @@ class KVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.slot_token_bytes = slot_token_bytes(kv_heads, head_dim, dtype)
+        self.kv_scales = (torch.ones(loops * num_layers, 2, kv_heads, dtype=torch.float32, device=device)
+                          if dtype == FP8_DTYPE else None)
+        self.loop_uniform_scales = loop_uniform_scales
+
+    def set_kv_scales(self, key_scales: torch.Tensor, value_scales: torch.Tensor) -> None:
+        """fp8 pools: the scales of every (slot, kv head), [T * L, kv_heads] each, finite and positive (and
+        equal over the loops of a layer where the pool says loop_uniform_scales)."""
+        if self.kv_scales is None:
+            raise ValueError(f"kv scales belong to an fp8_e4m3 pool; this one is {self.key_cache.dtype}")
+        shape = self.kv_scales[:, 0].shape
+        for name, scales in (("key_scales", key_scales), ("value_scales", value_scales)):
+            if not isinstance(scales, torch.Tensor) or scales.shape != shape:
+                raise ValueError(f"{name} must be a tensor of shape {tuple(shape)} (slots, kv heads), got "
+                                 f"{getattr(scales, 'shape', type(scales).__name__)}")
+            if not (torch.isfinite(scales).all() and (scales > 0).all()):
+                raise ValueError(f"{name} must be finite and positive")
+            if self.loop_uniform_scales:
+                per_loop = scales.view(self.loops, self.num_layers, -1)
+                if not (per_loop == per_loop[:1]).all():
+                    raise ValueError(f"{name} differ between the loops of a layer, but this KV layout copies "
+                                     "K/V between loops (early exit or kv_sharing='last')")
+        self.kv_scales[:, 0] = key_scales.to(self.kv_scales)
+        self.kv_scales[:, 1] = value_scales.to(self.kv_scales)
 
     @property
     def num_slots(self) -> int:

@@ -25,6 +25,8 @@ import math
 
 import torch
 
+from attention import fp8
+
 FP16_MAX = 65504.0
 PLANES = {2: (2,), 4: (4,), 5: (4, 1), 8: (4, 4)}
 
@@ -192,18 +194,9 @@ def unpack_codes(planes: list[torch.Tensor], bits: int) -> torch.Tensor:
 
 def fp8_scale(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """The fp8_e4m3 scale that maps x's largest magnitude over `dims` to the format's largest finite value
-    (448), kept fp32; where x is all zero, 1."""
+    (448), kept fp32; where x is all zero, 1. (Storing and reading with a scale: attention/fp8.py.)"""
     amax = x.float().abs().amax(dim=dims, keepdim=True)
-    return torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, torch.ones_like(amax))
-
-
-def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    top = torch.finfo(torch.float8_e4m3fn).max
-    return (x.float() / scale).clamp(-top, top).to(torch.float8_e4m3fn)
-
-
-def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return codes.float() * scale
+    return torch.where(amax > 0, amax / fp8.FP8_MAX, torch.ones_like(amax))
 
 
 def roundtrip(x: torch.Tensor, bits: int, keys: bool, rotation: torch.Tensor | None,

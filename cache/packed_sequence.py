@@ -5,15 +5,17 @@ Per (loop, layer) slot the history grows token by token. Under a KVarN format a 
 packed (cache/kvarn.py: rotation, variance normalization, codes packed into bit planes) as soon as its last
 token is stored. Attention then reads a position from its packed tile unless the side pool holds it in high
 precision: the first `sink` positions, the newest `tail` positions (counted from the sequence's length after
-the call's store) and the unfilled tile. Under fp8_e4m3 every position is read through fp8 with one scale per
-(slot, kv head), taken from the first K/V the slot stores (the prompt). The dense formats read the history
-as stored.
+the call's store) and the unfilled tile. Under fp8_e4m3 every position is read through fp8 (attention/fp8.py)
+with one scale per (slot, kv head): `fp8_scale` for every one (the engine's default, 1.0), or with
+fp8_scale=None the scale that maps the first K/V the slot stores (the prompt) onto fp8's range. The dense
+formats read the history as stored.
 """
 
 from __future__ import annotations
 
 import torch
 
+from attention import fp8
 from cache import kvarn
 from cache.kv_format import KVFormat, check_tile_dims
 
@@ -21,7 +23,8 @@ from cache.kv_format import KVFormat, check_tile_dims
 class PackedSequence:
     def __init__(self, fmt: KVFormat, num_slots: int, num_heads: int, kv_heads: int, head_dim: int,
                  sink: int = 0, tail: int = 0, iterations: int = 8, rotate: bool = True,
-                 capacity: int = 1024, device: torch.device | str = "cpu") -> None:
+                 capacity: int = 1024, device: torch.device | str = "cpu", fp8_scale: float | None = 1.0,
+                 ) -> None:
         """The history is kept in fp32 on `device`, up to `capacity` tokens per slot."""
         if fmt.kind == "kvarn":
             check_tile_dims(fmt.group, head_dim)
@@ -36,7 +39,8 @@ class PackedSequence:
         self.lengths = [0] * num_slots
         self.decoded: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_slots)]
         self.converted = [0] * num_slots  # positions below this (from `sink` on) read their decoded tile
-        self.fp8_scales: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
+        fixed = None if fp8_scale is None else (torch.tensor(float(fp8_scale)),) * 2
+        self.fp8_scales: list[tuple[torch.Tensor, torch.Tensor] | None] = [fixed] * num_slots
 
     def length(self, slot: int) -> int:
         return self.lengths[slot]
@@ -66,13 +70,13 @@ class PackedSequence:
         fmt = self.fmt
         if fmt.kind == "fp8":
             if self.fp8_scales[slot] is None:  # one scale per kv head, from the first store (the prompt)
-                self.fp8_scales[slot] = (kvarn.fp8_scale(self.keys[slot, :length], (0, 2)),
-                                         kvarn.fp8_scale(self.values[slot, :length], (0, 2)))
+                self.fp8_scales[slot] = (kvarn.fp8_scale(self.keys[slot, :length], (0, 2))[0],
+                                         kvarn.fp8_scale(self.values[slot, :length], (0, 2))[0])
             k_scale, v_scale = self.fp8_scales[slot]
             for stored, read, scale in ((self.keys, self.read_keys, k_scale),
                                         (self.values, self.read_values, v_scale)):
-                read[slot, start:length] = kvarn.fp8_dequantize(
-                    kvarn.fp8_quantize(stored[slot, start:length], scale[0]), scale[0])
+                read[slot, start:length] = fp8.dequantize(fp8.quantize(stored[slot, start:length], scale),
+                                                          scale)
             return
         # As stored: every position of a dense format, the side pool's rows of a KVarN one.
         self.read_keys[slot, start:length] = self.keys[slot, start:length]

@@ -97,6 +97,18 @@ def test_graph_and_eager_engines_give_identical_tokens(tiny_checkpoint):
         _tokens(tiny_checkpoint, prompts, dtype="bfloat16", attention="triton", enforce_eager=True)
 
 
+@pytest.mark.parametrize("engine_args", [dict(), dict(exit_policy="early:0.5"), dict(kv_sharing="last")])
+def test_fp8_kv_graph_and_eager_give_identical_tokens_and_torch_agrees(tiny_checkpoint, engine_args):
+    """kv_cache_dtype="fp8_e4m3" on CUDA: graph and eager Triton steps give the same tokens, and in fp32 the
+    Triton pool gives the torch reference backend's tokens (both store the same bytes)."""
+    prompts = PROMPTS * 2  # 8 rows: a bucket
+    options = dict(dtype="float32", kv_cache_dtype="fp8_e4m3", **engine_args)
+    graph = _tokens(tiny_checkpoint, prompts, attention="triton", **options)
+    assert graph == _tokens(tiny_checkpoint, prompts, attention="triton", enforce_eager=True, **options)
+    assert graph == _tokens(tiny_checkpoint, prompts, attention="torch", **options)
+    assert graph != _tokens(tiny_checkpoint, prompts, attention="triton", dtype="float32", **engine_args)
+
+
 @pytest.mark.parametrize("engine_args", [dict(exit_policy="early:0.5"), dict(kv_sharing="last"),
                                          dict(exit_policy="early:0.5", kv_sharing="last")])
 @pytest.mark.parametrize("dtype, forced_exit", [("float32", None), ("bfloat16", 1)])

@@ -4,6 +4,7 @@ and the one-sequence reference store (cache/packed_sequence.py), on CPU."""
 import pytest
 import torch
 
+from attention import fp8
 from cache import kvarn
 from cache.kv_format import KVARN_PRESETS, check_tile_dims, high_precision_rows, parse_kv_cache_dtype
 from cache.packed_sequence import PackedSequence
@@ -112,7 +113,7 @@ def test_fp8_scale_per_head_maps_the_largest_magnitude_to_448():
     x = tiles(32, 4, 16, outliers=False) * torch.tensor([1.0, 10.0, 100.0, 0.0])[None, :, None]
     scale = kvarn.fp8_scale(x, (0, 2))
     assert scale.shape == (1, 4, 1) and float(scale[0, 3, 0]) == 1.0
-    y = kvarn.fp8_dequantize(kvarn.fp8_quantize(x, scale), scale)
+    y = fp8.dequantize(fp8.quantize(x, scale), scale)
     assert ((y - x).abs() <= x.abs() * 2 ** -4 + scale * 2 ** -9).all()  # e4m3: 3 mantissa bits
 
 
@@ -158,7 +159,7 @@ def test_packed_sequence_reads_packed_tiles_outside_the_sink_and_tail(name):
     where each position outside the high-precision rows is replaced by its tile's codec round trip."""
     fmt = parse_kv_cache_dtype(name)
     heads, kv_heads, head_dim, sink, tail = 4, 2, 32, 8, 16
-    store = PackedSequence(fmt, 1, heads, kv_heads, head_dim, sink=sink, tail=tail)
+    store = PackedSequence(fmt, 1, heads, kv_heads, head_dim, sink=sink, tail=tail, fp8_scale=None)
     g = torch.Generator().manual_seed(1)
     k_all = torch.randn(150, kv_heads, head_dim, generator=g)
     v_all = torch.randn(150, kv_heads, head_dim, generator=g)
@@ -183,8 +184,8 @@ def test_packed_sequence_reads_packed_tiles_outside_the_sink_and_tail(name):
         assert not torch.equal(k_read, k_all)
     elif fmt.kind == "fp8":
         k_scale, v_scale = kvarn.fp8_scale(k_all[:100], (0, 2)), kvarn.fp8_scale(v_all[:100], (0, 2))
-        k_read = kvarn.fp8_dequantize(kvarn.fp8_quantize(k_all, k_scale), k_scale)
-        v_read = kvarn.fp8_dequantize(kvarn.fp8_quantize(v_all, v_scale), v_scale)
+        k_read = fp8.dequantize(fp8.quantize(k_all, k_scale), k_scale)
+        v_read = fp8.dequantize(fp8.quantize(v_all, v_scale), v_scale)
     want = attend_exactly(q_all[149], k_read, v_read, head_dim ** -0.5)
     torch.testing.assert_close(out[0], want, rtol=1e-4, atol=1e-5)
     exact = attend_exactly(q_all[149], k_all, v_all, head_dim ** -0.5)

@@ -5,7 +5,7 @@ imports included), so no package cycle can come back.
     runner/                  step execution: runner, loop driver, CUDA graphs, sampler
     scheduler/, engine_config.py
     cache/, model/           KV memory; the network and its kernels (neither imports the other)
-    attention/               backends and their kernels
+    attention/               backends and their kernels, and the KV codecs they store and read with
     request.py               the shared request and batch types: imports nothing of the engine
 """
 
@@ -18,10 +18,10 @@ ENGINE = {"engine", "engine_config", "request", "runner", "scheduler", "cache", 
 ALLOWED = {
     "request": set(),
     "attention": {"attention"},
-    "cache": {"cache", "request"},
+    "cache": {"cache", "attention", "request"},
     "model": {"model", "attention", "request"},
     "scheduler": {"scheduler", "cache", "request"},
-    "engine_config": {"model", "attention", "request"},
+    "engine_config": {"model", "cache", "attention", "request"},
     "runner": {"runner", "engine_config", "model", "cache", "attention", "request"},
     "engine": ENGINE,
 }

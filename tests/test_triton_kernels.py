@@ -36,8 +36,8 @@ def test_kv_store_writes_new_tokens_into_their_pages(dtype):
     _, ref = reference(case)
     key_cache, value_cache = case.key_cache[1].clone(), case.value_cache[1].clone()
     k, v = case.k, case.v
-    kv_store_kernel[(k.shape[0],)](k, v, key_cache, value_cache, case.meta.slot_mapping, k.stride(0),
-                                   k.stride(1), v.stride(0), v.stride(1), 3, 64, 4)
+    kv_store_kernel[(k.shape[0],)](k, v, key_cache, value_cache, key_cache, case.meta.slot_mapping,
+                                   k.stride(0), k.stride(1), v.stride(0), v.stride(1), 3, 64, 4, False)
     assert torch.equal(key_cache, ref.key_cache[1]) and torch.equal(value_cache, ref.value_cache[1])
 
 

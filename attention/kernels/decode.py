@@ -11,10 +11,15 @@ Scores are kept in base 2 (q is pre-scaled by scale * log2 e).
 With SHARED (kv_sharing="last", attention/base.py SharedKVMetadata) a row's positions from its prompt length
 on are generated tokens, one K/V per layer in generated pages; they are addressed relative to the call's
 own (loop, layer) plane, (group - loop) * num_layers planes away.
+
+With QUANTIZED (an fp8 pool, attention/fp8.py) the slot's key scale of the kv head folds into the query and
+its value scale into the output, so the keys and values are read as raw fp8 and widened.
 """
 
 import triton
 import triton.language as tl
+
+from attention.kernels.kv_store import encode_kv
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -77,20 +82,21 @@ def _merge_splits(partials_ptr, out_ptr, first, num_splits, num_partials, HEAD_D
 
 @triton.jit(do_not_specialize=["loop"])  # one compiled kernel serves every loop's calls
 def decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, key_cache_ptr, value_cache_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, key_cache_ptr, value_cache_ptr, scales_ptr,
     block_tables_ptr, context_lens_ptr, slot_mapping_ptr, rows_ptr, partials_ptr, tickets_ptr,
     gen_tables_ptr, prompt_lens_ptr, loop, plane_elems,
     scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, stride_gt,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr,
     ROW_MAP: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    SHARED: tl.constexpr, LOOPS: tl.constexpr, NUM_LAYERS: tl.constexpr,
+    SHARED: tl.constexpr, LOOPS: tl.constexpr, NUM_LAYERS: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     """Grid (grid_splits, HEADS, decode rows). Program (s, h, r) attends query head h of decode row r
     over split s of its context. With ROW_MAP, rows_ptr holds (batch row, token) pairs; without it
     decode row r is batch row r and token r. The new token goes where the slot mapping says; with SHARED a
     generated token (slot -1) goes to its generated page. gen_tables_ptr, prompt_lens_ptr, loop and
-    plane_elems are read only with SHARED."""
+    plane_elems are read only with SHARED; scales_ptr (the slot's key then value scales) only with
+    QUANTIZED."""
     split = tl.program_id(0)
     head = tl.program_id(1)
     r = tl.program_id(2)
@@ -113,6 +119,11 @@ def decode_split_kernel(
 
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + token * stride_qn + head * stride_qh + offs_d).to(tl.float32) * (scale * LOG2E)
+        k_scale, v_scale = 1.0, 1.0
+        if QUANTIZED:
+            k_scale = tl.load(scales_ptr + kv_head)
+            v_scale = tl.load(scales_ptr + KV_HEADS + kv_head)
+            q = q * k_scale
         m_i = tl.full([], float("-inf"), tl.float32)
         l_i = tl.zeros([], tl.float32)
         acc = tl.zeros([HEAD_DIM], tl.float32)
@@ -152,9 +163,10 @@ def decode_split_kernel(
             k, v, mask_n = k_next, v_next, n0 + BLOCK_N + tile < cached_end
         if (start <= last) & (last < end):
             kv_new = kv_head * stride_kh + offs_d
-            k_new = tl.load(k_ptr + token * stride_kn + kv_new).to(key_cache_ptr.dtype.element_ty)
-            v_new = tl.load(v_ptr + token * stride_vn + kv_head * stride_vh + offs_d)
-            v_new = v_new.to(value_cache_ptr.dtype.element_ty)
+            k_new = encode_kv(tl.load(k_ptr + token * stride_kn + kv_new), k_scale, QUANTIZED,
+                              key_cache_ptr.dtype.element_ty)
+            v_new = encode_kv(tl.load(v_ptr + token * stride_vn + kv_head * stride_vh + offs_d), v_scale,
+                              QUANTIZED, value_cache_ptr.dtype.element_ty)
             if head % GROUP == 0:
                 dst = tl.load(slot_mapping_ptr + token).to(tl.int64) * (KV_HEADS * HEAD_DIM)
                 if SHARED:  # a generated token's slot is -1: it goes to its generated page
@@ -173,6 +185,8 @@ def decode_split_kernel(
             l_i = l_i * alpha + p_new
             m_i = m_new
 
+        if QUANTIZED:
+            acc = acc * v_scale
         out_row = out_ptr + token * (HEADS * HEAD_DIM) + head * HEAD_DIM
         if num_splits == 1:
             out = acc / tl.where(l_i > 0, l_i, 1.0)

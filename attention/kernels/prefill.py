@@ -4,6 +4,10 @@
 pages; the chunk's K/V must already be stored. `prefill_packed_kernel` (opt-in) handles rows without a
 cached prefix: it packs their new tokens together, so one query tile can hold several short rows, and
 reads K/V straight from the k/v inputs.
+
+With QUANTIZED (an fp8 pool, attention/fp8.py) the paged kernel widens the stored fp8 K/V to q's dtype (exact:
+every e4m3 value is a bf16 and an fp16 value), folds the slot's key scale into the score scale and applies
+the value scale to the output.
 """
 
 import triton
@@ -38,11 +42,11 @@ def _online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def prefill_paged_kernel(
-    q_ptr, out_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr,
+    q_ptr, out_ptr, key_cache_ptr, value_cache_ptr, scales_ptr, block_tables_ptr, query_start_loc_ptr,
     context_lens_ptr, work_ptr,
     scale, stride_qn, stride_qh, stride_bt,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     """Grid (work items, HEADS). Work item i = (row, m0): queries m0 .. m0 + BLOCK_M - 1 of the row's
     chunk, which sit at context positions prefix + m0 ... (prefix = context_len - query_len)."""
@@ -65,6 +69,8 @@ def prefill_paged_kernel(
                 mask=mask_m[:, None], other=0.0)
     query_pos = prefix + offs_m
     qk_scale = scale * LOG2E
+    if QUANTIZED:
+        qk_scale = qk_scale * tl.load(scales_ptr + kv_head)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -79,12 +85,16 @@ def prefill_paged_kernel(
         kv = kv[:, None] + offs_d[None, :]
         k = tl.load(key_cache_ptr + kv, mask=mask_n[:, None], other=0.0)
         v = tl.load(value_cache_ptr + kv, mask=mask_n[:, None], other=0.0)
+        if QUANTIZED:
+            k, v = k.to(q.dtype), v.to(q.dtype)
         s = _dot(q.to(k.dtype), tl.trans(k), DOT_FP32)
         visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if QUANTIZED:
+        out = out * tl.load(scales_ptr + KV_HEADS + kv_head)
     tl.store(out_ptr + tokens[:, None] * (HEADS * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
 

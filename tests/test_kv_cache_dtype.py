@@ -1,0 +1,199 @@
+"""kv_cache_dtype: what each format stores and reads, in both backends and through the engine, and the
+combinations it refuses at construction. fp8_e4m3 is checked against attention/fp8.py's arithmetic (the
+same bytes in every backend) and, through the engine, against the one-sequence reference
+(cache/packed_sequence.py)."""
+
+import pytest
+import torch
+
+from attention import fp8
+from attention.torch_backend import paged_attention_row
+from cache.copy_forward import copy_forward
+from cache.kv_format import parse_kv_cache_dtype
+from cache.kv_pool import KVPool
+from cache.packed_sequence import PackedSequence
+from engine import Engine, SamplingParams
+from tests.paged_cases import make_case, run
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MIXED_ROWS = {"query_lens": [1, 20, 7, 1, 5], "context_lens": [9, 33, 7, 30, 5]}
+SLOT = 1
+
+
+def fp8_case(dtype=torch.float32, **rows):
+    """A paged step whose pool is fp8 with distinct scales per (slot, kv head, key or value)."""
+    case = make_case(**(rows or MIXED_ROWS), dtype=dtype, heads=4, kv_heads=2, head_dim=32, device=DEVICE)
+    scales = torch.tensor([[[0.5, 2.0], [0.25, 4.0]], [[0.75, 1.5], [3.0, 0.125]]], device=DEVICE)
+    case.key_cache = fp8.quantize(case.key_cache, scales[:, 0, None, None, :, None])
+    case.value_cache = fp8.quantize(case.value_cache, scales[:, 1, None, None, :, None])
+    return case, scales
+
+
+def bind(name, case, scales):
+    from attention.base import select
+
+    backend = select(name, case.key_cache.device)
+    backend.bind(case.key_cache.clone(), case.value_cache.clone(), case.scale, scales)
+    if name == "triton":  # small tiles and many splits, as tests/test_triton_kernels.py runs them
+        backend.prefill_block_m = backend.prefill_block_n = 16
+        backend.decode_block_n = 8
+        backend.split_min_keys = 8
+    return backend
+
+
+def fp8_expected(case, scales):
+    """Each row's attention over its context read back through fp8 (the new tokens quantized as stored)."""
+    meta = case.meta
+    k_scale, v_scale = scales[SLOT, 0][:, None], scales[SLOT, 1][:, None]
+    keys = fp8.dequantize(case.key_cache[SLOT], k_scale).flatten(0, 1).clone()
+    values = fp8.dequantize(case.value_cache[SLOT], v_scale).flatten(0, 1).clone()
+    keys[meta.slot_mapping] = fp8.dequantize(fp8.quantize(case.k, k_scale), k_scale)
+    values[meta.slot_mapping] = fp8.dequantize(fp8.quantize(case.v, v_scale), v_scale)
+    out = torch.empty_like(case.q, dtype=torch.float32)
+    bs = meta.block_size
+    for row, (n, c) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+        start = meta.query_starts_cpu[row]
+        index = torch.tensor([int(meta.block_tables[row, p // bs]) * bs + p % bs for p in range(c)],
+                             device=case.q.device)
+        out[start:start + n] = paged_attention_row(case.q[start:start + n].float(), keys[index],
+                                                   values[index], case.scale)
+    return out
+
+
+def test_fp8_codec_saturates_and_rounds_to_nearest():
+    x = torch.tensor([1000.0, -1000.0, 448.0, 0.0, 1.0625, 1.1875, 2 ** -10])
+    y = fp8.dequantize(fp8.quantize(x, 1.0), 1.0)
+    assert y.tolist() == [448.0, -448.0, 448.0, 0.0, 1.0, 1.25, 0.0]  # ties to even; 2^-10 underflows
+    assert fp8.dequantize(fp8.quantize(x, 4.0), 4.0)[4] == 1.0
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_fp8_pool_is_stored_and_read_through_its_scales(name):
+    case, scales = fp8_case()
+    backend = bind(name, case, scales)
+    out = run(backend, case, SLOT)
+    expected = fp8_expected(case, scales)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-4, atol=1e-5)
+    if name == "triton":  # the same values as the reference backend stores (a zero's sign may differ)
+        reference = bind("torch", case, scales)
+        run(reference, case, SLOT)
+        assert torch.equal(backend.key_cache.float(), reference.key_cache.float())
+        assert torch.equal(backend.value_cache.float(), reference.value_cache.float())
+
+
+def test_fp8_triton_decode_rows_in_bf16_match_the_reference_backend():
+    case, scales = fp8_case(torch.bfloat16, query_lens=[1, 1, 1], context_lens=[3, 17, 40])
+    out = run(bind("triton", case, scales), case, SLOT).float()
+    expected = run(bind("torch", case, scales), case, SLOT).float()
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_backends_refuse_an_fp8_pool_without_scales_and_scales_without_fp8():
+    from attention.base import select
+
+    case, scales = fp8_case()
+    backend = select("torch", torch.device(DEVICE))
+    with pytest.raises(ValueError, match="kv_scales of shape"):
+        backend.bind(case.key_cache, case.value_cache, case.scale)
+    dense = make_case(**MIXED_ROWS, device=DEVICE)
+    with pytest.raises(ValueError, match="belong to an fp8 KV pool"):
+        backend.bind(dense.key_cache, dense.value_cache, dense.scale, scales)
+    triton = select("triton", torch.device(DEVICE), {"packed_prefill": True})
+    with pytest.raises(ValueError, match="packed_prefill"):
+        triton.bind(case.key_cache, case.value_cache, case.scale, scales)
+
+
+def test_kv_pool_scales_are_checked_and_loop_uniform_where_k_v_moves_between_loops():
+    pool = KVPool(2, 3, 4, 4, 2, 8, fp8.FP8_DTYPE, torch.device("cpu"), loop_uniform_scales=True)
+    assert pool.kv_scales.shape == (6, 2, 2) and bool((pool.kv_scales == 1).all())
+    assert pool.slot_token_bytes == 2 * 2 * 8
+    layer_scales = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]).repeat(2, 1)
+    pool.set_kv_scales(layer_scales, layer_scales * 2)
+    assert torch.equal(pool.kv_scales[:, 1], layer_scales * 2)
+    with pytest.raises(ValueError, match="differ between the loops"):
+        pool.set_kv_scales(torch.arange(1.0, 13.0).view(6, 2), layer_scales)
+    with pytest.raises(ValueError, match="key_scales must be a tensor of shape"):
+        pool.set_kv_scales(torch.ones(6), layer_scales)
+    with pytest.raises(ValueError, match="value_scales must be finite and positive"):
+        pool.set_kv_scales(layer_scales, -layer_scales)
+    dense = KVPool(2, 3, 4, 4, 2, 8, torch.float32, torch.device("cpu"))
+    assert dense.kv_scales is None
+    with pytest.raises(ValueError, match="fp8_e4m3 pool"):
+        dense.set_kv_scales(layer_scales, layer_scales)
+
+
+def test_copy_forward_moves_fp8_bytes_on_cpu():
+    pool = KVPool(3, 2, 2, 4, 2, 8, fp8.FP8_DTYPE, torch.device("cpu"))
+    pool.key_cache.copy_(fp8.quantize(torch.randn(pool.key_cache.shape), 1.0))
+    pool.value_cache.copy_(fp8.quantize(torch.randn(pool.value_cache.shape), 1.0))
+    before = pool.key_cache.view(torch.uint8).clone()
+    copy_forward(pool.key_cache, pool.value_cache, 3, torch.tensor([5]), 0)
+    planes = pool.key_cache.view(torch.uint8).view(3, 2, 8, 2, 8)
+    assert torch.equal(planes[1:, :, 5], before.view(3, 2, 8, 2, 8)[:1, :, 5].expand(2, -1, -1, -1))
+    assert torch.equal(planes[:, :, 4], before.view(3, 2, 8, 2, 8)[:, :, 4])
+
+
+def test_storage_dtype_of_each_dense_format():
+    assert parse_kv_cache_dtype("auto").storage_dtype(torch.float32) == torch.float32
+    assert parse_kv_cache_dtype("bf16").storage_dtype(torch.float32) == torch.bfloat16
+    assert parse_kv_cache_dtype("fp8_e4m3").storage_dtype(torch.bfloat16) == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="packed tiles"):
+        parse_kv_cache_dtype("kvarn_k4v2_g64").storage_dtype(torch.bfloat16)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of auto, bf16, fp8_e4m3, kvarn_k4v2_g64"),
+    ({"kv_cache_dtype": None}, "kv_cache_dtype must be one of"),
+    ({"kv_cache_dtype": "kvarn_k4v2_g64"}, "does not store KVarN tiles yet"),
+    ({"kv_cache_dtype": "fp8_e4m3", "packed_prefill": True}, "cannot be combined with packed_prefill"),
+])
+def test_engine_refuses_unsupported_kv_cache_dtypes_before_loading(tmp_path, options, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(tmp_path / "never-read", verbose=False, **options)
+
+
+def greedy_through(model, prompt, new_tokens, attention):
+    """The engine's model, all loops, last-loop readout, one sequence through an attention callable."""
+    tokens = []
+    ids, start = prompt, 0
+    with torch.inference_mode():
+        while len(tokens) < new_tokens:
+            h = model.embed_tokens(torch.tensor(ids))
+            cos, sin = model.rotary(torch.arange(start, start + len(ids)), h.dtype)
+            for t in range(model.config.total_ut_steps):
+                h = model.run_loop(h, cos, sin, attention, t)
+            tokens.append(int(model.compute_logits(h)[-1].argmax()))
+            start += len(ids)
+            ids = tokens[-1:]
+    return tokens
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8_e4m3"])
+def test_engine_greedy_tokens_equal_the_one_sequence_reference(tiny_checkpoint, kv_cache_dtype):
+    """The paged pool, its scales and the batch (chunked prefill, four rows) read what a sequence's own
+    history read through the format reads: PackedSequence with fp8's default unit scale, or bf16 storage."""
+    prompts = ["A looped language model", "Hello", "The quick brown fox jumps over the lazy dog again",
+               "0123456789 + - * / = 42"]
+    with Engine(tiny_checkpoint, device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                max_num_batched_tokens=16, verbose=False) as engine:
+        assert engine.kv_pool.key_cache.dtype == parse_kv_cache_dtype(kv_cache_dtype).storage_dtype(
+            torch.float32)
+        outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                  use_tqdm=False)
+        config = engine.config
+        fmt = parse_kv_cache_dtype("fp8_e4m3" if kv_cache_dtype == "fp8_e4m3" else "auto")
+        for prompt, output in zip(prompts, outputs):
+            store = PackedSequence(fmt, config.total_ut_steps * config.num_hidden_layers,
+                                   config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+            attention = store
+            if kv_cache_dtype == "bf16":  # bf16 storage: the history rounded to bf16, read in fp32
+                def attention(q, k, v, slot, store=store):
+                    return store(q, k.bfloat16().float(), v.bfloat16().float(), slot)
+            ids = engine.tokenizer.encode(prompt)
+            assert output.outputs[0].token_ids == greedy_through(engine.model, ids, 12, attention)
+        if kv_cache_dtype == "fp8_e4m3":  # the format matters here: dense K/V would give other tokens
+            slots = config.total_ut_steps * config.num_hidden_layers
+            dense = PackedSequence(parse_kv_cache_dtype("auto"), slots, config.num_attention_heads,
+                                   config.num_key_value_heads, config.head_dim)
+            assert outputs[0].outputs[0].token_ids != greedy_through(
+                engine.model, engine.tokenizer.encode(prompts[0]), 12, dense)
