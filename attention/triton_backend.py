@@ -149,10 +149,13 @@ class TritonBackend(AttentionBackend):
                     else CPU_SM_COUNT)
         # Tunables (instance attributes, so tests and benchmarks may override them after bind).
         # Key tiles of about 16 KB each for K and V (64 keys x 128 dims in bf16); fp32 halves the keys.
-        narrow = 2 if key_cache.element_size() == 4 else 1  # fp8 tiles keep bf16's width (dequantized)
+        narrow = 2 if key_cache.element_size() == 4 else 1
         self.split_cap = split_cap(sm_count, self.kv_heads)
         self.split_min_keys = 512
-        self.decode_block_n = (64 if self.head_dim <= 128 else 32) // narrow
+        # Decode key tiles of 32 KB for K and V (128 keys x 128 dims in bf16), fastest on an H200 with the
+        # tensor-core loop (benchmarks/decode_variants.py); 64 keys for fp8 pools and head_dim 256.
+        wide = self.head_dim <= 128 and key_cache.element_size() != 1
+        self.decode_block_n = (128 if wide else 64) // narrow
         self.decode_num_warps = 4
         self.decode_num_stages = 2
         self.prefill_block_m = 64 // narrow
@@ -293,6 +296,10 @@ class TritonBackend(AttentionBackend):
                      heads: int) -> None:
         meta, splits, rows = step.meta, step.grid_splits, step.decode_rows
         fused = not step.capturing
+        # fp8 keys and values widen to fp16 for the dots where the model is half precision; the interpreter
+        # multiplies half-precision dots in fp32 (its bf16 dot is wrong).
+        fp16_dot = self.quantized and q.dtype != torch.float32
+        dot_fp32 = q.dtype == torch.float32 or (INTERPRETED and (q.dtype == torch.bfloat16 or fp16_dot))
         plan.decode = CompiledLaunch(decode_split_kernel, (splits, heads, rows), self.decode_num_warps,
                               self.decode_num_stages, fused)
         row_map = step.row_map if step.row_map is not None else self._dummy_i32
@@ -310,7 +317,7 @@ class TritonBackend(AttentionBackend):
                             k.stride(1), v.stride(0), v.stride(1), meta.block_tables.stride(0), gen_stride,
                             heads, self.kv_heads, self.head_dim, self.block_size, self.decode_block_n,
                             self.split_min_keys, self.split_cap, step.row_map is not None, fused,
-                            shared is not None, loops, layers, self.quantized)
+                            shared is not None, loops, layers, self.quantized, dot_fp32, fp16_dot)
         plan.partials, plan.tickets = self._dummy_f32, self._dummy_i32
         if splits == 1:
             return

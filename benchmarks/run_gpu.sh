@@ -54,14 +54,17 @@ elif [ "$PART" = check ]; then
   wait
   step 190 python -m benchmarks.decode_ab --a "${BASE:?set BASE}" --b . --profile 16 --out "$OUT/decode_ab.json"
 elif [ "$PART" = kv ]; then
-  timeout 200 python -m pytest -q tests/test_kv_cache_dtype.py tests/test_gpu_engine.py tests/test_triton_gpu.py \
-    ${KV_TESTS:-} --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+  timeout "${TEST_LIMIT:-280}" python -m pytest -q -m gpu tests/ --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" \
+    | tail -n 25
+  timeout 100 python -m pytest -q tests/test_kv_cache_dtype.py tests/test_kvarn_kernels.py --timeout 60 -rfE 2>&1 \
+    | tee "$OUT/kv_tests.log" | tail -n 15
   for kv in auto fp8_e4m3; do
     step 60 python -m benchmarks.attention --no-sweep --kv-cache-dtype "$kv" --shapes 1x512 64x2048 16x8192 \
       --out "$OUT/attention-$kv.json"
   done
+  step 90 python -m benchmarks.kvarn_kernels --out "$OUT/kvarn_kernels.json"
   wait
-  step 200 python -m benchmarks.latency --preset ouro-1.4b --prompts 2048 8192 --batches 16 64 --modes graph \
+  step 150 python -m benchmarks.latency --preset ouro-1.4b --prompts 2048 8192 --batches 1 16 64 --modes graph \
     --kv-cache-dtypes auto fp8_e4m3 --out "$OUT/latency.json"
   if [ -n "${KVFORMATS:-}" ]; then
     step "${KVFORMATS_LIMIT:-300}" python -m benchmarks.kv_formats --model /tmp/loop-engine-bench/ouro-1.4b \

@@ -56,10 +56,11 @@ def main() -> None:
                 for fused in (False, True):
                     for shared in (False, True):
                         compile_for_hopper(decode_split_kernel, dtype, {
-                            **OURO, "BLOCK_SIZE": 16, "BLOCK_N": tile, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16,
+                            **OURO, "BLOCK_SIZE": 16, "BLOCK_N": 128 if dtype == "bf16" and not quantized else tile, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16,
                             "ROW_MAP": row_map, "FUSED_MERGE": fused, "SHARED": shared,
                             "LOOPS": 4 if shared else 1, "NUM_LAYERS": 24 if shared else 1,
-                            "QUANTIZED": quantized}, 4, cache)
+                            "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32", "FP16_DOT": quantized},
+                            4, cache)
             prefill = {**OURO, "BLOCK_M": tile, "BLOCK_N": tile, "DOT_FP32": dtype == "fp32"}
             compile_for_hopper(prefill_paged_kernel, dtype,
                                {**prefill, "BLOCK_SIZE": 16, "QUANTIZED": quantized}, 8, cache)

@@ -36,7 +36,7 @@ def bind(name, case, scales):
     backend.bind(case.key_cache.clone(), case.value_cache.clone(), case.scale, scales)
     if name == "triton":  # small tiles and many splits, as tests/test_triton_kernels.py runs them
         backend.prefill_block_m = backend.prefill_block_n = 16
-        backend.decode_block_n = 8
+        backend.decode_block_n = 16
         backend.split_min_keys = 8
     return backend
 

@@ -12,14 +12,17 @@ With SHARED (kv_sharing="last", attention/base.py SharedKVMetadata) a row's posi
 on are generated tokens, one K/V per layer in generated pages; they are addressed relative to the call's
 own (loop, layer) plane, (group - loop) * num_layers planes away.
 
-With QUANTIZED (an fp8 pool, attention/fp8.py) the slot's key scale of the kv head folds into the query and
-its value scale into the output, so the keys and values are read as raw fp8 and widened.
+Cached keys go through tensor cores (tl.dot), the query padded to 16 rows; DOT_FP32 multiplies in fp32 (fp32
+inputs, and bf16 under the interpreter, as the prefill kernels do). With QUANTIZED (an fp8 pool,
+attention/fp8.py) the slot's key scale of the kv head folds into the score scale and its value scale into the
+output, and the raw fp8 keys and values widen to fp16 for the dots (FP16_DOT; the query is cast to fp16).
 """
 
 import triton
 import triton.language as tl
 
 from attention.kernels.kv_store import encode_kv
+from attention.kernels.prefill import _dot
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -90,6 +93,7 @@ def decode_split_kernel(
     BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr,
     ROW_MAP: tl.constexpr, FUSED_MERGE: tl.constexpr,
     SHARED: tl.constexpr, LOOPS: tl.constexpr, NUM_LAYERS: tl.constexpr, QUANTIZED: tl.constexpr,
+    DOT_FP32: tl.constexpr, FP16_DOT: tl.constexpr,
 ):
     """Grid (grid_splits, HEADS, decode rows). Program (s, h, r) attends query head h of decode row r
     over split s of its context. With ROW_MAP, rows_ptr holds (batch row, token) pairs; without it
@@ -118,49 +122,52 @@ def decode_split_kernel(
         cached_end = tl.minimum(end, last)
 
         offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + token * stride_qn + head * stride_qh + offs_d).to(tl.float32) * (scale * LOG2E)
+        q_raw = tl.load(q_ptr + token * stride_qn + head * stride_qh + offs_d)
+        qk_scale = scale * LOG2E
         k_scale, v_scale = 1.0, 1.0
         if QUANTIZED:
             k_scale = tl.load(scales_ptr + kv_head)
             v_scale = tl.load(scales_ptr + KV_HEADS + kv_head)
-            q = q * k_scale
-        m_i = tl.full([], float("-inf"), tl.float32)
-        l_i = tl.zeros([], tl.float32)
-        acc = tl.zeros([HEAD_DIM], tl.float32)
+            qk_scale = qk_scale * k_scale
+        q = q_raw.to(tl.float32) * qk_scale  # for the new token's score, in fp32
         table = block_tables_ptr + row.to(tl.int64) * stride_bt
         gen_table = gen_tables_ptr
         prompt_len = 0
         if SHARED:
             gen_table = gen_tables_ptr + row.to(tl.int64) * stride_gt
             prompt_len = tl.load(prompt_lens_ptr + row)
+        # The cached keys on tensor cores: the query is row 0 of a 16-row tile (tl.dot's least M; the other
+        # rows are zero and their state is dropped after the loop), its scores scaled in fp32 after the dot,
+        # and P rounded to the dot's dtype before P @ V, as the prefill kernels do. That keeps the loop at
+        # the memory's pace where per-element fp32 math and a cross-warp reduction per tile did not.
+        query_row = tl.arange(0, 16) == 0
+        q_tile = tl.where(query_row[:, None], q_raw[None, :], 0.0).to(q_raw.dtype)
+        if FP16_DOT:  # an fp8 pool: its values widen to fp16 natively and exactly
+            q_tile = q_tile.to(tl.float16)
+        m_i = tl.full([16], float("-inf"), tl.float32)
+        l_i = tl.zeros([16], tl.float32)
+        acc = tl.zeros([16, HEAD_DIM], tl.float32)
         tile = tl.arange(0, BLOCK_N)
-        # Software pipelining by hand (Triton does not pipeline these gathers): while a tile computes, the
-        # next tile's K/V and the page ids of the one after are already loading.
-        mask_n = start + tile < cached_end
-        rows = _key_rows(table, gen_table, start, start + tile, cached_end, prompt_len, loop, plane_elems,
-                         kv_head, BLOCK_N, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
-        k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        rows = _key_rows(table, gen_table, start + BLOCK_N, start + BLOCK_N + tile, cached_end, prompt_len,
-                         loop, plane_elems, kv_head, BLOCK_N, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS,
-                         NUM_LAYERS)
         for n0 in range(start, cached_end, BLOCK_N):
-            mask_next = (n0 + BLOCK_N + tile < cached_end)[:, None]
-            k_next = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_next, other=0.0)
-            v_next = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_next, other=0.0)
-            rows = _key_rows(table, gen_table, n0 + 2 * BLOCK_N, n0 + 2 * BLOCK_N + tile, cached_end,
-                             prompt_len, loop, plane_elems, kv_head, BLOCK_N, BLOCK_SIZE, KV_HEADS, HEAD_DIM,
-                             SHARED, LOOPS, NUM_LAYERS)
-
-            s = tl.where(mask_n, tl.sum(k.to(tl.float32) * q[None, :], 1), float("-inf"))
+            positions = n0 + tile
+            mask_n = positions < cached_end
+            rows = _key_rows(table, gen_table, n0, positions, cached_end, prompt_len, loop, plane_elems,
+                             kv_head, BLOCK_N, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
+            k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            k, v = k.to(q_tile.dtype), v.to(q_tile.dtype)
+            s = _dot(q_tile, tl.trans(k), DOT_FP32) * qk_scale
+            s = tl.where(mask_n[None, :], s, float("-inf"))
             # Every tile holds at least one key, so m_new is finite here.
-            m_new = tl.maximum(m_i, tl.max(s, 0))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new)
-            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
-            l_i = l_i * alpha + tl.sum(p, 0)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
             m_i = m_new
-            k, v, mask_n = k_next, v_next, n0 + BLOCK_N + tile < cached_end
+        m_i = tl.max(tl.where(query_row, m_i, float("-inf")), 0)
+        l_i = tl.sum(tl.where(query_row, l_i, 0.0), 0)
+        acc = tl.sum(tl.where(query_row[:, None], acc, 0.0), 0)
         if (start <= last) & (last < end):
             kv_new = kv_head * stride_kh + offs_d
             k_new = encode_kv(tl.load(k_ptr + token * stride_kn + kv_new), k_scale, QUANTIZED,
