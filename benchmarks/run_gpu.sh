@@ -7,8 +7,9 @@
 #   c: the paired eval of CUDA graphs against eager (ABBA timing, token identity; docs/paired_eval.md);
 #      EARLY=1 runs benchmarks/early_exit.py first, EVAL_LIMIT (default 500) bounds the eval
 #   check: every gpu test (with their durations), then BASE vs this tree with decode_ab --profile
-#   kv: the KV-format gpu tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
-#       then (KVFORMATS=1) the low-bit formats' KL at the Ouro-1.4B shape (benchmarks/kv_formats.py)
+#   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
+#       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
+#       the KVarN kernels, then (KVFORMATS=1) the low-bit formats' KL at the Ouro-1.4B shape
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -49,10 +50,10 @@ elif [ "$PART" = ab ]; then
   step 200 python -m benchmarks.latency --preset ouro-1.4b --prompts 512 2048 --batches 1 16 64 --modes graph \
     --out "$OUT/latency.json"
 elif [ "$PART" = check ]; then
-  timeout 370 python -m pytest -q -m gpu tests/ --timeout 120 -rfE --durations=15 2>&1 | tee "$OUT/gpu_tests.log" \
+  timeout 430 python -m pytest -q -m gpu tests/ --timeout 120 -rfE --durations=15 2>&1 | tee "$OUT/gpu_tests.log" \
     | tail -n 40
   wait
-  step 190 python -m benchmarks.decode_ab --a "${BASE:?set BASE}" --b . --profile 16 --out "$OUT/decode_ab.json"
+  step 150 python -m benchmarks.decode_ab --a "${BASE:?set BASE}" --b . --profile 16 --out "$OUT/decode_ab.json"
 elif [ "$PART" = kv ]; then
   timeout "${TEST_LIMIT:-280}" python -m pytest -q -m gpu tests/ --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" \
     | tail -n 25

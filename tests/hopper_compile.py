@@ -52,11 +52,13 @@ def main() -> None:
     for dtype, tile in (("bf16", 64), ("fp32", 32)):
         for quantized in (False, True) if dtype == "bf16" else (False,):  # True: an fp8 pool
             cache = "fp8e4nv" if quantized else None
+            decode_tile = 128 if dtype == "bf16" and not quantized else tile  # the backend's decode_block_n
             for row_map in (False, True):
                 for fused in (False, True):
                     for shared in (False, True):
                         compile_for_hopper(decode_split_kernel, dtype, {
-                            **OURO, "BLOCK_SIZE": 16, "BLOCK_N": 128 if dtype == "bf16" and not quantized else tile, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16,
+                            **OURO, "BLOCK_SIZE": 16, "BLOCK_N": decode_tile, "SPLIT_MIN_KEYS": 512,
+                            "SPLIT_CAP": 16,
                             "ROW_MAP": row_map, "FUSED_MERGE": fused, "SHARED": shared,
                             "LOOPS": 4 if shared else 1, "NUM_LAYERS": 24 if shared else 1,
                             "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32", "FP16_DOT": quantized},
