@@ -30,7 +30,8 @@ import triton
 
 from attention.launch import INTERPRETED, CompiledLaunch
 from attention.base import AttentionBackend, AttentionMetadata, Capabilities, register
-from attention.kernels.decode import decode_merge_kernel, decode_split_kernel
+from attention.kernels.decode import (decode_merge_kernel, decode_split_kernel, host_split_count,
+                                      split_cap)
 from attention.kernels.kv_store import kv_store_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
 from attention.workspace import Workspace, current_stream
@@ -38,21 +39,8 @@ from attention.workspace import Workspace, current_stream
 # Max |packed - per-row| / max |reference| that the packed prefill kernel promises (bf16 inputs; fp32
 # inputs land near 1e-6).
 PACKED_PREFILL_TOLERANCE = 2e-2
-# SM count assumed off CUDA (the interpreter), an H100/H200's.
-CPU_SM_COUNT = 132
-
 
 EAGER_WORKSPACE = Workspace()
-
-
-def split_count(context_len: int, split_min_keys: int, split_cap: int) -> int:
-    """The host twin of kernels.decode.split_count."""
-    return min(split_cap, max(1, -(-context_len // split_min_keys)))
-
-
-def split_cap(sm_count: int, kv_heads: int) -> int:
-    cap = max(1, 2 * sm_count // kv_heads)
-    return 1 << (cap.bit_length() - 1)
 
 
 @dataclasses.dataclass(slots=True)
@@ -145,12 +133,10 @@ class TritonBackend(AttentionBackend):
         self._scale_slots = (list(kv_scales.unbind(0)) if self.quantized
                              else [self._dummy_f32] * key_cache.shape[0])
         self._dummy_i32 = torch.zeros(2, dtype=torch.int32, device=device)
-        sm_count = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
-                    else CPU_SM_COUNT)
         # Tunables (instance attributes, so tests and benchmarks may override them after bind).
         # Key tiles of about 16 KB each for K and V (64 keys x 128 dims in bf16); fp32 halves the keys.
         narrow = 2 if key_cache.element_size() == 4 else 1
-        self.split_cap = split_cap(sm_count, self.kv_heads)
+        self.split_cap = split_cap(device, self.kv_heads)
         self.split_min_keys = 512
         # Decode key tiles of 32 KB for K and V (128 keys x 128 dims in bf16), fastest on an H200 with the
         # tensor-core loop (benchmarks/decode_variants.py); 64 keys for fp8 pools and head_dim 256.
@@ -186,7 +172,7 @@ class TritonBackend(AttentionBackend):
             longest = meta.block_tables.shape[1] * self.block_size  # any context the table can hold
         else:
             longest = max((context_lens[row] for row in decode), default=0)
-        grid_splits = split_count(longest, self.split_min_keys, self.split_cap)
+        grid_splits = host_split_count(longest, self.split_min_keys, self.split_cap)
 
         row_map = None
         if decode and len(decode) != meta.num_rows:

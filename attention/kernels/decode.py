@@ -18,6 +18,7 @@ attention/fp8.py) the slot's key scale of the kv head folds into the score scale
 output, and the raw fp8 keys and values widen to fp16 for the dots (FP16_DOT; the query is cast to fp16).
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -25,6 +26,22 @@ from attention.kernels.kv_store import encode_kv
 from attention.kernels.prefill import _dot
 
 LOG2E = tl.constexpr(1.4426950408889634)
+# SM count assumed off CUDA (the interpreter), an H100/H200's.
+CPU_SM_COUNT = 132
+
+
+def host_split_count(context_len: int, split_min_keys: int, split_cap: int) -> int:
+    """The host twin of split_count below."""
+    return min(split_cap, max(1, -(-context_len // split_min_keys)))
+
+
+def split_cap(device: torch.device, kv_heads: int) -> int:
+    """The most splits a row gets: 2 * SMs / kv_heads rounded down to a power of two, so one long row alone
+    gives about two programs per SM."""
+    sm_count = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
+                else CPU_SM_COUNT)
+    cap = max(1, 2 * sm_count // kv_heads)
+    return 1 << (cap.bit_length() - 1)
 
 
 @triton.jit

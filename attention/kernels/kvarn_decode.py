@@ -26,13 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.decode import decode_merge_kernel, split_count
+from attention.kernels.decode import decode_merge_kernel, host_split_count, split_cap, split_count
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # (low plane width, high plane width or 0) per code width: the codec's bit planes (kvarn.PLANES).
 PLANE_WIDTHS = {2: (2, 0), 4: (4, 0), 5: (4, 1), 8: (4, 4)}
-# SM count assumed off CUDA (the interpreter), an H100/H200's.
-CPU_SM_COUNT = 132
 
 
 @triton.jit
@@ -192,19 +190,6 @@ def kvarn_decode_split_kernel(
             tl.store(partials_ptr + num_partials * (HEAD_DIM + 1) + part, l_i)
 
 
-def host_split_count(context_len: int, split_min_keys: int, split_cap: int) -> int:
-    """The host twin of kernels.decode.split_count."""
-    return min(split_cap, max(1, -(-context_len // split_min_keys)))
-
-
-def default_split_cap(kv_heads: int, device: torch.device) -> int:
-    """2 * SMs / kv_heads, rounded down to a power of two (the Triton backend's rule)."""
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
-           else CPU_SM_COUNT)
-    cap = max(1, 2 * sms // kv_heads)
-    return 1 << (cap.bit_length() - 1)
-
-
 def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
                  key_scales: torch.Tensor, value_scales: torch.Tensor, side_k: torch.Tensor,
                  side_v: torch.Tensor, block_tables: torch.Tensor, side_tables: torch.Tensor,
@@ -242,10 +227,10 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
     if split_min_keys % group or q_r.stride(2) != 1:
         raise ValueError(f"split_min_keys ({split_min_keys}) must be a multiple of the tile ({group}), and "
                          "q_r's last dim contiguous")
-    split_cap = num_splits or default_split_cap(kv_heads, q_r.device)
+    cap = num_splits or split_cap(q_r.device, kv_heads)
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if rows else 0
-    grid_splits = host_split_count(max_context_len, split_min_keys, split_cap)
+    grid_splits = host_split_count(max_context_len, split_min_keys, cap)
     if out is None:
         out = torch.empty(rows, heads, head_dim, dtype=torch.float32, device=q_r.device)
     if rows == 0:
@@ -259,10 +244,10 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
         block_tables, side_tables, context_lens,
         sink, tail, head_dim ** -0.5 if scale is None else scale, q_r.stride(0), q_r.stride(1),
         block_tables.stride(0), side_tables.stride(0),
-        heads, kv_heads, head_dim, group, k_low, k_high, v_low, v_high, split_min_keys, split_cap,
+        heads, kv_heads, head_dim, group, k_low, k_high, v_low, v_high, split_min_keys, cap,
         num_warps=num_warps,
     )
     if grid_splits > 1:
         decode_merge_kernel[(heads, rows)](out, context_lens, partials, grid_splits, heads, head_dim,
-                                           split_min_keys, split_cap)
+                                           split_min_keys, cap)
     return out
