@@ -29,8 +29,9 @@ import torch
 
 from attention.base import select
 from cache.blocks import BlockManager
-from cache.kv_format import parse_kv_cache_dtype
+from cache.kv_format import KVARN_PRESETS, parse_kv_cache_dtype
 from cache.kv_pool import KVPool
+from cache.kvarn_pool import KVarNPool
 from cache.layout import KV_SHARING, make_layout
 from engine_config import EngineConfig
 from model.config import OuroConfig
@@ -120,7 +121,8 @@ class Engine:
                  packed_prefill: bool = False, enforce_eager: bool = False,
                  exit_policy: str | None = None, kv_sharing: str = "none", speculative: str | None = None,
                  num_speculative_tokens: int | None = None, admission: str = "reserve",
-                 kv_cache_dtype: str = "auto", verbose: bool = True) -> None:
+                 kv_cache_dtype: str = "auto", kv_sink_tokens: int = 0, kv_tail_tokens: int = 0,
+                 verbose: bool = True) -> None:
         if not isinstance(verbose, bool):
             raise ValueError(f"verbose must be True or False, got {verbose!r}")
         self.engine_config = config = EngineConfig.resolve(
@@ -131,7 +133,7 @@ class Engine:
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             packed_prefill=packed_prefill, enforce_eager=enforce_eager, kv_sharing=kv_sharing,
             speculative=speculative, num_speculative_tokens=num_speculative_tokens, admission=admission,
-            kv_cache_dtype=kv_cache_dtype)
+            kv_cache_dtype=kv_cache_dtype, kv_sink_tokens=kv_sink_tokens, kv_tail_tokens=kv_tail_tokens)
         model_dir = config.model_dir
         self.config: OuroConfig = config.model
         self.tokenizer = Tokenizer(model_dir)
@@ -146,19 +148,22 @@ class Engine:
         self.model = load_model(model_dir, self.config, config.device, config.dtype,
                                 fused_kernels=config.device.type == "cuda" and fused_kernels_available())
         loops, layers = config.loops, self.config.num_hidden_layers
-        kv_dtype = parse_kv_cache_dtype(config.kv_cache_dtype).storage_dtype(config.dtype)
-        pool_shape = (config.block_size, self.config.num_key_value_heads, self.config.head_dim, kv_dtype,
-                      config.device)
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory(KVPool(loops, layers, 1, *pool_shape))
+        kvarn = parse_kv_cache_dtype(config.kv_cache_dtype).kind == "kvarn"
+        side_slots = config.max_num_seqs if kvarn else 0  # a KVarN pool's high-precision rows, per sequence
+        probe = self._make_pool(1, 0)
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(probe, probe.side_bytes_for(side_slots)
+                                                                     if kvarn else 0)
         # One block more than the scheduler may hand out: the scratch block that graph padding rows write.
-        self.kv_pool = KVPool(loops, layers, num_blocks + 1, *pool_shape, loop_uniform_scales=(
-            config.exit_policy.can_exit or config.kv_sharing == "last"))
-        self.backend.bind(self.kv_pool.key_cache, self.kv_pool.value_cache, self.config.head_dim ** -0.5,
-                          self.kv_pool.kv_scales)
+        self.kv_pool = self._make_pool(num_blocks + 1, side_slots)
+        scale = self.config.head_dim ** -0.5
+        if kvarn:
+            self.backend.bind_packed(self.kv_pool, scale)
+        else:
+            self.backend.bind(self.kv_pool.key_cache, self.kv_pool.value_cache, scale, self.kv_pool.kv_scales)
         self.layout = make_layout(config.kv_sharing, loops, layers, config.block_size,
                                   config.generated_kv_exact)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          layout=self.layout)
+                                          layout=self.layout, side_slots=side_slots)
         if self.layout.blocks_per_sequence(config.max_model_len, 0) > num_blocks:
             warnings.warn(f"the KV pool holds {num_blocks * config.block_size} tokens, less than "
                           f"max_model_len {config.max_model_len}: a sequence that outgrows it ends with "
@@ -217,10 +222,23 @@ class Engine:
         per draft position and overall (None without speculation)."""
         return self.runner.speculation.stats if self.runner.speculation is not None else None
 
-    def _blocks_for_memory(self, probe: KVPool) -> int:
+    def _make_pool(self, num_blocks: int, side_slots: int) -> KVPool | KVarNPool:
+        """The KV pool of kv_cache_dtype: per-token elements (auto, bf16, fp8_e4m3) or KVarN tiles with
+        side_slots sequences' high-precision rows."""
+        config, model = self.engine_config, self.config
+        fmt = parse_kv_cache_dtype(config.kv_cache_dtype)
+        shape = (config.loops, model.num_hidden_layers, num_blocks)
+        if fmt.kind == "kvarn":
+            return KVarNPool(fmt, *shape, model.num_key_value_heads, model.head_dim, config.dtype,
+                             config.device, config.kv_sink_tokens, config.kv_tail_tokens, side_slots)
+        return KVPool(*shape, config.block_size, model.num_key_value_heads, model.head_dim,
+                      fmt.storage_dtype(config.dtype), config.device,
+                      loop_uniform_scales=config.exit_policy.can_exit or config.kv_sharing == "last")
+
+    def _blocks_for_memory(self, probe: KVPool | KVarNPool, reserved: int = 0) -> int:
         """kv_cache_gib when given. Otherwise vLLM's rule on CUDA: what is left of utilization x total after
         the weights and a measured activation peak; on CPU, _cpu_kv_budget. `probe`: a one-block pool, for
-        the bytes per block."""
+        the bytes per block; `reserved`: bytes of the budget that are not blocks (a KVarN side pool)."""
         config = self.engine_config
         if config.kv_cache_gib is not None:
             budget = config.kv_cache_gib * 2**30
@@ -233,7 +251,7 @@ class Engine:
             free, total = torch.cuda.mem_get_info(config.device)
             others = total - free - torch.cuda.memory_reserved(config.device)
             budget = total * config.gpu_memory_utilization - peak - others
-        blocks = KVPool.blocks_for_budget(probe.bytes_per_block, budget) - 1  # - the scratch block
+        blocks = KVPool.blocks_for_budget(probe.bytes_per_block, budget - reserved) - 1  # - the scratch block
         if blocks < 1:
             raise ValueError(f"no memory left for the KV cache (one block needs {probe.bytes_per_block} "
                              "bytes, and one more is the scratch block); raise kv_cache_gib, or on CUDA "
@@ -843,9 +861,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--exit-policy", default=None,
                         help="full (default), threshold:Q, step:K (0-based), weighted, or early:Q (stops "
                              "looping a generated token once its exit CDF reaches Q)")
-    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3"],
-                        help="how K/V is stored: the model dtype (auto), bf16, or fp8_e4m3 with one scale "
-                        "per (slot, kv head) (default auto)")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3",
+                                                                     *KVARN_PRESETS],
+                        help="how K/V is stored: the model dtype (auto), bf16, fp8_e4m3 with one scale per "
+                        "(slot, kv head), or a KVarN preset (with --attention torch, --block-size of its "
+                        "tile and --no-prefix-caching) (default auto)")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    engine.add_argument("--kv-sink-tokens", type=int, default=0,
+                        help="KVarN: the first N positions stay in high precision (default 0)")
+    engine.add_argument("--kv-tail-tokens", type=int, default=0,
+                        help="KVarN: the N newest positions stay in high precision (default 0)")
     engine.add_argument("--kv-sharing", default="none", choices=["none", "last"],
                         help="last: generated tokens keep only their last loop's K/V "
                              "(arXiv 2510.25741 §5.4.2)")
@@ -926,7 +952,9 @@ def cli_generate(args: argparse.Namespace) -> int:
                 kv_sharing=args.kv_sharing, max_model_len=args.max_model_len,
                 num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
                 speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                admission=args.admission, kv_cache_dtype=args.kv_cache_dtype) as engine:
+                admission=args.admission, kv_cache_dtype=args.kv_cache_dtype,
+                kv_sink_tokens=args.kv_sink_tokens, kv_tail_tokens=args.kv_tail_tokens,
+                block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching) as engine:
         if rows is not None:
             return _generate_batch(engine, rows, params)
         return _generate_one(engine, args, params)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from attention.base import check_name as check_backend_name
-from cache.kv_format import parse_kv_cache_dtype
+from cache.kv_format import check_tile_dims, parse_kv_cache_dtype
 from model.config import OuroConfig
 from model.loader import resolve_model_dir
 from request import ADMISSION, ExitPolicy, parse_exit_policy
@@ -55,8 +55,11 @@ class EngineConfig:
     # "reserve": admit a request only if the pool also covers what the running ones are expected to claim
     # (scheduler/scheduler.py); "greedy": whenever its next chunk fits, preempting later if need be.
     admission: str = "reserve"
-    # How K/V is stored (cache/kv_format.py): "auto" (the model dtype), "bf16" or "fp8_e4m3".
+    # How K/V is stored (cache/kv_format.py): "auto" (the model dtype), "bf16", "fp8_e4m3" or a KVarN preset.
     kv_cache_dtype: str = "auto"
+    # KVarN: positions kept in high precision, the first kv_sink_tokens and the kv_tail_tokens newest
+    kv_sink_tokens: int = 0
+    kv_tail_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_options(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -66,12 +69,40 @@ class EngineConfig:
                              f"max_position_embeddings {self.model.max_position_embeddings}")
         # step:K is range-checked against this engine's loop count.
         parse_exit_policy(self.exit_policy, self.model.total_ut_steps)
+        if parse_kv_cache_dtype(self.kv_cache_dtype).kind == "kvarn":
+            self._check_kvarn()
         if self.speculative is not None:
             draft_loops(self.speculative, self.model.total_ut_steps)  # d against this engine's loop count
             if self.exit_policy.can_exit:
                 raise ValueError(f"speculative={self.speculative!r} cannot be combined with exit_policy="
                                  f"{str(self.exit_policy)!r} yet: a draft runs a fixed number of loops, "
                                  f"early:Q stops each token where its gate says; use a readout policy")
+
+    def _check_kvarn(self) -> None:
+        """What the KVarN pool supports today: the torch backend's reference path (no CUDA graphs), tiles of
+        block_size tokens, and nothing that moves or shares K/V between requests or loops. Fail-closed: each
+        other combination is a ValueError naming the options."""
+        name = f"kv_cache_dtype={self.kv_cache_dtype!r}"
+        group = parse_kv_cache_dtype(self.kv_cache_dtype).group
+        check_tile_dims(group, self.model.head_dim)
+        backend = self.attention if self.attention != "auto" else ("torch" if self.device.type == "cpu"
+                                                                    else "triton")
+        refused = [
+            (backend != "torch", "runs on attention='torch' only (the Triton pack and decode kernels are "
+                                 f"not wired into the engine yet); got attention={self.attention!r}"),
+            (self.block_size != group, f"needs block_size={group} (one tile per block), got "
+                                       f"{self.block_size}"),
+            (self.enable_prefix_caching, "cannot be combined with enable_prefix_caching=True yet: a cached "
+                                         "block's side rows would have to follow it between requests; pass "
+                                         "enable_prefix_caching=False"),
+            (self.kv_sharing != "none", f"cannot be combined with kv_sharing={self.kv_sharing!r}"),
+            (self.exit_policy.can_exit, f"cannot be combined with exit_policy={str(self.exit_policy)!r} "
+                                        "(copy-forward of packed tiles)"),
+            (self.speculative is not None, f"cannot be combined with speculative={self.speculative!r}"),
+        ]
+        for bad, why in refused:
+            if bad:
+                raise ValueError(f"{name} {why}")
 
     @property
     def draft_loops(self) -> int | None:
@@ -163,14 +194,18 @@ def check_options(**values: Any) -> None:
 
 
 def _check_kv_cache_dtype(values: dict[str, Any]) -> None:
-    """A format the engine stores, in a combination it supports; ValueError naming both options otherwise
-    (fail-closed: never a silent fallback to another format)."""
+    """A format the engine stores, with sink and tail rows only where it has them; ValueError naming the
+    options otherwise (fail-closed: never a silent fallback to another format). KVarN's other combinations
+    are checked with the checkpoint (EngineConfig._check_kvarn)."""
     name = values["kv_cache_dtype"]
     fmt = parse_kv_cache_dtype(name)
-    if fmt.kind == "kvarn":
-        raise ValueError(f"kv_cache_dtype={name!r}: the engine's KV pool does not store KVarN tiles yet "
-                         "(the format's reference, cache/packed_sequence.py, is measured by "
-                         "benchmarks/kv_formats.py); the engine stores auto, bf16 and fp8_e4m3")
+    for option in ("kv_sink_tokens", "kv_tail_tokens"):
+        tokens = values.get(option, 0)
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise ValueError(f"{option} must be an integer >= 0, got {tokens!r}")
+        if tokens and fmt.kind != "kvarn":
+            raise ValueError(f"{option}={tokens} applies to the KVarN formats only, not "
+                             f"kv_cache_dtype={name!r}")
     if fmt.kind == "fp8" and values.get("packed_prefill"):
         raise ValueError(f"kv_cache_dtype={name!r} cannot be combined with packed_prefill=True: packed "
                          "prefill reads the new K/V from the step's inputs, not through the fp8 cache that "

@@ -258,6 +258,7 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)  # prompt tokens 1..
     speculative: SpeculativeStats | None = None  # its drafts, under speculative decoding
     draft_len: int = 0  # what its next speculative step drafts at most (scheduler/scheduler.py); 0: not yet
+    side_slot: int | None = None  # a KVarN pool's high-precision rows it owns while it holds blocks
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -31,6 +31,8 @@ class Capabilities:
     packed_matches_decode: bool = True
     # Max |packed - per-row| the packed kernel promises, relative to max |reference| (None: exact).
     packed_prefill_tolerance: float | None = None
+    # Attends over a KVarN pool (bind_packed): tiles and side rows, through the pool's own store and read.
+    kvarn: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,6 +75,7 @@ class AttentionMetadata:
     context_lens_cpu: list[int]
     block_size: int
     shared_kv: SharedKVMetadata | None = None  # kv_sharing="last" only
+    side_slots_cpu: list[int] | None = None  # a KVarN pool only: each row's side slot (cache/kvarn_pool.py)
 
     @property
     def num_rows(self) -> int:
@@ -108,7 +111,8 @@ class AttentionMetadata:
             torch.tensor(query_start, dtype=self.query_start_loc.dtype).to(device, non_blocking=True),
             self.context_lens[index], self.block_tables[index], self.slot_mapping[tokens], query_lens,
             [self.context_lens_cpu[r] for r in rows], self.block_size,
-            self.shared_kv.select(rows, index) if self.shared_kv is not None else None)
+            self.shared_kv.select(rows, index) if self.shared_kv is not None else None,
+            None if self.side_slots_cpu is None else [self.side_slots_cpu[r] for r in rows])
         return sub, tokens
 
 
@@ -123,6 +127,7 @@ class AttentionBackend(ABC):
     def __init__(self, capabilities: Capabilities) -> None:
         self.capabilities = capabilities
         self.meta: AttentionMetadata | None = None
+        self.packed_pool = None
 
     def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
              kv_scales: torch.Tensor | None = None) -> None:
@@ -145,6 +150,14 @@ class AttentionBackend(ABC):
         self.value_cache = value_cache
         self.scale = scale
         self.kv_scales = kv_scales
+
+    def bind_packed(self, pool, scale: float) -> None:
+        """A KVarN pool (cache/kvarn_pool.py) instead of key and value caches: the backend calls its
+        pack_filled, read and write_side."""
+        if not self.capabilities.kvarn:
+            raise ValueError(f"attention backend {self.name!r} has no path for a KVarN KV pool "
+                             "(kv_cache_dtype='kvarn_*'); attention='torch' has")
+        self.packed_pool, self.scale = pool, scale
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step, before the first forward."""

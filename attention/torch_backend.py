@@ -1,7 +1,8 @@
 """The reference backend: gathers each row's pages and runs plain torch math. Runs on CPU and CUDA.
 
 It is slow and obviously right; every other backend is tested against it. An fp8 pool is stored and read
-through attention/fp8.py with the slot's scales.
+through attention/fp8.py with the slot's scales. A KVarN pool (bind_packed) stores and reads through the
+pool itself, and each query attends over its history read two ways (attention/packed_attention.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 
 from attention import fp8
 from attention.base import AttentionBackend, Capabilities, SharedKVMetadata, register
+from attention.packed_attention import attend_two_ways, high_precision
 
 
 def encode(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
@@ -59,10 +61,12 @@ def paged_attention_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 @register
 class TorchBackend(AttentionBackend):
     name = "torch"
-    default_capabilities = Capabilities(kv_formats=("paged", "shared-last"))
+    default_capabilities = Capabilities(kv_formats=("paged", "shared-last"), kvarn=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
         meta = self.meta
+        if self.packed_pool is not None:
+            return self._forward_kvarn(q, k, v, slot)
         if meta.shared_kv is not None:
             return self._forward_shared(q, k, v, slot)
         key_cache, value_cache = self.key_cache[slot], self.value_cache[slot]
@@ -78,6 +82,24 @@ class TorchBackend(AttentionBackend):
             out[start:start + num_new] = paged_attention_row(q[start:start + num_new], keys, values,
                                                              self.scale)
             start += num_new
+        return out
+
+    def _forward_kvarn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
+        """Per row: pack the blocks its new tokens fill, attend over its history read two ways, then keep
+        the new rows that stay high precision (after the reads: a ring entry may pass to a newer block)."""
+        meta, pool = self.meta, self.packed_pool
+        out = torch.empty_like(q)
+        starts = meta.query_starts_cpu
+        for row, side_slot in enumerate(meta.side_slots_cpu):
+            new = slice(starts[row], starts[row + 1])
+            first = meta.context_lens_cpu[row] - meta.query_lens_cpu[row]
+            table = meta.block_tables[row]
+            pool.pack_filled(slot, side_slot, table, first, k[new], v[new])
+            exact, packed = pool.read(slot, side_slot, table, first, k[new], v[new])
+            positions = torch.arange(meta.context_lens_cpu[row], device=q.device)
+            hp = high_precision(positions[first:], positions, pool.block_size, pool.sink, pool.tail)
+            out[new] = attend_two_ways(q[new], exact, packed, first, hp, self.scale).to(q.dtype)
+            pool.write_side(slot, side_slot, first, k[new], v[new])
         return out
 
     def _slot_scales(self, slot: int) -> torch.Tensor | None:

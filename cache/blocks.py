@@ -35,8 +35,10 @@ def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 layout: KVLayout | None = None) -> None:
-        """layout: the KV layout whose blocks this manager hands out (default: paged, one loop)."""
+                 layout: KVLayout | None = None, side_slots: int = 0) -> None:
+        """layout: the KV layout whose blocks this manager hands out (default: paged, one loop). side_slots:
+        a KVarN pool's per-sequence high-precision slots (cache/kvarn_pool.py), one per running request: taken
+        at admission, given back with the blocks."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"BlockManager.num_blocks must be an integer >= 1, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
@@ -54,6 +56,8 @@ class BlockManager:
             range(num_blocks)
         )
         self.hash_to_block_id: dict[bytes, int] = {}
+        self.free_side_slots = list(range(side_slots - 1, -1, -1))
+        self.has_side_slots = side_slots > 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,6 +70,9 @@ class BlockManager:
         """Give a newly admitted request the cached blocks of its longest cached prefix; return how many
         tokens they hold. At least one token is left uncached so that the step still yields logits."""
         assert not request.block_table, f"request {request.request_id} already holds blocks"
+        if self.has_side_slots and request.side_slot is None:
+            assert self.free_side_slots, "more running requests than side slots (max_num_seqs)"
+            request.side_slot = self.free_side_slots.pop()
         if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return 0  # as vLLM: prompt logprobs need the logits of every prompt token, so none is cached
         token_ids = request.token_ids
@@ -104,6 +111,9 @@ class BlockManager:
         for block_id in reversed(request.block_table):  # tail blocks are the least shareable: evict first
             self._release(block_id, findable=self._findable(self.blocks[block_id]))
         request.block_table = []
+        if request.side_slot is not None:
+            self.free_side_slots.append(request.side_slot)
+            request.side_slot = None
 
     def _release(self, block_id: int, findable: bool) -> None:
         block = self.blocks[block_id]

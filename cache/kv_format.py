@@ -7,7 +7,7 @@ costs.
     kvarn_kXvY_gG      KVarN (arXiv 2606.03458): tiles of G tokens x head_dim per (block, kv head), Hadamard-
                        rotated, variance-normalized, X-bit keys and Y-bit values with fp16 scales
                        (cache/kvarn.py); the first `sink` and newest `tail` tokens and the unfilled tile stay
-                       in high precision in a side pool
+                       in high precision in a side pool (cache/kvarn_pool.py)
 
 A KVarN tile stores, per kv head: the key codes (G x D x key_bits), a per-channel key scale and zero and a
 per-token key scale; the value codes (G x D x value_bits), a per-channel value scale and a per-token value

@@ -199,13 +199,44 @@ def fp8_scale(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return torch.where(amax > 0, amax / fp8.FP8_MAX, torch.ones_like(amax))
 
 
+def encode_tiles(x: torch.Tensor, bits: int, keys: bool, rotation: torch.Tensor | None,
+                 iterations: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., G, D] as a pool block stores it: rotated (unless rotation is None) and quantized, the codes of
+    each token row in bit planes, concatenated in PLANES order ([..., G, D * bits / 8] uint8), and the fp16
+    scales in one row: keys channel scale [D], channel zero [D], token scale [G]; values channel scale [D],
+    token scale [G], token zero [G] ([..., 2 D + G] or [..., D + 2 G])."""
+    y = x.float() @ rotation if rotation is not None else x.float()
+    if keys:
+        q = quantize_keys(y, bits, iterations)
+        scales = [q.channel_scale, q.channel_zero, q.token_scale]
+    else:
+        q = quantize_values(y, bits, iterations)
+        scales = [q.channel_scale, q.token_scale, q.token_zero]
+    return torch.cat(pack_codes(q.codes, bits), -1), torch.cat(scales, -1)
+
+
+def decode_tiles(codes: torch.Tensor, scales: torch.Tensor, bits: int, keys: bool,
+                 rotation: torch.Tensor | None) -> torch.Tensor:
+    """What attention reads of tiles stored by encode_tiles: [..., G, D] fp32, rotated back."""
+    group = codes.shape[-2]
+    head_dim = codes.shape[-1] * 8 // bits
+    planes, first = [], 0
+    for width in PLANES[bits]:
+        planes.append(codes[..., first:first + head_dim * width // 8])
+        first += head_dim * width // 8
+    unpacked = unpack_codes(planes, bits)
+    if keys:
+        y = dequantize_keys(QuantizedKeys(unpacked, scales[..., :head_dim],
+                                          scales[..., head_dim:2 * head_dim], scales[..., 2 * head_dim:]))
+    else:
+        y = dequantize_values(QuantizedValues(unpacked, scales[..., :head_dim],
+                                              scales[..., head_dim:head_dim + group],
+                                              scales[..., head_dim + group:]))
+    return y @ rotation.T if rotation is not None else y
+
+
 def roundtrip(x: torch.Tensor, bits: int, keys: bool, rotation: torch.Tensor | None,
               iterations: int = 8) -> torch.Tensor:
-    """x [..., G, D] through the codec and back: rotated (unless rotation is None), quantized, its codes
-    packed into bit planes and unpacked as a pool block keeps them, decoded and rotated back. What attention
-    reads of a packed tile."""
-    y = x.float() @ rotation if rotation is not None else x.float()
-    quantized = quantize_keys(y, bits, iterations) if keys else quantize_values(y, bits, iterations)
-    quantized.codes = unpack_codes(pack_codes(quantized.codes, bits), bits)
-    y = dequantize_keys(quantized) if keys else dequantize_values(quantized)
-    return y @ rotation.T if rotation is not None else y
+    """x [..., G, D] through the codec and back, as a pool block keeps it (encode_tiles, decode_tiles): what
+    attention reads of a packed tile."""
+    return decode_tiles(*encode_tiles(x, bits, keys, rotation, iterations), bits, keys, rotation)

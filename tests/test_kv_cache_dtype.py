@@ -144,7 +144,6 @@ def test_storage_dtype_of_each_dense_format():
 @pytest.mark.parametrize("options,match", [
     ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of auto, bf16, fp8_e4m3, kvarn_k4v2_g64"),
     ({"kv_cache_dtype": None}, "kv_cache_dtype must be one of"),
-    ({"kv_cache_dtype": "kvarn_k4v2_g64"}, "does not store KVarN tiles yet"),
     ({"kv_cache_dtype": "fp8_e4m3", "packed_prefill": True}, "cannot be combined with packed_prefill"),
 ])
 def test_engine_refuses_unsupported_kv_cache_dtypes_before_loading(tmp_path, options, match):
@@ -197,3 +196,95 @@ def test_engine_greedy_tokens_equal_the_one_sequence_reference(tiny_checkpoint, 
                                    config.num_key_value_heads, config.head_dim)
             assert outputs[0].outputs[0].token_ids != greedy_through(
                 engine.model, engine.tokenizer.encode(prompts[0]), 12, dense)
+
+
+KVARN_PROMPTS = ["The quick brown fox jumps over the lazy dog again and again " * 3, "Hello " * 20,
+                 "0123456789 + - * / = 42 " * 5]
+
+
+def kvarn_engine(checkpoint, name="kvarn_k4v2_g64", sink=0, tail=0, **options):
+    return Engine(checkpoint, device="cpu", dtype="float32", kv_cache_dtype=name, block_size=64,
+                  enable_prefix_caching=False, kv_sink_tokens=sink, kv_tail_tokens=tail, verbose=False,
+                  **options)
+
+
+@pytest.mark.parametrize("name,sink,tail", [("kvarn_k4v2_g64", 0, 0), ("kvarn_k4v4_g64", 16, 32),
+                                            ("kvarn_k5v5_g64", 64, 80)])
+def test_kvarn_engine_greedy_tokens_equal_the_one_sequence_reference(tiny_checkpoint, name, sink, tail):
+    """Three rows in chunks of 40 tokens (which cut tiles), 40 generated tokens each (so blocks fill and pack
+    during decode too): the paged KVarN pool, its side slots and the chunked reads give the tokens that one
+    sequence's history in the same format gives, read in one call per prompt; and the format matters here."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with kvarn_engine(tiny_checkpoint, name, sink, tail, max_num_batched_tokens=40) as engine:
+        assert engine.kv_pool.bytes_per_block < engine.kv_pool.num_slots * 64 * 2 * 2 * 32 * 4  # packed
+        outputs = engine.generate(KVARN_PROMPTS, params, use_tqdm=False)
+        config = engine.config
+        slots = config.total_ut_steps * config.num_hidden_layers
+        differs = 0
+        for prompt, output in zip(KVARN_PROMPTS, outputs):
+            ids = engine.tokenizer.encode(prompt)
+            store = PackedSequence(parse_kv_cache_dtype(name), slots, config.num_attention_heads,
+                                   config.num_key_value_heads, config.head_dim, sink=sink, tail=tail)
+            assert output.outputs[0].token_ids == greedy_through(engine.model, ids, 40, store)
+            dense = PackedSequence(parse_kv_cache_dtype("auto"), slots, config.num_attention_heads,
+                                   config.num_key_value_heads, config.head_dim)
+            differs += output.outputs[0].token_ids != greedy_through(engine.model, ids, 40, dense)
+        assert sorted(engine.block_manager.free_side_slots) == list(range(engine.engine_config.max_num_seqs))
+    assert differs or name == "kvarn_k5v5_g64"  # k5v5 with a wide side pool may match dense here
+
+
+def test_kvarn_preempted_requests_recompute_the_same_tokens(tiny_checkpoint):
+    """A pool too small for four rows: greedy admission preempts, and a preempted request gives back its side
+    slot and recomputes through a new one to the tokens of an uncontended run."""
+    params = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
+    prompts = KVARN_PROMPTS + ["Looped models read their history four times " * 2]
+    with kvarn_engine(tiny_checkpoint, tail=16) as engine:
+        alone = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    with kvarn_engine(tiny_checkpoint, tail=16, num_kv_blocks=6, admission="greedy",
+                      max_model_len=192) as engine:
+        squeezed = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+        assert engine.scheduler.num_preemptions > 0
+    assert squeezed == alone
+
+
+def test_kvarn_side_ring_holds_every_row_a_query_reads_in_high_precision():
+    """For every (query, earlier position) that the rule reads in high precision, the position's block keeps
+    its side rows at the length the call starts from (cache/kvarn_pool.py's ring)."""
+    from attention.packed_attention import high_precision
+    from cache.kvarn_pool import KVarNPool
+
+    for sink, tail in ((0, 0), (1, 3), (4, 4), (5, 13), (9, 8)):
+        pool = KVarNPool(parse_kv_cache_dtype("kvarn_k4v2_g64"), 1, 1, 1, 1, 8, torch.float32,
+                         torch.device("cpu"), sink, tail, 1)
+        pool.block_size = 4  # the ring's arithmetic at a small tile
+        pool.sink_blocks, pool.ring_blocks = -(-sink // 4), -(-tail // 4) + 1
+        for start in range(1, 30):
+            queries, keys = torch.arange(start, start + 20), torch.arange(start)
+            hp = high_precision(queries, keys, 4, sink, tail)
+            needed = {int(p) // 4 for p in keys[hp.any(0)]}
+            assert all(pool.keeps_side_rows(index, start) for index in needed), (sink, tail, start)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"attention": "triton"}, "runs on attention='torch' only"),
+    ({"block_size": 16}, "needs block_size=64"),
+    ({"enable_prefix_caching": True}, "enable_prefix_caching=True"),
+    ({"kv_sharing": "last"}, "kv_sharing='last'"),
+    ({"exit_policy": "early:0.5"}, "exit_policy='early:0.5'"),
+    ({"speculative": "loops:2"}, "speculative='loops:2'"),
+])
+def test_kvarn_refuses_what_its_pool_does_not_support(tiny_checkpoint, options, match):
+    base = dict(device="cpu", kv_cache_dtype="kvarn_k4v2_g64", block_size=64, enable_prefix_caching=False,
+                attention="torch", verbose=False)
+    with pytest.raises(ValueError, match=match):
+        Engine(tiny_checkpoint, **{**base, **options})
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"kv_sink_tokens": 8}, "kv_sink_tokens=8 applies to the KVarN formats only"),
+    ({"kv_cache_dtype": "fp8_e4m3", "kv_tail_tokens": 8}, "kv_tail_tokens=8 applies to the KVarN"),
+    ({"kv_cache_dtype": "kvarn_k4v2_g64", "kv_tail_tokens": -1}, "kv_tail_tokens must be an integer >= 0"),
+])
+def test_sink_and_tail_tokens_are_checked_before_loading(tmp_path, options, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(tmp_path / "never-read", verbose=False, **options)

@@ -1,0 +1,42 @@
+"""Attention over a history that is read two ways: as stored where a position is high precision for the
+query, else through its packed (low-bit) tile. The rule of which is which is KVarN's side pool
+(docs/low_bit_kv.md), stated by position only, so a prompt read in one call or in chunks reads the same
+values. Plain torch, fp32: the reference path (cache/packed_sequence.py, and the torch backend over a KVarN
+pool).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def high_precision(query_positions: torch.Tensor, key_positions: torch.Tensor, group: int, sink: int,
+                   tail: int) -> torch.Tensor:
+    """[queries, keys] bool: does the query at position i read key position p in high precision? p < sink,
+    or p >= (i + 1) - max(tail, (i + 1) % group): the newest `tail` of its history and its unfilled tile."""
+    length = query_positions[:, None] + 1
+    return (key_positions[None, :] < sink) | (key_positions[None, :] >= length - torch.maximum(
+        torch.full_like(length, tail), length % group))
+
+
+def attend_two_ways(q: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor],
+                    packed: tuple[torch.Tensor, torch.Tensor], first_query: int, hp: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of q [n, heads, D] (positions first_query..) over keys 0..L-1 read two ways: as stored
+    (exact: keys, values [L, kv_heads, D]) where hp [n, L] says so, else through their packed tile. fp32."""
+    n, heads = q.shape[:2]
+    group = heads // exact[0].shape[1]
+
+    def expand(x: torch.Tensor) -> torch.Tensor:
+        return x.float().repeat_interleave(group, 1)  # [L, heads, D]
+
+    (k_exact, v_exact), (k_packed, v_packed) = (tuple(map(expand, pair)) for pair in (exact, packed))
+    qf = q.float()
+    scores = torch.where(hp[None], torch.einsum("nhd,lhd->hnl", qf, k_exact),
+                         torch.einsum("nhd,lhd->hnl", qf, k_packed)) * scale
+    length = k_exact.shape[0]
+    causal = torch.arange(length, device=q.device)[None, :] <= (first_query + torch.arange(n, device=q.device)
+                                                               )[:, None]
+    weights = torch.softmax(scores.masked_fill(~causal[None], float("-inf")), -1)
+    return (torch.einsum("hnl,lhd->nhd", weights * hp[None], v_exact)
+            + torch.einsum("hnl,lhd->nhd", weights * ~hp[None], v_packed))

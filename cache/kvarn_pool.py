@@ -1,0 +1,158 @@
+"""The KVarN paged pool (kv_cache_dtype="kvarn_*"): per (loop, layer) slot, a packed tile per (block, kv head)
+at the block's id, and a side pool of high-precision rows per running sequence. The reference path, in plain
+torch (cache/kvarn.py's codec); the torch attention backend stores and reads through it.
+
+    key_codes    uint8 [T*L, blocks, kv_heads, G, D * key_bits / 8]    (cache/kvarn.py: encode_tiles)
+    value_codes  uint8 [T*L, blocks, kv_heads, G, D * value_bits / 8]
+    key_scales   fp16  [T*L, blocks, kv_heads, 2 D + G]
+    value_scales fp16  [T*L, blocks, kv_heads, D + 2 G]
+    side_keys, side_values  [T*L, side blocks, G, kv_heads, D]  the model's dtype, as the model made them
+
+Block size = G, the tile. A block is packed when its last position is stored, from its side rows and the
+call's new K/V. Which positions a query reads in high precision is attention/packed_attention.py's rule: the
+first `sink` positions and the `tail` newest of its history (with its unfilled tile). Each running sequence
+owns one side slot (BlockManager hands it out with its blocks and takes it back when it frees them):
+ceil(sink / G) side blocks for its first blocks, and a ring of ceil(tail / G) + 1 for its newest, block i
+(past the sink blocks) in ring entry (i - sink blocks) % ring. That ring covers every block a query can read
+in high precision, and a block leaves it only once no query reads it so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cache import kvarn
+from cache.kv_format import KVFormat, check_tile_dims
+
+
+class KVarNPool:
+    packed = True  # stores tiles, not per-token elements
+
+    def __init__(self, fmt: KVFormat, loops: int, num_layers: int, num_blocks: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, sink: int = 0, tail: int = 0,
+                 side_slots: int = 0, iterations: int = 8) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        check_tile_dims(fmt.group, head_dim)
+        self.fmt, self.loops, self.num_layers = fmt, loops, num_layers
+        self.num_blocks, self.block_size = num_blocks, fmt.group
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.sink, self.tail, self.iterations = sink, tail, iterations
+        g, d, slots = fmt.group, head_dim, loops * num_layers
+        self.key_codes = torch.zeros(slots, num_blocks, kv_heads, g, d * fmt.key_bits // 8, dtype=torch.uint8,
+                                     device=device)
+        self.value_codes = torch.zeros(slots, num_blocks, kv_heads, g, d * fmt.value_bits // 8,
+                                       dtype=torch.uint8, device=device)
+        self.key_scales = torch.zeros(slots, num_blocks, kv_heads, 2 * d + g, dtype=torch.float16,
+                                      device=device)
+        self.value_scales = torch.zeros(slots, num_blocks, kv_heads, d + 2 * g, dtype=torch.float16,
+                                        device=device)
+        self.sink_blocks = -(-sink // g)
+        self.ring_blocks = -(-tail // g) + 1
+        side = side_slots * (self.sink_blocks + self.ring_blocks)
+        self.side_keys = torch.zeros(slots, side, g, kv_heads, d, dtype=dtype, device=device)
+        self.side_values = torch.zeros_like(self.side_keys)
+        self.rotation = kvarn.hadamard(d, device=device)
+        self.slot_token_bytes = fmt.packed_token_bytes(kv_heads, d)
+        self.kv_scales = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.loops * self.num_layers
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.num_slots * self.kv_heads * self.fmt.tile_bytes(self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.num_slots * self.slot_token_bytes
+
+    @property
+    def side_bytes(self) -> int:
+        return 2 * self.side_keys.numel() * self.side_keys.element_size()
+
+    def side_bytes_for(self, side_slots: int) -> int:
+        """The side pool's bytes for `side_slots` sequences (what a pool of this shape would allocate)."""
+        per_block = 2 * self.num_slots * self.block_size * self.kv_heads * self.head_dim
+        return side_slots * (self.sink_blocks + self.ring_blocks) * per_block * self.side_keys.element_size()
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block + self.side_bytes
+
+    @staticmethod
+    def blocks_for_budget(bytes_per_block: int, budget_bytes: float) -> int:
+        return int(budget_bytes // bytes_per_block)
+
+    def side_block(self, side_slot: int, index: int) -> int:
+        """The side block that holds block `index` of the sequence in `side_slot`."""
+        base = side_slot * (self.sink_blocks + self.ring_blocks)
+        if index < self.sink_blocks:
+            return base + index
+        return base + self.sink_blocks + (index - self.sink_blocks) % self.ring_blocks
+
+    def keeps_side_rows(self, index: int, length: int) -> bool:
+        """Does block `index` of a sequence of `length` tokens hold its rows in the side pool?"""
+        return index < self.sink_blocks or index > (length - 1) // self.block_size - self.ring_blocks
+
+    def pack_filled(self, slot: int, side_slot: int, table: torch.Tensor, start: int, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """Pack every block that the call's new tokens (positions start.., k and v [n, kv_heads, D]) fill: its
+        rows before `start` from the side pool, the rest from k, v."""
+        g, end = self.block_size, start + k.shape[0]
+        for index in range(start // g, end // g):
+            first = index * g
+            rows_k, rows_v = [], []
+            if first < start:
+                side = self.side_block(side_slot, index)
+                rows_k.append(self.side_keys[slot, side, :start - first])
+                rows_v.append(self.side_values[slot, side, :start - first])
+            new = slice(max(first, start) - start, first + g - start)
+            rows_k.append(k[new])
+            rows_v.append(v[new])
+            block = int(table[index])
+            for rows, codes, scales, bits, keys in (
+                    (rows_k, self.key_codes, self.key_scales, self.fmt.key_bits, True),
+                    (rows_v, self.value_codes, self.value_scales, self.fmt.value_bits, False)):
+                tile = torch.cat(rows).to(self.side_keys.dtype).transpose(0, 1)  # [kv_heads, G, D]
+                codes[slot, block], scales[slot, block] = kvarn.encode_tiles(tile, bits, keys, self.rotation,
+                                                                             self.iterations)
+
+    def read(self, slot: int, side_slot: int, table: torch.Tensor, start: int, k: torch.Tensor,
+             v: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """A row's history of start + n positions read two ways, [L, kv_heads, D] fp32 each: as stored (the
+        side rows before `start`, zero where a block has none, then k, v) and through the packed tiles (zero
+        past the last full tile). Call after pack_filled and before write_side."""
+        g, length = self.block_size, start + k.shape[0]
+        shape = (length, self.kv_heads, self.head_dim)
+        exact_k, exact_v = torch.zeros(shape, device=k.device), torch.zeros(shape, device=k.device)
+        for index in range(-(-start // g)):
+            if self.keeps_side_rows(index, start):
+                side, rows = self.side_block(side_slot, index), slice(index * g, min(start, (index + 1) * g))
+                exact_k[rows] = self.side_keys[slot, side, :rows.stop - rows.start].float()
+                exact_v[rows] = self.side_values[slot, side, :rows.stop - rows.start].float()
+        exact_k[start:] = k.to(self.side_keys.dtype).float()
+        exact_v[start:] = v.to(self.side_keys.dtype).float()
+        packed_k, packed_v = torch.zeros(shape, device=k.device), torch.zeros(shape, device=k.device)
+        full = length // g
+        if full:
+            blocks = table[:full].long()
+            for codes, scales, bits, keys, out in (
+                    (self.key_codes, self.key_scales, self.fmt.key_bits, True, packed_k),
+                    (self.value_codes, self.value_scales, self.fmt.value_bits, False, packed_v)):
+                tiles = kvarn.decode_tiles(codes[slot, blocks], scales[slot, blocks], bits, keys,
+                                           self.rotation)  # [full, kv_heads, G, D]
+                out[:full * g] = tiles.transpose(1, 2).flatten(0, 1)
+        return (exact_k, exact_v), (packed_k, packed_v)
+
+    def write_side(self, slot: int, side_slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep the new tokens' rows whose blocks hold side rows at the sequence's new length."""
+        g, end = self.block_size, start + k.shape[0]
+        for index in range(start // g, -(-end // g)):
+            if self.keeps_side_rows(index, end):
+                first, last = max(start, index * g), min(end, (index + 1) * g)
+                side = self.side_block(side_slot, index)
+                rows, new = slice(first - index * g, last - index * g), slice(first - start, last - start)
+                self.side_keys[slot, side, rows] = k[new]
+                self.side_values[slot, side, rows] = v[new]
