@@ -32,6 +32,7 @@ from cache.blocks import BlockManager
 from cache.kv_format import KVARN_PRESETS, parse_kv_cache_dtype
 from cache.kv_pool import KVPool
 from cache.kvarn_pool import KVarNPool
+from cache.side_rows import SideRows
 from cache.layout import KV_SHARING, make_layout
 from engine_config import EngineConfig
 from model.config import OuroConfig
@@ -149,12 +150,14 @@ class Engine:
                                 fused_kernels=config.device.type == "cuda" and fused_kernels_available())
         loops, layers = config.loops, self.config.num_hidden_layers
         kvarn = parse_kv_cache_dtype(config.kv_cache_dtype).kind == "kvarn"
-        side_slots = config.max_num_seqs if kvarn else 0  # a KVarN pool's high-precision rows, per sequence
+        side_rows = SideRows(config.max_num_seqs, config.block_size, config.kv_sink_tokens,
+                             config.kv_tail_tokens) if kvarn else None  # a KVarN pool's high-precision rows
+        side_blocks = side_rows.capacity if kvarn else 0
         probe = self._make_pool(1, 0)
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory(probe, probe.side_bytes_for(side_slots)
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(probe, probe.side_bytes_for(side_blocks)
                                                                      if kvarn else 0)
         # One block more than the scheduler may hand out: the scratch block that graph padding rows write.
-        self.kv_pool = self._make_pool(num_blocks + 1, side_slots)
+        self.kv_pool = self._make_pool(num_blocks + 1, side_blocks)
         scale = self.config.head_dim ** -0.5
         if kvarn:
             self.backend.bind_packed(self.kv_pool, scale)
@@ -163,7 +166,7 @@ class Engine:
         self.layout = make_layout(config.kv_sharing, loops, layers, config.block_size,
                                   config.generated_kv_exact)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          layout=self.layout, side_slots=side_slots)
+                                          layout=self.layout, side_rows=side_rows)
         if self.layout.blocks_per_sequence(config.max_model_len, 0) > num_blocks:
             warnings.warn(f"the KV pool holds {num_blocks * config.block_size} tokens, less than "
                           f"max_model_len {config.max_model_len}: a sequence that outgrows it ends with "
@@ -222,15 +225,15 @@ class Engine:
         per draft position and overall (None without speculation)."""
         return self.runner.speculation.stats if self.runner.speculation is not None else None
 
-    def _make_pool(self, num_blocks: int, side_slots: int) -> KVPool | KVarNPool:
+    def _make_pool(self, num_blocks: int, side_blocks: int) -> KVPool | KVarNPool:
         """The KV pool of kv_cache_dtype: per-token elements (auto, bf16, fp8_e4m3) or KVarN tiles with
-        side_slots sequences' high-precision rows."""
+        side_blocks blocks of high-precision rows."""
         config, model = self.engine_config, self.config
         fmt = parse_kv_cache_dtype(config.kv_cache_dtype)
         shape = (config.loops, model.num_hidden_layers, num_blocks)
         if fmt.kind == "kvarn":
             return KVarNPool(fmt, *shape, model.num_key_value_heads, model.head_dim, config.dtype,
-                             config.device, config.kv_sink_tokens, config.kv_tail_tokens, side_slots)
+                             config.device, config.kv_sink_tokens, config.kv_tail_tokens, side_blocks)
         return KVPool(*shape, config.block_size, model.num_key_value_heads, model.head_dim,
                       fmt.storage_dtype(config.dtype), config.device,
                       loop_uniform_scales=config.exit_policy.can_exit or config.kv_sharing == "last")
@@ -242,8 +245,8 @@ class Engine:
         config = self.engine_config
         if config.kv_cache_gib is not None:
             budget = config.kv_cache_gib * 2**30
-        elif config.device.type != "cuda":
-            budget = self._cpu_kv_budget(probe.bytes_per_block)
+        elif config.device.type != "cuda":  # sized for the blocks the sequences need; a side pool on top
+            budget = self._cpu_kv_budget(probe.bytes_per_block) + reserved
         else:
             torch.cuda.reset_peak_memory_stats(config.device)
             self._profile_run(config.max_num_batched_tokens)
@@ -253,9 +256,11 @@ class Engine:
             budget = total * config.gpu_memory_utilization - peak - others
         blocks = KVPool.blocks_for_budget(probe.bytes_per_block, budget - reserved) - 1  # - the scratch block
         if blocks < 1:
+            side = (f"; the KVarN side pool takes {reserved / 2**30:.2f} GiB of it (lower max_num_seqs or "
+                    "kv_sink_tokens / kv_tail_tokens)") if reserved else ""
             raise ValueError(f"no memory left for the KV cache (one block needs {probe.bytes_per_block} "
                              "bytes, and one more is the scratch block); raise kv_cache_gib, or on CUDA "
-                             "gpu_memory_utilization, or lower max_num_batched_tokens")
+                             f"gpu_memory_utilization, or lower max_num_batched_tokens{side}")
         return blocks
 
     def _cpu_kv_budget(self, bytes_per_block: int) -> float:
@@ -864,8 +869,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3",
                                                                      *KVARN_PRESETS],
                         help="how K/V is stored: the model dtype (auto), bf16, fp8_e4m3 with one scale per "
-                        "(slot, kv head), or a KVarN preset (with --attention torch, --block-size of its "
-                        "tile and --no-prefix-caching) (default auto)")
+                        "(slot, kv head), or a KVarN preset (with --attention torch and --block-size of "
+                        "its tile) (default auto)")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     engine.add_argument("--kv-sink-tokens", type=int, default=0,

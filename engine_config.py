@@ -80,8 +80,9 @@ class EngineConfig:
 
     def _check_kvarn(self) -> None:
         """What the KVarN pool supports today: the torch backend's reference path (no CUDA graphs), tiles of
-        block_size tokens, and nothing that moves or shares K/V between requests or loops. Fail-closed: each
-        other combination is a ValueError naming the options."""
+        block_size tokens, and nothing that moves or shares K/V between loops or rewinds it (prefix caching
+        and preemption are supported). Fail-closed: each other combination is a ValueError naming the
+        options."""
         name = f"kv_cache_dtype={self.kv_cache_dtype!r}"
         group = parse_kv_cache_dtype(self.kv_cache_dtype).group
         check_tile_dims(group, self.model.head_dim)
@@ -92,9 +93,6 @@ class EngineConfig:
                                  f"not wired into the engine yet); got attention={self.attention!r}"),
             (self.block_size != group, f"needs block_size={group} (one tile per block), got "
                                        f"{self.block_size}"),
-            (self.enable_prefix_caching, "cannot be combined with enable_prefix_caching=True yet: a cached "
-                                         "block's side rows would have to follow it between requests; pass "
-                                         "enable_prefix_caching=False"),
             (self.kv_sharing != "none", f"cannot be combined with kv_sharing={self.kv_sharing!r}"),
             (self.exit_policy.can_exit, f"cannot be combined with exit_policy={str(self.exit_policy)!r} "
                                         "(copy-forward of packed tiles)"),

@@ -258,7 +258,10 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)  # prompt tokens 1..
     speculative: SpeculativeStats | None = None  # its drafts, under speculative decoding
     draft_len: int = 0  # what its next speculative step drafts at most (scheduler/scheduler.py); 0: not yet
-    side_slot: int | None = None  # a KVarN pool's high-precision rows it owns while it holds blocks
+    # A KVarN pool's side rows (cache/side_rows.py): the blocks whose side blocks it holds, and per block of
+    # block_table the side block it may read (-1: none)
+    side_held: list[int] = dataclasses.field(default_factory=list)
+    side_table: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -75,7 +75,8 @@ class AttentionMetadata:
     context_lens_cpu: list[int]
     block_size: int
     shared_kv: SharedKVMetadata | None = None  # kv_sharing="last" only
-    side_slots_cpu: list[int] | None = None  # a KVarN pool only: each row's side slot (cache/kvarn_pool.py)
+    # A KVarN pool only: per row, the side block of each block of its table (-1: none to read)
+    side_tables_cpu: list[list[int]] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -112,7 +113,7 @@ class AttentionMetadata:
             self.context_lens[index], self.block_tables[index], self.slot_mapping[tokens], query_lens,
             [self.context_lens_cpu[r] for r in rows], self.block_size,
             self.shared_kv.select(rows, index) if self.shared_kv is not None else None,
-            None if self.side_slots_cpu is None else [self.side_slots_cpu[r] for r in rows])
+            None if self.side_tables_cpu is None else [self.side_tables_cpu[r] for r in rows])
         return sub, tokens
 
 

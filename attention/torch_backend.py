@@ -90,16 +90,16 @@ class TorchBackend(AttentionBackend):
         meta, pool = self.meta, self.packed_pool
         out = torch.empty_like(q)
         starts = meta.query_starts_cpu
-        for row, side_slot in enumerate(meta.side_slots_cpu):
+        for row, side_table in enumerate(meta.side_tables_cpu):
             new = slice(starts[row], starts[row + 1])
             first = meta.context_lens_cpu[row] - meta.query_lens_cpu[row]
             table = meta.block_tables[row]
-            pool.pack_filled(slot, side_slot, table, first, k[new], v[new])
-            exact, packed = pool.read(slot, side_slot, table, first, k[new], v[new])
+            pool.pack_filled(slot, side_table, table, first, k[new], v[new])
+            exact, packed = pool.read(slot, side_table, table, first, k[new], v[new])
             positions = torch.arange(meta.context_lens_cpu[row], device=q.device)
             hp = high_precision(positions[first:], positions, pool.block_size, pool.sink, pool.tail)
             out[new] = attend_two_ways(q[new], exact, packed, first, hp, self.scale).to(q.dtype)
-            pool.write_side(slot, side_slot, first, k[new], v[new])
+            pool.write_side(slot, side_table, first, k[new], v[new])
         return out
 
     def _slot_scales(self, slot: int) -> torch.Tensor | None:

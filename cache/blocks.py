@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 
 from cache.layout import KVLayout, PagedLayout
+from cache.side_rows import SideRows
 from request import Request
 
 
@@ -35,10 +36,9 @@ def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 layout: KVLayout | None = None, side_slots: int = 0) -> None:
-        """layout: the KV layout whose blocks this manager hands out (default: paged, one loop). side_slots:
-        a KVarN pool's per-sequence high-precision slots (cache/kvarn_pool.py), one per running request: taken
-        at admission, given back with the blocks."""
+                 layout: KVLayout | None = None, side_rows: SideRows | None = None) -> None:
+        """layout: the KV layout whose blocks this manager hands out (default: paged, one loop). side_rows: a
+        KVarN pool's side-row ownership (cache/side_rows.py), kept in step with the blocks."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"BlockManager.num_blocks must be an integer >= 1, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
@@ -56,8 +56,7 @@ class BlockManager:
             range(num_blocks)
         )
         self.hash_to_block_id: dict[bytes, int] = {}
-        self.free_side_slots = list(range(side_slots - 1, -1, -1))
-        self.has_side_slots = side_slots > 0
+        self.side_rows = side_rows
 
     @property
     def num_free_blocks(self) -> int:
@@ -70,21 +69,22 @@ class BlockManager:
         """Give a newly admitted request the cached blocks of its longest cached prefix; return how many
         tokens they hold. At least one token is left uncached so that the step still yields logits."""
         assert not request.block_table, f"request {request.request_id} already holds blocks"
-        if self.has_side_slots and request.side_slot is None:
-            assert self.free_side_slots, "more running requests than side slots (max_num_seqs)"
-            request.side_slot = self.free_side_slots.pop()
         if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return 0  # as vLLM: prompt logprobs need the logits of every prompt token, so none is cached
         token_ids = request.token_ids
-        parent = None
+        parent, hit = None, []
         for i in range(self._cacheable_tokens(request, len(token_ids) - 1) // self.block_size):
             chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = block_hash(parent, chunk)
             block_id = self.hash_to_block_id.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
                 break
+            hit.append(block_id)
+        if self.side_rows is not None:  # a KVarN pool: only as far as the hit's side rows reach
+            hit = hit[:self.side_rows.usable_hit(hit)]
+        for block_id in hit:
             self._take(block_id)
-            request.block_table.append(block_id)
+        request.block_table.extend(hit)
         return len(request.block_table) * self.block_size
 
     def can_append(self, request: Request, num_new_tokens: int) -> bool:
@@ -98,8 +98,13 @@ class BlockManager:
             for _ in range(count):
                 block_id = next(iter(self.free_block_ids))
                 self._forget_hash(block_id)
+                if self.side_rows is not None:
+                    self.side_rows.drop(block_id)
                 self._take(block_id)
                 table.append(block_id)
+        if self.side_rows is not None:
+            start = request.num_computed_tokens
+            self.side_rows.hold(request, start, start + num_new_tokens)
 
     def free(self, request: Request) -> None:
         """Drop the request's references. Blocks that reach ref 0 become free but keep their hash, so a
@@ -111,9 +116,8 @@ class BlockManager:
         for block_id in reversed(request.block_table):  # tail blocks are the least shareable: evict first
             self._release(block_id, findable=self._findable(self.blocks[block_id]))
         request.block_table = []
-        if request.side_slot is not None:
-            self.free_side_slots.append(request.side_slot)
-            request.side_slot = None
+        if self.side_rows is not None:
+            self.side_rows.release(request)
 
     def _release(self, block_id: int, findable: bool) -> None:
         block = self.blocks[block_id]

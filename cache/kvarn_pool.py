@@ -1,5 +1,5 @@
-"""The KVarN paged pool (kv_cache_dtype="kvarn_*"): per (loop, layer) slot, a packed tile per (block, kv head)
-at the block's id, and a side pool of high-precision rows per running sequence. The reference path, in plain
+"""The KVarN paged pool (kv_cache_dtype="kvarn_*"): per (loop, layer) slot, a packed tile per
+(block, kv head) at the block's id, and side blocks of high-precision rows. The reference path, in plain
 torch (cache/kvarn.py's codec); the torch attention backend stores and reads through it.
 
     key_codes    uint8 [T*L, blocks, kv_heads, G, D * key_bits / 8]    (cache/kvarn.py: encode_tiles)
@@ -9,12 +9,9 @@ torch (cache/kvarn.py's codec); the torch attention backend stores and reads thr
     side_keys, side_values  [T*L, side blocks, G, kv_heads, D]  the model's dtype, as the model made them
 
 Block size = G, the tile. A block is packed when its last position is stored, from its side rows and the
-call's new K/V. Which positions a query reads in high precision is attention/packed_attention.py's rule: the
-first `sink` positions and the `tail` newest of its history (with its unfilled tile). Each running sequence
-owns one side slot (BlockManager hands it out with its blocks and takes it back when it frees them):
-ceil(sink / G) side blocks for its first blocks, and a ring of ceil(tail / G) + 1 for its newest, block i
-(past the sink blocks) in ring entry (i - sink blocks) % ring. That ring covers every block a query can read
-in high precision, and a block leaves it only once no query reads it so.
+call's new K/V. Which positions a query reads in high precision is attention/packed_attention.py's rule; which
+side block holds a block's rows, and for how long, is cache/side_rows.py's (each row of a step carries its
+request's side table: block index -> side block, -1 where it has none to read).
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ class KVarNPool:
 
     def __init__(self, fmt: KVFormat, loops: int, num_layers: int, num_blocks: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, sink: int = 0, tail: int = 0,
-                 side_slots: int = 0, iterations: int = 8) -> None:
+                 side_blocks: int = 0, iterations: int = 8) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         check_tile_dims(fmt.group, head_dim)
@@ -39,19 +36,18 @@ class KVarNPool:
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.sink, self.tail, self.iterations = sink, tail, iterations
         g, d, slots = fmt.group, head_dim, loops * num_layers
-        self.key_codes = torch.zeros(slots, num_blocks, kv_heads, g, d * fmt.key_bits // 8, dtype=torch.uint8,
+        # Unwritten records and rows are never read (a block is read packed once full and packed, a side row
+        # once stored), so nothing is filled: pages become resident only as they are written.
+        self.key_codes = torch.empty(slots, num_blocks, kv_heads, g, d * fmt.key_bits // 8, dtype=torch.uint8,
                                      device=device)
-        self.value_codes = torch.zeros(slots, num_blocks, kv_heads, g, d * fmt.value_bits // 8,
+        self.value_codes = torch.empty(slots, num_blocks, kv_heads, g, d * fmt.value_bits // 8,
                                        dtype=torch.uint8, device=device)
-        self.key_scales = torch.zeros(slots, num_blocks, kv_heads, 2 * d + g, dtype=torch.float16,
+        self.key_scales = torch.empty(slots, num_blocks, kv_heads, 2 * d + g, dtype=torch.float16,
                                       device=device)
-        self.value_scales = torch.zeros(slots, num_blocks, kv_heads, d + 2 * g, dtype=torch.float16,
+        self.value_scales = torch.empty(slots, num_blocks, kv_heads, d + 2 * g, dtype=torch.float16,
                                         device=device)
-        self.sink_blocks = -(-sink // g)
-        self.ring_blocks = -(-tail // g) + 1
-        side = side_slots * (self.sink_blocks + self.ring_blocks)
-        self.side_keys = torch.zeros(slots, side, g, kv_heads, d, dtype=dtype, device=device)
-        self.side_values = torch.zeros_like(self.side_keys)
+        self.side_keys = torch.empty(slots, side_blocks, g, kv_heads, d, dtype=dtype, device=device)
+        self.side_values = torch.empty_like(self.side_keys)
         self.rotation = kvarn.hadamard(d, device=device)
         self.slot_token_bytes = fmt.packed_token_bytes(kv_heads, d)
         self.kv_scales = None
@@ -72,40 +68,26 @@ class KVarNPool:
     def side_bytes(self) -> int:
         return 2 * self.side_keys.numel() * self.side_keys.element_size()
 
-    def side_bytes_for(self, side_slots: int) -> int:
-        """The side pool's bytes for `side_slots` sequences (what a pool of this shape would allocate)."""
-        per_block = 2 * self.num_slots * self.block_size * self.kv_heads * self.head_dim
-        return side_slots * (self.sink_blocks + self.ring_blocks) * per_block * self.side_keys.element_size()
-
     @property
     def num_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block + self.side_bytes
 
-    @staticmethod
-    def blocks_for_budget(bytes_per_block: int, budget_bytes: float) -> int:
-        return int(budget_bytes // bytes_per_block)
+    def side_bytes_for(self, side_blocks: int) -> int:
+        """The bytes of `side_blocks` side blocks (what a pool of this shape would allocate)."""
+        per_block = 2 * self.num_slots * self.block_size * self.kv_heads * self.head_dim
+        return side_blocks * per_block * self.side_keys.element_size()
 
-    def side_block(self, side_slot: int, index: int) -> int:
-        """The side block that holds block `index` of the sequence in `side_slot`."""
-        base = side_slot * (self.sink_blocks + self.ring_blocks)
-        if index < self.sink_blocks:
-            return base + index
-        return base + self.sink_blocks + (index - self.sink_blocks) % self.ring_blocks
-
-    def keeps_side_rows(self, index: int, length: int) -> bool:
-        """Does block `index` of a sequence of `length` tokens hold its rows in the side pool?"""
-        return index < self.sink_blocks or index > (length - 1) // self.block_size - self.ring_blocks
-
-    def pack_filled(self, slot: int, side_slot: int, table: torch.Tensor, start: int, k: torch.Tensor,
+    def pack_filled(self, slot: int, side_table: list[int], table: torch.Tensor, start: int, k: torch.Tensor,
                     v: torch.Tensor) -> None:
         """Pack every block that the call's new tokens (positions start.., k and v [n, kv_heads, D]) fill: its
-        rows before `start` from the side pool, the rest from k, v."""
+        rows before `start` from its side block, the rest from k, v."""
         g, end = self.block_size, start + k.shape[0]
         for index in range(start // g, end // g):
             first = index * g
             rows_k, rows_v = [], []
             if first < start:
-                side = self.side_block(side_slot, index)
+                side = side_table[index]
+                assert side >= 0, f"block {index} is filling but has no side block"
                 rows_k.append(self.side_keys[slot, side, :start - first])
                 rows_v.append(self.side_values[slot, side, :start - first])
             new = slice(max(first, start) - start, first + g - start)
@@ -119,17 +101,18 @@ class KVarNPool:
                 codes[slot, block], scales[slot, block] = kvarn.encode_tiles(tile, bits, keys, self.rotation,
                                                                              self.iterations)
 
-    def read(self, slot: int, side_slot: int, table: torch.Tensor, start: int, k: torch.Tensor,
+    def read(self, slot: int, side_table: list[int], table: torch.Tensor, start: int, k: torch.Tensor,
              v: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """A row's history of start + n positions read two ways, [L, kv_heads, D] fp32 each: as stored (the
-        side rows before `start`, zero where a block has none, then k, v) and through the packed tiles (zero
-        past the last full tile). Call after pack_filled and before write_side."""
+        side rows before `start`, zero where a block has none to read, then k, v) and through the packed tiles
+        (zero past the last full tile). Call after pack_filled and before write_side."""
         g, length = self.block_size, start + k.shape[0]
         shape = (length, self.kv_heads, self.head_dim)
         exact_k, exact_v = torch.zeros(shape, device=k.device), torch.zeros(shape, device=k.device)
         for index in range(-(-start // g)):
-            if self.keeps_side_rows(index, start):
-                side, rows = self.side_block(side_slot, index), slice(index * g, min(start, (index + 1) * g))
+            side = side_table[index]
+            if side >= 0:
+                rows = slice(index * g, min(start, (index + 1) * g))
                 exact_k[rows] = self.side_keys[slot, side, :rows.stop - rows.start].float()
                 exact_v[rows] = self.side_values[slot, side, :rows.stop - rows.start].float()
         exact_k[start:] = k.to(self.side_keys.dtype).float()
@@ -146,13 +129,14 @@ class KVarNPool:
                 out[:full * g] = tiles.transpose(1, 2).flatten(0, 1)
         return (exact_k, exact_v), (packed_k, packed_v)
 
-    def write_side(self, slot: int, side_slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keep the new tokens' rows whose blocks hold side rows at the sequence's new length."""
+    def write_side(self, slot: int, side_table: list[int], start: int, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        """Keep the new tokens' rows in their blocks' side blocks, where they have one."""
         g, end = self.block_size, start + k.shape[0]
         for index in range(start // g, -(-end // g)):
-            if self.keeps_side_rows(index, end):
+            side = side_table[index]
+            if side >= 0:
                 first, last = max(start, index * g), min(end, (index + 1) * g)
-                side = self.side_block(side_slot, index)
                 rows, new = slice(first - index * g, last - index * g), slice(first - start, last - start)
                 self.side_keys[slot, side, rows] = k[new]
                 self.side_values[slot, side, rows] = v[new]

@@ -69,7 +69,7 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.layout = layout
-        self.side_slots = getattr(pool, "packed", False)  # a KVarN pool: rows carry their side slots
+        self.side_tables = getattr(pool, "packed", False)  # a KVarN pool: rows carry their side tables
         self.device = config.device
         self.loops = config.loops
         self.generators: dict[str, torch.Generator] = {}
@@ -189,7 +189,7 @@ class ModelRunner:
             context_lens_cpu=context_lens,
             block_size=self.config.block_size,
             shared_kv=shared,
-            side_slots_cpu=[r.side_slot for r in requests] if self.side_slots else None,
+            side_tables_cpu=[r.side_table for r in requests] if self.side_tables else None,
         )
         return StepInputs(ids, positions_d, meta, readout_d, generated_rows,
                           readout == list(range(len(input_ids))))

@@ -203,9 +203,9 @@ KVARN_PROMPTS = ["The quick brown fox jumps over the lazy dog again and again " 
 
 
 def kvarn_engine(checkpoint, name="kvarn_k4v2_g64", sink=0, tail=0, **options):
+    options = {"enable_prefix_caching": False, **options}
     return Engine(checkpoint, device="cpu", dtype="float32", kv_cache_dtype=name, block_size=64,
-                  enable_prefix_caching=False, kv_sink_tokens=sink, kv_tail_tokens=tail, verbose=False,
-                  **options)
+                  kv_sink_tokens=sink, kv_tail_tokens=tail, verbose=False, **options)
 
 
 @pytest.mark.parametrize("name,sink,tail", [("kvarn_k4v2_g64", 0, 0), ("kvarn_k4v4_g64", 16, 32),
@@ -229,7 +229,8 @@ def test_kvarn_engine_greedy_tokens_equal_the_one_sequence_reference(tiny_checkp
             dense = PackedSequence(parse_kv_cache_dtype("auto"), slots, config.num_attention_heads,
                                    config.num_key_value_heads, config.head_dim)
             differs += output.outputs[0].token_ids != greedy_through(engine.model, ids, 40, dense)
-        assert sorted(engine.block_manager.free_side_slots) == list(range(engine.engine_config.max_num_seqs))
+        side = engine.block_manager.side_rows
+        assert not side.users and len(side.free) + len(side.side_of) == side.capacity  # all given back
     assert differs or name == "kvarn_k5v5_g64"  # k5v5 with a wide side pool may match dense here
 
 
@@ -247,28 +248,90 @@ def test_kvarn_preempted_requests_recompute_the_same_tokens(tiny_checkpoint):
     assert squeezed == alone
 
 
-def test_kvarn_side_ring_holds_every_row_a_query_reads_in_high_precision():
-    """For every (query, earlier position) that the rule reads in high precision, the position's block keeps
-    its side rows at the length the call starts from (cache/kvarn_pool.py's ring)."""
+def test_kvarn_window_holds_every_row_a_query_reads_in_high_precision():
+    """For every (query, earlier position) that the rule reads in high precision, the position's block is in
+    the window at the length the call starts from (cache/side_rows.py), so a request holding that window
+    holds every row it reads."""
     from attention.packed_attention import high_precision
-    from cache.kvarn_pool import KVarNPool
+    from cache.side_rows import SideRows, keeps_side_rows
 
     for sink, tail in ((0, 0), (1, 3), (4, 4), (5, 13), (9, 8)):
-        pool = KVarNPool(parse_kv_cache_dtype("kvarn_k4v2_g64"), 1, 1, 1, 1, 8, torch.float32,
-                         torch.device("cpu"), sink, tail, 1)
-        pool.block_size = 4  # the ring's arithmetic at a small tile
-        pool.sink_blocks, pool.ring_blocks = -(-sink // 4), -(-tail // 4) + 1
+        side = SideRows(1, 4, sink, tail)
         for start in range(1, 30):
             queries, keys = torch.arange(start, start + 20), torch.arange(start)
             hp = high_precision(queries, keys, 4, sink, tail)
             needed = {int(p) // 4 for p in keys[hp.any(0)]}
-            assert all(pool.keeps_side_rows(index, start) for index in needed), (sink, tail, start)
+            assert needed <= side.window(start), (sink, tail, start)
+            assert all(keeps_side_rows(i, start, 4, side.sink_blocks, side.ring_blocks)
+                       for i in side.window(start))
+
+
+def test_side_rows_follow_their_block_and_a_hit_stops_where_they_were_evicted():
+    """Ownership by block id (cache/side_rows.py): a block's side block stays with it after its request
+    lets go, an eviction (LRU, idle blocks only) removes it, a prefix hit is cut back to the blocks whose
+    windows still have theirs, and a reused block gives its side block back."""
+    from cache.side_rows import SideRows
+    from request import Request, SamplingParams as Params
+
+    side = SideRows(1, 4, 0, 4)  # windows of 2 blocks, two per request: capacity 4
+    a = Request("a", list(range(20)), Params())
+    a.block_table = [10, 11, 12, 13, 14]
+    side.hold(a, 0, 12)  # blocks 1 and 2 (positions 4..11)
+    assert a.side_held == [11, 12] and a.side_table == [-1, side.side_of[11], side.side_of[12], -1, -1]
+    side.hold(a, 12, 20)  # windows at 12 and 20: blocks 1, 2 and 3, 4
+    assert a.side_held == [11, 12, 13, 14]
+    side.release(a)
+    assert set(side.idle) == {11, 12, 13, 14} and len(side.side_of) == 4
+    assert side.usable_hit([10, 11, 12, 13]) == 4  # queries from 16 read 13..15: block 3 has its rows
+    b = Request("b", list(range(8)), Params())
+    b.block_table = [20, 21]
+    side.hold(b, 0, 8)  # needs two side blocks: evicts the least recently idle (11, 12)
+    assert 11 not in side.side_of and 12 not in side.side_of
+    assert side.usable_hit([10, 11, 12]) == 0  # block 2 lost its rows; at 2 and 1 blocks, 1 and 0 have none
+    assert side.usable_hit([10, 11, 12, 13, 14]) == 5  # queries from 20 read block 4's rows, which it has
+    side.release(b)  # idle, oldest first: 13, 14, 20, 21
+    c = Request("c", list(range(28)), Params())
+    c.block_table = [10, 11, 12, 13, 14, 2, 3]  # a hit of 5 blocks, then 2 and 3 are new
+    kept = side.side_of[13], side.side_of[14]
+    side.hold(c, 20, 28)  # wants 13, 14 (read) and two new: evicts 20 and 21, never its own 13 and 14
+    assert c.side_held == [2, 3, 13, 14] and {20, 21}.isdisjoint(side.side_of)
+    assert (side.side_of[13], side.side_of[14]) == kept  # the rows it reads are the ones written
+    side.release(c)
+    side.drop(13)  # block 13 reused for other tokens
+    assert 13 not in side.side_of and len(side.free) == 1
+    assert SideRows(1, 4, 0, 0).read_before(16) == set()  # no tail: a query reads only itself
+
+
+@pytest.mark.parametrize("sink,tail", [(0, 64), (64, 16)])
+def test_kvarn_prefix_hits_read_what_an_uncached_run_reads(tiny_checkpoint, sink, tail):
+    """The pattern behind a side-pool corruption seen elsewhere: prime a prefix (a first turn), a second
+    request that hits it (the next turn: prompt + answer + more), other requests that finish and recycle side
+    blocks, then the same hit after the rows it needs were evicted. With max_num_seqs=1 the side pool holds
+    just two windows, so the other requests evict them. Every request's tokens equal an uncached engine's, the
+    second turn hits, and the last hit is cut back to what still has its rows."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with kvarn_engine(tiny_checkpoint, sink=sink, tail=tail, max_num_seqs=1) as engine:
+        first = engine.tokenizer.encode("A looped model reads its own history four times over. " * 8)
+        answer = engine.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids
+        turn = first + answer + engine.tokenizer.encode(" And then?")
+        others = [engine.tokenizer.encode(f"Unrelated text, number {n}, goes on and on. " * 6)
+                  for n in (1, 2)]
+        prompts = [first, turn, *others, turn]
+        uncached = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    with kvarn_engine(tiny_checkpoint, sink=sink, tail=tail, max_num_seqs=1,
+                      enable_prefix_caching=True) as engine:
+        cached, hits = [], []
+        for prompt in prompts:  # one at a time, in this order
+            output = engine.generate([prompt], params, use_tqdm=False)[0]
+            cached.append(output.outputs[0].token_ids)
+            hits.append(output.num_cached_tokens)
+    assert len(first) > 128 and cached == uncached
+    assert hits[1] >= 128 and hits[4] < hits[1], hits
 
 
 @pytest.mark.parametrize("options,match", [
     ({"attention": "triton"}, "runs on attention='torch' only"),
     ({"block_size": 16}, "needs block_size=64"),
-    ({"enable_prefix_caching": True}, "enable_prefix_caching=True"),
     ({"kv_sharing": "last"}, "kv_sharing='last'"),
     ({"exit_policy": "early:0.5"}, "exit_policy='early:0.5'"),
     ({"speculative": "loops:2"}, "speculative='loops:2'"),
@@ -288,3 +351,19 @@ def test_kvarn_refuses_what_its_pool_does_not_support(tiny_checkpoint, options, 
 def test_sink_and_tail_tokens_are_checked_before_loading(tmp_path, options, match):
     with pytest.raises(ValueError, match=match):
         Engine(tmp_path / "never-read", verbose=False, **options)
+
+
+def test_cli_generates_with_a_kvarn_cache(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    flags = ["--max-tokens", "4", "--device", "cpu", "--kv-cache-dtype", "kvarn_k4v2_g64",
+             "--block-size", "64", "--attention", "torch", "--kv-sink-tokens", "64", "--kv-tail-tokens", "64"]
+    result = subprocess.run([sys.executable, "engine.py", "generate", *flags], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "kv_cache_dtype=kvarn_k4v2_g64" in result.stderr and "tok/s" in result.stderr
