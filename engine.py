@@ -32,8 +32,8 @@ from cache.blocks import BlockManager
 from cache.kv_format import KVARN_PRESETS, parse_kv_cache_dtype
 from cache.kv_pool import KVPool
 from cache.kvarn_pool import KVarNPool
-from cache.side_rows import SideRows
 from cache.layout import KV_SHARING, make_layout
+from cache.side_rows import SideRows
 from engine_config import EngineConfig
 from model.config import OuroConfig
 from model.loader import load_model

@@ -162,9 +162,9 @@ def engine_like_host_us(step: DecodeStep, backend, x, y, steps: int = 30,
 
 
 def sweep(steps: dict, copy_gbps: float) -> list[dict]:
-    """Key tile and warps at the default split rule, then the split rule's keys per split at the best
-    tiles (best: the least geometric mean of time over the copy-rate floor). num_stages is left out: the
-    decode loop pipelines its loads by hand. Each entry: shape, tunables, µs and fraction of copy BW."""
+    """Key tile, warps and pipeline stages (Triton pipelines the tensor-core loop's loads) at the default
+    split rule, then the split rule's keys per split at the best tiles (best: the least geometric mean of time
+    over the copy-rate floor). Each entry: shape, tunables, µs and fraction of copy BW."""
     results = []
 
     def measure(tunables: dict) -> float:
@@ -180,7 +180,8 @@ def sweep(steps: dict, copy_gbps: float) -> list[dict]:
             total += math.log(us / (step.bytes / copy_gbps / 1e3))  # time over the copy-rate floor
         return total
 
-    tiles = [{"decode_block_n": n, "decode_num_warps": w} for n in (32, 64, 128) for w in (4, 8)]
+    tiles = [{"decode_block_n": n, "decode_num_warps": w, "decode_num_stages": stages}
+             for n in (32, 64, 128) for w in (4, 8) for stages in (2, 3)]
     best = min(tiles, key=measure)
     for keys in (128, 256, 1024, 2048):
         measure({**best, "split_min_keys": keys})
