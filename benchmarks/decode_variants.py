@@ -1,19 +1,20 @@
 """Decode attention kernel variants, timed side by side on CUDA against the backend's kernel: what bounds the
-split-KV decode below the copy bandwidth (benchmarks/attention.py measures 0.67 of it in bf16, and an fp8
-pool, half the bytes, takes the same time).
+split-KV decode below the copy bandwidth (the elementwise loop of db3b2fd read at 0.70 of it in bf16, and an
+fp8 pool, half the bytes, took the same time; the tensor-core loop reads bf16 at 1.04 and fp8 at 0.5-0.6).
 
     python -m benchmarks.decode_variants --out X.json
 
-    current   the backend's decode_split_kernel + merge (graph mode), elementwise fp32 math per key tile
-    acc2d     the same loop with a [BLOCK_N, D] accumulator: no cross-warp reduction of p @ V per tile, one
-              reduction at the end
-    dot16     scores and p @ V on tensor cores: the query padded to 16 rows (one real row per kv head for
-              Ouro; GQA would fill them with the group's heads), p rounded to the K/V dtype as prefill does
+    current   the backend's decode_split_kernel + merge (graph mode)
+    acc2d     an elementwise fp32 loop with a [BLOCK_N, D] accumulator: no cross-warp reduction of p @ V per
+              tile, one reduction at the end (faster than the tensor-core loop for fp8 pools on the H200)
+
+The first run (decode_variants-2026-12-01-db3b2fd) also timed "dot16", scores and p @ V on tensor cores with
+the query padded to 16 rows; that loop became the backend's (attention/kernels/decode.py), so "current" now
+measures it and the harness no longer carries a copy.
 
 Each variant writes the same partials as the backend's graph-mode split kernel and is merged by the same
 merge kernel; it reads every context position from the pool (the new-token store is left out), so a row needs
-two or more splits (context > 512) for its output to be checked. Since this harness picked it, the backend's
-kernel is dot16's loop, so "current" measures that.
+two or more splits (context > 512) for its output to be checked.
 """
 
 from __future__ import annotations
@@ -86,59 +87,6 @@ def acc2d_kernel(q_ptr, key_cache_ptr, value_cache_ptr, scales_ptr, block_tables
 
 
 @triton.jit
-def dot16_kernel(q_ptr, key_cache_ptr, value_cache_ptr, scales_ptr, block_tables_ptr, context_lens_ptr,
-                 partials_ptr, scale, stride_bt, stride_qn, stride_qh,
-                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr,
-                 SPLIT_CAP: tl.constexpr,
-                 QUANTIZED: tl.constexpr):
-    split = tl.program_id(0)
-    head = tl.program_id(1)
-    r = tl.program_id(2)
-    context_len = tl.load(context_lens_ptr + r)
-    num_splits = split_count(context_len, SPLIT_MIN_KEYS, SPLIT_CAP)
-    if split < num_splits:
-        kv_head = head // (HEADS // KV_HEADS)
-        keys_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * keys_per_split
-        end = tl.minimum(start + keys_per_split, context_len)
-        offs_d = tl.arange(0, HEAD_DIM)
-        offs_m = tl.arange(0, 16)
-        tile = tl.arange(0, BLOCK_N)
-        q = tl.load(q_ptr + r.to(tl.int64) * stride_qn + head * stride_qh + offs_m[:, None] * 0
-                    + offs_d[None, :], mask=(offs_m == 0)[:, None], other=0.0)  # [16, D], row 0 real
-        qk_scale = scale * LOG2E
-        v_scale = 1.0
-        if QUANTIZED:
-            qk_scale = qk_scale * tl.load(scales_ptr + kv_head)
-            v_scale = tl.load(scales_ptr + KV_HEADS + kv_head)
-        table = block_tables_ptr + r.to(tl.int64) * stride_bt
-        m_i = tl.full([16], float("-inf"), tl.float32)
-        l_i = tl.zeros([16], tl.float32)
-        acc = tl.zeros([16, HEAD_DIM], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            positions = n0 + tile
-            mask = positions < end
-            rows = _tile_rows(table, positions, end, kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-            k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-            v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-            k, v = k.to(q.dtype), v.to(q.dtype)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        first = offs_m == 0
-        out = tl.sum(tl.where(first[:, None], acc, 0.0), 0) * v_scale
-        m_row = tl.max(tl.where(first, m_i, float("-inf")), 0)
-        l_row = tl.sum(tl.where(first, l_i, 0.0), 0)
-        _store_partial(partials_ptr, out, m_row, l_row, split, head, r, HEADS, HEAD_DIM)
-
-
-@triton.jit
 def _store_partial(partials_ptr, acc, m_i, l_i, split, head, r, HEADS: tl.constexpr,
                    HEAD_DIM: tl.constexpr):
     """The backend's partial layout (attention/kernels/decode.py): acc [P, D], then max [P], then sum [P]."""
@@ -150,7 +98,7 @@ def _store_partial(partials_ptr, acc, m_i, l_i, split, head, r, HEADS: tl.conste
     tl.store(partials_ptr + num_partials * (HEAD_DIM + 1) + part, l_i)
 
 
-VARIANTS = {"acc2d": acc2d_kernel, "dot16": dot16_kernel}
+VARIANTS = {"acc2d": acc2d_kernel}
 
 
 def variant_call(step: DecodeStep, kernel, slot: int, block_n: int, num_warps: int, num_stages: int,

@@ -23,8 +23,6 @@ from cache.kv_format import KVFormat, check_tile_dims
 
 
 class KVarNPool:
-    packed = True  # stores tiles, not per-token elements
-
     def __init__(self, fmt: KVFormat, loops: int, num_layers: int, num_blocks: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, sink: int = 0, tail: int = 0,
                  side_blocks: int = 0, iterations: int = 8) -> None:
@@ -50,7 +48,6 @@ class KVarNPool:
         self.side_values = torch.empty_like(self.side_keys)
         self.rotation = kvarn.hadamard(d, device=device)
         self.slot_token_bytes = fmt.packed_token_bytes(kv_heads, d)
-        self.kv_scales = None
 
     @property
     def num_slots(self) -> int:

@@ -17,6 +17,7 @@ import torch
 
 from attention.base import AttentionBackend, AttentionMetadata, SharedKVMetadata
 from cache.kv_pool import KVPool
+from cache.kvarn_pool import KVarNPool
 from cache.layout import KVLayout
 from engine_config import EngineConfig
 from model.exit_policy import readout_logits
@@ -60,7 +61,7 @@ class _Staged:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: OuroForCausalLM, backend: AttentionBackend,
-                 pool: KVPool, layout: KVLayout, scratch_block: int,
+                 pool: KVPool | KVarNPool, layout: KVLayout, scratch_block: int,
                  token_text: Callable[[int], str] | None = None) -> None:
         """scratch_block: a pool block no request owns, which CUDA-graph padding rows write. token_text: one
         token's text, for Logprob.decoded_token."""
@@ -69,7 +70,7 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.layout = layout
-        self.side_tables = getattr(pool, "packed", False)  # a KVarN pool: rows carry their side tables
+        self.side_tables = isinstance(pool, KVarNPool)  # a KVarN pool: rows carry their side tables
         self.device = config.device
         self.loops = config.loops
         self.generators: dict[str, torch.Generator] = {}

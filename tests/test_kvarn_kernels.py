@@ -58,14 +58,13 @@ def unpack_values(value_codes, value_scales, block, bits, head_dim, group):
 
 
 def write_reference_tile(pool, block, k_tile, v_tile, key_bits, value_bits):
-    """The torch codec's encoding of k_tile, v_tile [kv_heads, G, D] into block `block` of the pool."""
+    """The torch codec's encoding of k_tile, v_tile [kv_heads, G, D] into block `block` of the pool
+    (kvarn.encode_tiles, unrotated), and what attention reads of it."""
     key_codes, value_codes, key_scales, value_scales = pool
-    keys, values = kvarn.quantize_keys(k_tile, key_bits), kvarn.quantize_values(v_tile, value_bits)
-    key_codes[block] = torch.cat(kvarn.pack_codes(keys.codes, key_bits), -1)
-    value_codes[block] = torch.cat(kvarn.pack_codes(values.codes, value_bits), -1)
-    key_scales[block] = torch.cat([keys.channel_scale, keys.channel_zero, keys.token_scale], -1)
-    value_scales[block] = torch.cat([values.channel_scale, values.token_scale, values.token_zero], -1)
-    return kvarn.dequantize_keys(keys), kvarn.dequantize_values(values)
+    key_codes[block], key_scales[block] = kvarn.encode_tiles(k_tile, key_bits, True, None)
+    value_codes[block], value_scales[block] = kvarn.encode_tiles(v_tile, value_bits, False, None)
+    return (kvarn.decode_tiles(key_codes[block], key_scales[block], key_bits, True, None),
+            kvarn.decode_tiles(value_codes[block], value_scales[block], value_bits, False, None))
 
 
 def one_head(quantized, head):
