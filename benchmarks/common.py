@@ -62,6 +62,19 @@ def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
     return 2 * src.numel() / sorted(times)[len(times) // 2]
 
 
+def matmul_rate(n: int = 8192) -> float:
+    """The bf16 matmul rate in FLOP/s: an n x n x n product, timed over ten after three warm-ups."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    return 10 * 2 * n**3 / (time.perf_counter() - start)
+
+
 def checkpoint(model: str | None, preset: str | None, cache_dir: str = "/tmp/loop-engine-bench") -> str:
     if model:
         return model

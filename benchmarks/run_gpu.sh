@@ -4,6 +4,7 @@
 #   a: gpu tests, gemv/attention/fused benchmarks, latency; b: gpu tests, attention sweep, throughput, early exit
 #   loops: gpu tests, early exit and kv_sharing rows, and (with BASE=<an older checkout>) full-policy TPOT
 #   of BASE vs this tree in ABBA order; ab: that comparison, then latency
+#   throughput: the KV-format gpu tests, throughput (with its step timeline), then prefill MFU
 #   c: the paired eval of CUDA graphs against eager (ABBA timing, token identity; docs/paired_eval.md);
 #      EARLY=1 runs benchmarks/early_exit.py first, EVAL_LIMIT (default 500) bounds the eval
 #   check: every gpu test (with their durations), then BASE vs this tree with decode_ab --profile
@@ -71,6 +72,12 @@ elif [ "$PART" = kv ]; then
     step "${KVFORMATS_LIMIT:-300}" python -m benchmarks.kv_formats --model /tmp/loop-engine-bench/ouro-1.4b \
       --device cuda --dtype bfloat16 --prompts 2 --prompt-len 512 --new-tokens 512 --out "$OUT/kv_formats_ouro.json"
   fi
+elif [ "$PART" = throughput ]; then
+  timeout 120 python -m pytest -q -m gpu tests/test_kv_cache_dtype.py ${TESTS:-} --timeout 100 -rfE 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -n 15
+  wait
+  step 220 python -m benchmarks.throughput --preset ouro-1.4b ${THROUGHPUT_ARGS:-} --out "$OUT/throughput.json"
+  step 150 python -m benchmarks.prefill --preset ouro-1.4b --out "$OUT/prefill.json"; cat "$OUT/prefill.md"
 elif [ "$PART" = c ]; then
   wait
   [ -n "${EARLY:-}" ] && step 120 python -m benchmarks.early_exit --preset ouro-1.4b --out "$OUT/early_exit.json"

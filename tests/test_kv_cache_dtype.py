@@ -155,10 +155,11 @@ def greedy_through(model, prompt, new_tokens, attention):
     """The engine's model, all loops, last-loop readout, one sequence through an attention callable."""
     tokens = []
     ids, start = prompt, 0
+    device = model.embed_tokens.weight.device
     with torch.inference_mode():
         while len(tokens) < new_tokens:
-            h = model.embed_tokens(torch.tensor(ids))
-            cos, sin = model.rotary(torch.arange(start, start + len(ids)), h.dtype)
+            h = model.embed_tokens(torch.tensor(ids, device=device))
+            cos, sin = model.rotary(torch.arange(start, start + len(ids), device=device), h.dtype)
             for t in range(model.config.total_ut_steps):
                 h = model.run_loop(h, cos, sin, attention, t)
             tokens.append(int(model.compute_logits(h)[-1].argmax()))
@@ -202,9 +203,9 @@ KVARN_PROMPTS = ["The quick brown fox jumps over the lazy dog again and again " 
                  "0123456789 + - * / = 42 " * 5]
 
 
-def kvarn_engine(checkpoint, name="kvarn_k4v2_g64", sink=0, tail=0, **options):
+def kvarn_engine(checkpoint, name="kvarn_k4v2_g64", sink=0, tail=0, device="cpu", **options):
     options = {"enable_prefix_caching": False, **options}
-    return Engine(checkpoint, device="cpu", dtype="float32", kv_cache_dtype=name, block_size=64,
+    return Engine(checkpoint, device=device, dtype="float32", kv_cache_dtype=name, block_size=64,
                   kv_sink_tokens=sink, kv_tail_tokens=tail, verbose=False, **options)
 
 
@@ -232,6 +233,24 @@ def test_kvarn_engine_greedy_tokens_equal_the_one_sequence_reference(tiny_checkp
         side = engine.block_manager.side_rows
         assert not side.users and len(side.free) + len(side.side_of) == side.capacity  # all given back
     assert differs or name == "kvarn_k5v5_g64"  # k5v5 with a wide side pool may match dense here
+
+
+@pytest.mark.gpu
+def test_kvarn_engine_on_cuda_gives_the_one_sequence_reference_tokens(tiny_checkpoint):
+    """The reference path on CUDA (eager: the torch backend captures no graphs): the same tokens as one
+    sequence's packed history, with chunked prefill and prefix caching on."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with kvarn_engine(tiny_checkpoint, "kvarn_k4v2_g64", 16, 32, device="cuda", max_num_batched_tokens=40,
+                      enable_prefix_caching=True) as engine:
+        assert not engine.uses_cuda_graphs
+        outputs = engine.generate(KVARN_PROMPTS, params, use_tqdm=False)
+        config = engine.config
+        slots = config.total_ut_steps * config.num_hidden_layers
+        for prompt, output in zip(KVARN_PROMPTS, outputs):
+            store = PackedSequence(parse_kv_cache_dtype("kvarn_k4v2_g64"), slots, config.num_attention_heads,
+                                   config.num_key_value_heads, config.head_dim, sink=16, tail=32)
+            assert output.outputs[0].token_ids == greedy_through(engine.model, engine.tokenizer.encode(prompt),
+                                                                 40, store)
 
 
 def test_kvarn_preempted_requests_recompute_the_same_tokens(tiny_checkpoint):
