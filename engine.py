@@ -43,7 +43,7 @@ from request import (CompletionOutput, ExitPolicy, Request, RequestOutput, Sampl
                      SpeculativeStats, request_policy)
 from runner.interrupts import deferred_interrupts
 from runner.loop_driver import LoopStats
-from runner.model_runner import ModelRunner, StepResult
+from runner.model_runner import LaunchedStep, ModelRunner, StepResult
 from scheduler.scheduler import KV_POOL_FULL, Scheduler
 
 __all__ = ["Engine", "LLM", "SamplingParams", "RequestOutput", "DEFAULT_MODEL"]
@@ -123,7 +123,7 @@ class Engine:
                  exit_policy: str | None = None, kv_sharing: str = "none", speculative: str | None = None,
                  num_speculative_tokens: int | None = None, admission: str = "reserve",
                  kv_cache_dtype: str = "auto", kv_sink_tokens: int = 0, kv_tail_tokens: int = 0,
-                 verbose: bool = True) -> None:
+                 async_scheduling: bool | None = None, verbose: bool = True) -> None:
         if not isinstance(verbose, bool):
             raise ValueError(f"verbose must be True or False, got {verbose!r}")
         self.engine_config = config = EngineConfig.resolve(
@@ -134,7 +134,8 @@ class Engine:
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             packed_prefill=packed_prefill, enforce_eager=enforce_eager, kv_sharing=kv_sharing,
             speculative=speculative, num_speculative_tokens=num_speculative_tokens, admission=admission,
-            kv_cache_dtype=kv_cache_dtype, kv_sink_tokens=kv_sink_tokens, kv_tail_tokens=kv_tail_tokens)
+            kv_cache_dtype=kv_cache_dtype, kv_sink_tokens=kv_sink_tokens, kv_tail_tokens=kv_tail_tokens,
+            async_scheduling=async_scheduling)
         model_dir = config.model_dir
         self.config: OuroConfig = config.model
         self.tokenizer = Tokenizer(model_dir)
@@ -183,6 +184,7 @@ class Engine:
         self._step_inbox: Inbox = {}  # add_request()'s groups, read by step()
         self._unreported: list[Request] = []  # finished, but their outputs never reached a caller
         self._handed_back: list[Request] = []  # what the last _step() returned, until it was delivered
+        self._pending: LaunchedStep | None = None  # async scheduling: the step launched ahead, unresolved
         self._ids = itertools.count()
         self.num_prefill_tokens = self.num_decode_tokens = 0
         if verbose:
@@ -397,7 +399,9 @@ class Engine:
     def has_unfinished(self) -> bool:
         """True while a request waits or runs, or step() has an output it has not handed back."""
         self._check_open()
-        return self.scheduler.has_unfinished() or bool(self._step_inbox) or bool(self._unreported)
+        pending = self._pending
+        return (self.scheduler.has_unfinished() or bool(self._step_inbox) or bool(self._unreported)
+                or (pending is not None and not all(r.is_finished for r in pending.batch.requests)))
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration: schedule, run the model's loops once, update. Returns an output for every
@@ -435,8 +439,15 @@ class Engine:
         logprobs. A failure of one request (its sampling, its detokenizing) finishes it alone with
         finish_reason "error"."""
         self._handed_back = []
+        if self.engine_config.overlaps_steps:
+            return self._step_overlapped()
         with deferred_interrupts():
             batch = self.scheduler.schedule()
+        return self._run_now(batch)
+
+    def _run_now(self, batch: ScheduledBatch, touched: list[Request] | None = None) -> list[Request]:
+        """Run the batch, wait for its tokens and apply it (the synchronous step); hand back what it touched,
+        after `touched` (an earlier part of this step's)."""
         result = None
         if batch.requests:
             try:
@@ -446,15 +457,73 @@ class Engine:
                 raise
         try:
             with deferred_interrupts():
-                touched = self._commit(batch, result)
+                return self._hand_back((touched or []) + self._commit(batch, result))
         except BaseException:  # before the commit: nothing applied; after it (a deferred Ctrl-C): all of it
             self.runner.rollback()
             self._requeue_handed_back()
             raise
-        return touched
+
+    def _step_overlapped(self) -> list[Request]:
+        """Async scheduling: schedule and launch the next step before waiting for this one's tokens, so the
+        host's work (this step's update and outputs, the next one's scheduling and inputs) runs while the
+        device computes. The next step's rows whose last token is still on the device read it there
+        (runner/model_runner.py); the scheduler applies a launched step provisionally (advance) and then
+        with its tokens (resolve), with update()'s rules, so each request gets the tokens the synchronous
+        path gives it. A step whose rows read their tokens on the host (penalties, logprobs, traces) runs
+        synchronously once the one ahead of it is resolved. step() hands back what the step it resolves
+        touched: the same step it would synchronously, one more already running behind it."""
+        if self._pending is None:
+            with deferred_interrupts():
+                batch = self.scheduler.schedule()
+            if not (batch.requests and self._launchable(batch)):
+                return self._run_now(batch)
+            launched = self.runner.launch(batch)
+            with deferred_interrupts():
+                self._advance_launched(launched)
+        pending = self._pending
+        with deferred_interrupts():
+            batch = self.scheduler.schedule()
+        launched = self.runner.launch(batch, pending) if batch.requests and self._launchable(batch) else None
+        try:
+            with deferred_interrupts():
+                touched = self._resolve(pending)
+                if launched is not None:
+                    self._advance_launched(launched)
+        except BaseException:
+            if launched is not None and self._pending is not launched:
+                self.runner.drop(launched)
+            raise
+        if launched is None and batch.requests:  # run it now, without the rows whose requests just finished
+            return self._run_now(batch.without_finished(), touched)
+        with deferred_interrupts():
+            return self._hand_back(touched)
+
+    @staticmethod
+    def _launchable(batch: ScheduledBatch) -> bool:
+        """Can the batch run ahead of its tokens? Not where a row reads tokens or logits on the host."""
+        return not batch.draft_lens and all(
+            not p.penalized and p.logprobs is None and p.prompt_logprobs is None and not p.loop_trace
+            for p in (r.params for r in batch.requests))
+
+    def _advance_launched(self, launched: LaunchedStep) -> None:
+        """Apply a launched step provisionally (its tokens pending) and make it the one to resolve next."""
+        batch, errors = launched.batch, launched.result.errors
+        self._count_tokens(batch, errors)
+        self.scheduler.advance(batch, errors)
+        self._pending = launched
+
+    def _resolve(self, launched: LaunchedStep) -> list[Request]:
+        """Wait for a launched step's tokens and apply them; the requests it advanced or finished."""
+        result = self.runner.finish(launched)
+        batch = launched.batch
+        waiting = [r for r, samples in zip(batch.requests, batch.sample) if samples and r.pending]
+        finished = self.scheduler.resolve(batch, result.tokens)
+        self._pending = None
+        self.runner.commit(result, launched.staged)
+        return self._touched([r for r in waiting if not r.pending], finished)
 
     def _commit(self, batch: ScheduledBatch, result: StepResult | None) -> list[Request]:
-        """Apply the step (nothing, if the scheduler's update raises) and hand back what it touched."""
+        """Apply the step (nothing, if the scheduler's update raises); the requests it advanced or finished."""
         touched: list[Request] = []
         if result is not None:
             decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
@@ -463,19 +532,34 @@ class Engine:
                                              {row: a for row, (_, a) in result.drafts.items()})
             self.runner.commit(result)
             touched = [r for r, n in zip(batch.requests, before) if r.num_tokens > n or r.is_finished]
-            for row, (is_decode, num_new) in enumerate(zip(decode, batch.num_new_tokens)):
-                if row not in result.errors:
-                    if is_decode:
-                        self.num_decode_tokens += num_new
-                    else:
-                        self.num_prefill_tokens += num_new
+            self._count_tokens(batch, result.errors, decode)
         else:
             finished = self.scheduler.take_finished()
+        return self._touched(touched, finished)
+
+    def _count_tokens(self, batch: ScheduledBatch, errors: dict[int, str],
+                      decode: list[bool] | None = None) -> None:
+        """Count the step's prompt and decode tokens (rows that did not fail), as they were before it."""
+        if decode is None:
+            decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
+        for row, (is_decode, num_new) in enumerate(zip(decode, batch.num_new_tokens)):
+            if row not in errors:
+                if is_decode:
+                    self.num_decode_tokens += num_new
+                else:
+                    self.num_prefill_tokens += num_new
+
+    def _touched(self, touched: list[Request], finished: list[Request]) -> list[Request]:
+        """The advanced requests, then the finished ones not among them; the finished ones are released."""
         seen = {id(r) for r in touched}
-        touched += [r for r in finished if id(r) not in seen]
+        touched = touched + [r for r in finished if id(r) not in seen]
         for r in finished:
             self.runner.release(r)
             self._requests.pop(r.request_id, None)
+        return touched
+
+    def _hand_back(self, touched: list[Request]) -> list[Request]:
+        """This step's touched requests, after those finished earlier whose outputs never reached a caller."""
         touched, self._unreported = self._unreported + touched, []
         self._handed_back = touched
         return touched
@@ -888,6 +972,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--admission", default="reserve", choices=["reserve", "greedy"],
                         help="reserve (default): admit a request only if the KV pool also covers what the "
                              "running ones are expected to claim; greedy: whenever it fits, preempting later")
+    engine.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                        help="schedule and prepare the next step while the device runs this one: auto "
+                             "(default) is on for CUDA without --speculative or early:Q, off elsewhere")
     output = gen.add_argument_group("output")
     output.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     output.add_argument("--loop-trace", action="store_true",
@@ -959,7 +1046,8 @@ def cli_generate(args: argparse.Namespace) -> int:
                 speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                 admission=args.admission, kv_cache_dtype=args.kv_cache_dtype,
                 kv_sink_tokens=args.kv_sink_tokens, kv_tail_tokens=args.kv_tail_tokens,
-                block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching) as engine:
+                block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling]) as engine:
         if rows is not None:
             return _generate_batch(engine, rows, params)
         return _generate_one(engine, args, params)

@@ -60,6 +60,9 @@ class EngineConfig:
     # KVarN: positions kept in high precision, the first kv_sink_tokens and the kv_tail_tokens newest
     kv_sink_tokens: int = 0
     kv_tail_tokens: int = 0
+    # Async scheduling (engine.py): the host schedules and prepares the next step while the device runs this
+    # one. None: on for CUDA where it applies (not with speculative decoding or early:Q); True or False: asked.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         check_options(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -71,6 +74,13 @@ class EngineConfig:
         parse_exit_policy(self.exit_policy, self.model.total_ut_steps)
         if parse_kv_cache_dtype(self.kv_cache_dtype).kind == "kvarn":
             self._check_kvarn()
+        if self.async_scheduling:
+            for bad, name in ((self.speculative is not None, f"speculative={self.speculative!r}"),
+                              (self.exit_policy.can_exit, f"exit_policy={str(self.exit_policy)!r}")):
+                if bad:
+                    raise ValueError(f"async_scheduling=True cannot be combined with {name}: its steps read "
+                                     "their tokens (or their exits) on the host before the next can start; "
+                                     "leave async_scheduling at None (auto) or False")
         if self.speculative is not None:
             draft_loops(self.speculative, self.model.total_ut_steps)  # d against this engine's loop count
             if self.exit_policy.can_exit:
@@ -113,6 +123,13 @@ class EngineConfig:
         if self.speculative is None:
             return 0
         return 4 if self.num_speculative_tokens is None else self.num_speculative_tokens
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Does the engine schedule the next step while this one runs? (async_scheduling resolved.)"""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.type == "cuda" and self.speculative is None and not self.exit_policy.can_exit
 
     @property
     def loops(self) -> int:
@@ -166,6 +183,9 @@ def check_options(**values: Any) -> None:
     for name in ("enable_prefix_caching", "packed_prefill", "enforce_eager"):
         if name in values and not isinstance(values[name], bool):
             raise ValueError(f"{name} must be True or False, got {values[name]!r}")
+    if values.get("async_scheduling") is not None and not isinstance(values["async_scheduling"], bool):
+        raise ValueError(f"async_scheduling must be True, False or None (auto), got "
+                         f"{values['async_scheduling']!r}")
     if "gpu_memory_utilization" in values:
         utilization = values["gpu_memory_utilization"]
         if not _is_number(utilization) or not 0.0 < utilization <= 1.0:

@@ -23,6 +23,10 @@ import torch
 EXIT_POLICY_KINDS = ("full", "threshold", "step", "weighted", "early", "hf")
 # How the scheduler admits waiting requests (scheduler/scheduler.py: Scheduler's admission).
 ADMISSION = ("reserve", "greedy")
+# Under async scheduling, a token sampled on the device and not yet read stands at the end of token_ids as
+# this id (Request.pending), until the step that sampled it is resolved; the runner feeds the real token
+# from the device to the next step (runner/model_runner.py).
+PENDING_TOKEN = -1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -262,6 +266,11 @@ class Request:
     # block_table the side block it may read (-1: none)
     side_held: list[int] = dataclasses.field(default_factory=list)
     side_table: list[int] = dataclasses.field(default_factory=list)
+    # Async scheduling (scheduler/scheduler.py): token_ids ends with PENDING_TOKEN, a token still on the
+    # device; and `retired`: certain to finish once that token is read, it gave its blocks and its seat back
+    # ahead of it, as the synchronous path would have before the next step
+    pending: bool = False
+    retired: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -276,12 +285,13 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens, a pending one included (it holds a position)."""
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
-        """A copy of the generated tokens."""
-        return self.token_ids[len(self.prompt_token_ids):]
+        """A copy of the generated tokens known on the host (a pending one left out)."""
+        return self.token_ids[len(self.prompt_token_ids):len(self.token_ids) - self.pending]
 
     @property
     def is_finished(self) -> bool:
@@ -305,6 +315,15 @@ class ScheduledBatch:
     # A speculative decode step (docs/speculative.md) only: every row decodes, and row i drafts up to
     # draft_lens[i] tokens, whose positions its block table already covers. Empty: an ordinary step.
     draft_lens: list[int] = dataclasses.field(default_factory=list)
+
+    def without_finished(self) -> ScheduledBatch:
+        """The batch without the rows of requests that finished since it was scheduled."""
+        if not any(r.is_finished for r in self.requests):
+            return self
+        keep = [i for i, r in enumerate(self.requests) if not r.is_finished]
+        return ScheduledBatch([self.requests[i] for i in keep], [self.num_new_tokens[i] for i in keep],
+                              [self.sample[i] for i in keep],
+                              [self.draft_lens[i] for i in keep] if self.draft_lens else [])
 
     @property
     def num_seqs(self) -> int:

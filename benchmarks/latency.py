@@ -13,22 +13,26 @@ import time
 
 
 from benchmarks.common import (add_random_prompts, checkpoint, copy_bandwidth, environment,
-                               prefill_until_first_tokens, sync, time_until_done, weight_bytes_per_step,
+                               prefill_until_first_tokens, sync, weight_bytes_per_step,
                                write_results)
 from engine import Engine, SamplingParams
 
 
 def _run(engine: Engine, batch: int, prompt: int, decode_steps: int,
          rng: random.Random) -> tuple[float, float]:
+    """TTFT: until every row's first token is on the host; TPOT: from then until the last token, over the
+    decode_steps tokens each row adds (under async scheduling the next step already runs when the first
+    tokens arrive, so the time is not cut at a device sync there)."""
     params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
     sync(engine.device)
     start = time.perf_counter()
     add_random_prompts(engine, batch, prompt, params, rng)
     prefill_until_first_tokens(engine, batch)
+    first = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
     sync(engine.device)
-    ttft = time.perf_counter() - start
-    elapsed, steps = time_until_done(engine)
-    return ttft * 1e3, elapsed / max(steps, 1)
+    return (first - start) * 1e3, (time.perf_counter() - first) * 1e3 / decode_steps
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
@@ -42,15 +46,19 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
                         choices=["auto", "bf16", "fp8_e4m3"],
                         help="one engine per format (auto: the model's bf16)")
+    parser.add_argument("--async-scheduling", nargs="+", default=["on"], choices=["on", "off"],
+                        help="one engine per value (default: on, the CUDA default)")
     parser.add_argument("--out", default=f"benchmarks/results/latency-{environment()['date']}.json")
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
     bandwidth = copy_bandwidth()
     rows = []
-    for mode, kv_cache_dtype in ((m, kv) for m in args.modes for kv in args.kv_cache_dtypes):
+    for mode, kv_cache_dtype, overlap in ((m, kv, a) for m in args.modes for kv in args.kv_cache_dtypes
+                                          for a in args.async_scheduling):
         with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                     max_model_len=max(args.prompts) + args.decode_steps + 8, enable_prefix_caching=False,
-                    enforce_eager=(mode == "eager"), kv_cache_dtype=kv_cache_dtype, verbose=True) as engine:
+                    enforce_eager=(mode == "eager"), kv_cache_dtype=kv_cache_dtype,
+                    async_scheduling=overlap == "on", verbose=True) as engine:
             weights = weight_bytes_per_step(engine)
             kv_token = engine.kv_pool.bytes_per_token
             capacity = engine.block_manager.num_blocks * engine.kv_pool.block_size
@@ -59,8 +67,8 @@ def main() -> None:
                 for batch in args.batches:
                     context = prompt + args.decode_steps // 2  # mean context during the timed decode
                     floor_ms = (weights + kv_token * batch * context) / bandwidth * 1e3
-                    row = {"mode": mode, "kv_cache_dtype": kv_cache_dtype, "batch": batch, "prompt": prompt,
-                           "floor_ms": round(floor_ms, 3)}
+                    row = {"mode": mode, "kv_cache_dtype": kv_cache_dtype, "async_scheduling": overlap,
+                           "batch": batch, "prompt": prompt, "floor_ms": round(floor_ms, 3)}
                     if batch * (prompt + args.decode_steps + 1) > capacity:
                         row.update(ttft_ms=None, tpot_ms=None,
                                    note=f"does not fit: needs "
@@ -79,11 +87,12 @@ def main() -> None:
 
 def _write(out: str, path: str, bandwidth: float, rows: list[dict]) -> None:
     """Rewritten after every row, so a run cut short still leaves its numbers."""
-    lines = ["| mode | kv_cache_dtype | batch | prompt | TTFT ms | TPOT ms | floor ms | TPOT / floor "
+    lines = ["| mode | kv_cache_dtype | async | batch | prompt | TTFT ms | TPOT ms | floor ms | TPOT / floor "
              "| GB/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r.get('kv_cache_dtype', 'auto')} | {r['batch']} | {r['prompt']} | "
+        lines.append(f"| {r['mode']} | {r.get('kv_cache_dtype', 'auto')} | {r['async_scheduling']} | "
+                     f"{r['batch']} | {r['prompt']} | "
                      f"{r.get('ttft_ms')} | {r.get('tpot_ms')} | "
                      f"{r['floor_ms']} | {r.get('ratio', r.get('note'))} | {r.get('gbps', '')} |")
     env = environment()

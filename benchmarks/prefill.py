@@ -5,7 +5,9 @@ Model FLOPs per prompt of n tokens, as PaLM's MFU counts them (appendix B of arX
 layer parameters x T loops per token, plus attention's 4 x heads x head_dim x (keys each query sees) per
 (loop, layer), causal, so n (n + 1) / 2 keys in all; plus lm_head for the one token that samples. The time
 is from adding the requests until every one has its first token (TTFT of the last), synchronized.
-A profile of one 8K prefill splits the GPU time by kernel, so the gap has a name.
+A profile of one 8K prefill splits the GPU time by kernel, so the gap has a name; --sweep times the Triton
+prefill attention alone (one call per (loop, layer) slot) over its tiles, warps and pipeline stages, for a
+fresh 8K prompt and a 4K chunk after a 4K cached prefix, in TFLOP/s of causal attention.
 
     python -m benchmarks.prefill --preset ouro-1.4b --out benchmarks/results/prefill-<date>.json
 """
@@ -13,15 +15,22 @@ A profile of one 8K prefill splits the GPU time by kernel, so the gap has a name
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import random
 import time
 from collections import defaultdict
 
 import torch
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from benchmarks.common import (add_random_prompts, checkpoint, environment, matmul_rate,
                                prefill_until_first_tokens, sync, write_results)
+from attention.base import AttentionMetadata, select
 from engine import Engine, SamplingParams
+
+HEADS, HEAD_DIM, BLOCK_SIZE, SLOTS = 16, 128, 16, 4  # Ouro-1.4B's attention; a few slots, walked in turn
 
 
 def prefill_flops(engine: Engine, prompt: int) -> float:
@@ -66,6 +75,65 @@ def kernel_split(engine: Engine, prompt: int, rng: random.Random) -> list[dict]:
     return rows
 
 
+class PrefillCall:
+    """One prefill attention call's pool, metadata and inputs: a row of `new` tokens after `prefix` cached
+    ones, pages in shuffled order."""
+
+    def __init__(self, prefix: int, new: int) -> None:
+        context = prefix + new
+        pages = math.ceil(context / BLOCK_SIZE)
+        shape = (SLOTS, pages + 1, BLOCK_SIZE, HEADS, HEAD_DIM)
+        self.key_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        self.value_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(pages + 1, device="cuda")[:pages].int()[None]
+        positions = torch.arange(prefix, context, device="cuda")
+        self.meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, new], dtype=torch.int32, device="cuda"),
+            context_lens=torch.tensor([context], dtype=torch.int32, device="cuda"), block_tables=table,
+            slot_mapping=table[0, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE,
+            query_lens_cpu=[new], context_lens_cpu=[context], block_size=BLOCK_SIZE)
+        self.q, self.k, self.v = (torch.randn(new, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                                  for _ in range(3))
+        # QK^T and PV: 2 x 2 x head_dim FLOPs per (query, visible key) per head
+        self.flops = 4 * HEADS * HEAD_DIM * sum(prefix + i + 1 for i in range(new))
+
+    def ms(self, calls: int = 12, **tunables) -> float:
+        backend = select("triton", torch.device("cuda"))
+        backend.bind(self.key_cache, self.value_cache, HEAD_DIM ** -0.5)
+        for name, value in tunables.items():
+            setattr(backend, name, value)
+        backend.prepare(self.meta)
+        for slot in range(2):
+            backend.forward(self.q, self.k, self.v, slot)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            backend.forward(self.q, self.k, self.v, i % SLOTS)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+
+
+def attention_sweep() -> list[dict]:
+    """Each (block_m, block_n, warps, stages) at both shapes: ms and TFLOP/s per call (the KV store
+    included), or the error where a config does not fit."""
+    calls = {"8192 fresh": PrefillCall(0, 8192), "4096 after 4096": PrefillCall(4096, 4096)}
+    results = []
+    for block_m, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+        tunables = {"prefill_block_m": block_m, "prefill_block_n": block_n, "prefill_num_warps": warps,
+                    "prefill_num_stages": stages}
+        for shape, call in calls.items():
+            entry = {"shape": shape, **tunables}
+            try:
+                ms = call.ms(**tunables)
+                entry.update(ms=round(ms, 3), tflops=round(call.flops / ms / 1e9, 1))
+            except (OutOfResources, CompilationError, RuntimeError) as error:
+                entry["error"] = repr(error)[:160]
+            results.append(entry)
+            print(entry, flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,10 +142,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=8192)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--sweep", action="store_true", help="also sweep the prefill attention's tunables")
     parser.add_argument("--out", default=f"benchmarks/results/prefill-{environment()['date']}.json")
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
     rate = matmul_rate()
+    sweep = attention_sweep() if args.sweep else None
     rows = []
     rng = random.Random(0)
     with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
@@ -101,8 +171,17 @@ def main() -> None:
     table = (f"Prefill, {path} (bf16) on {env['device']}, torch {env['torch']}, triton {env['triton']}, "
              f"commit {env['commit']}; bf16 matmul {rate / 1e12:.0f} TFLOP/s; max_num_batched_tokens "
              f"{args.max_num_batched_tokens}\n\n" + "\n".join(lines))
+    if sweep:
+        best = {}
+        for entry in sweep:
+            if "tflops" in entry and entry["tflops"] > best.get(entry["shape"], {}).get("tflops", 0):
+                best[entry["shape"]] = entry
+        table += "\n\nPrefill attention alone, best tunables per shape:\n\n" + "\n".join(
+            f"- {shape}: {e['tflops']} TFLOP/s ({e['ms']} ms), block_m {e['prefill_block_m']}, block_n "
+            f"{e['prefill_block_n']}, {e['prefill_num_warps']} warps, {e['prefill_num_stages']} stages"
+            for shape, e in best.items())
     write_results(args.out, {**env, "matmul_flops_per_s": rate, "model": path, "rows": rows,
-                             "kernels": split}, table)
+                             "kernels": split, "sweep": sweep}, table)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """nano-vllm's throughput workload: 256 requests, prompt and output lengths uniform in [100, 1024],
 ignore_eos, seed 0. Reports output and total tok/s, and the roofline of the batches actually run: per
 step, max(bytes / copy bandwidth, FLOPs / matmul rate), where a step reads the weights T times plus
-every row's KV, and does 2 x params x T FLOPs per token.
+every row's KV, and does 2 x params x T FLOPs per token. With the GPU time of mixed and decode steps and the
+GPU's idle time between steps, from events around each step; --async-scheduling on off runs it both ways.
 
     python -m benchmarks.throughput --preset ouro-1.4b --out benchmarks/results/throughput-<date>.json
 """
@@ -28,13 +29,40 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--admission", default="reserve", choices=["reserve", "greedy"])
+    parser.add_argument("--async-scheduling", nargs="+", default=["on"], choices=["on", "off"],
+                        help="one run per value, in order (default: on)")
     parser.add_argument("--out", default=f"benchmarks/results/throughput-{environment()['date']}.json")
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
     bandwidth, flops_rate = copy_bandwidth(), matmul_rate()
+    rows = [run_workload(path, args, mode == "on", bandwidth, flops_rate) for mode in args.async_scheduling]
+    env = environment()
+    table = (f"Throughput, {path} (bf16) on {env['device']}, "
+             f"torch {env['torch']}, triton {env['triton']}, commit "
+             f"{env['commit']}; copy {bandwidth / 1e12:.2f} TB/s, "
+             f"bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s\n\n"
+             "| requests | admission | async scheduling | KV blocks | preemptions | output tok/s | total tok/s | "
+             "time s | roofline s | fraction of roofline |\n|---|---|---|---|---|---|---|---|---|---|\n"
+             + "".join(f"| {r['requests']} | {r['admission']} | {r['async_scheduling']} | {r['kv_blocks']} | "
+                       f"{r['preemptions']} | {r['output_tok_s']} | {r['total_tok_s']} | {r['seconds']} | "
+                       f"{r['roofline_seconds']} | {r['fraction_of_roofline']} |\n" for r in rows)
+             + "\nGPU time by step kind (from events around each step), and between steps:\n\n"
+             "| async scheduling | steps | mixed steps | s in mixed steps | s in decode steps | "
+             "GPU idle between steps s | idle fraction |\n|---|---|---|---|---|---|---|\n"
+             + "".join(f"| {r['async_scheduling']} | {r['steps']} | {r['mixed_steps']} | "
+                       f"{r['mixed_step_seconds']} | {r['decode_step_seconds']} | "
+                       f"{r['idle_between_steps_seconds']} | {r['idle_fraction']} |\n" for r in rows))
+    write_results(args.out, {**env, "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops_rate,
+                             "model": path, "rows": rows}, table)
+
+
+def run_workload(path: str, args: argparse.Namespace, async_scheduling: bool, bandwidth: float,
+                 flops_rate: float) -> dict:
+    """The workload on a fresh engine: one result row."""
     rng = random.Random(0)
     with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=args.max_num_seqs,
-                max_model_len=2 * args.max_len + 8, admission=args.admission) as engine:
+                max_model_len=2 * args.max_len + 8, admission=args.admission,
+                async_scheduling=async_scheduling) as engine:
         vocab = engine.config.vocab_size
         weights = weight_bytes_per_step(engine)
         kv_token = engine.kv_pool.bytes_per_token
@@ -46,8 +74,8 @@ def main() -> None:
                                  max_tokens=rng.randint(100, args.max_len))
                   for i in range(args.num_requests)]
         roofline = [0.0]
-        steps: list[tuple[bool, float, torch.cuda.Event, torch.cuda.Event]] = []
-        run, forward = engine.runner.run, engine.runner.forward
+        steps: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]] = []
+        forward = engine.runner.forward
         first_kernel: list[torch.cuda.Event] = []
 
         def timed_forward(inputs):
@@ -56,21 +84,25 @@ def main() -> None:
             first_kernel.append(event)
             return forward(inputs)
 
-        def timed_run(batch):
-            tokens = batch.num_tokens
-            kv = sum(r.num_computed_tokens + n
-                     for r, n in zip(batch.requests, batch.num_new_tokens)) * kv_token
-            roofline[0] += max((weights + kv) / bandwidth, tokens * flops_per_token / flops_rate)
-            mixed = any(r.num_computed_tokens < r.num_prompt_tokens for r in batch.requests)
-            first_kernel.clear()
-            began = time.perf_counter()
-            result = run(batch)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            steps.append((mixed, time.perf_counter() - began, first_kernel[0], end))
-            return result
+        def timed(method):
+            """The runner's run (a synchronous step) or launch (async), with the step's roofline and its
+            events before its first kernel and after its last."""
+            def wrapper(batch, *args):
+                tokens = batch.num_tokens
+                kv = sum(r.num_computed_tokens + n
+                         for r, n in zip(batch.requests, batch.num_new_tokens)) * kv_token
+                roofline[0] += max((weights + kv) / bandwidth, tokens * flops_per_token / flops_rate)
+                mixed = any(r.num_computed_tokens < r.num_prompt_tokens for r in batch.requests)
+                first_kernel.clear()
+                result = method(batch, *args)
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                steps.append((mixed, first_kernel[0], end))
+                return result
+            return wrapper
 
-        engine.runner.run, engine.runner.forward = timed_run, timed_forward
+        engine.runner.forward = timed_forward
+        engine.runner.run, engine.runner.launch = timed(engine.runner.run), timed(engine.runner.launch)
         engine.generate(prompts[:4], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
         roofline[0] = 0.0
         steps.clear()
@@ -88,37 +120,24 @@ def main() -> None:
            "seconds": round(elapsed, 2), "output_tok_s": round(out_tokens / elapsed, 1),
            "total_tok_s": round(total_tokens / elapsed, 1), "roofline_seconds": round(roofline[0], 2),
            "fraction_of_roofline": round(roofline[0] / elapsed, 3), "preemptions": preemptions,
-           "admission": args.admission, "kv_blocks": kv_blocks, **timeline}
-    env = environment()
-    table = (f"Throughput, {path} (bf16) on {env['device']}, "
-             f"torch {env['torch']}, triton {env['triton']}, commit "
-             f"{env['commit']}; copy {bandwidth / 1e12:.2f} TB/s, "
-             f"bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s\n\n"
-             "| requests | admission | KV blocks | preemptions | output tok/s | total tok/s | time s | "
-             "roofline s | fraction of roofline |\n|---|---|---|---|---|---|---|---|---|\n"
-             f"| {row['requests']} | {row['admission']} | {kv_blocks} | {preemptions} | "
-             f"{row['output_tok_s']} | {row['total_tok_s']} | {row['seconds']} | {row['roofline_seconds']} | "
-             f"{row['fraction_of_roofline']} |\n\n"
-             "| steps | mixed steps | s in mixed steps | s in decode steps | GPU idle between steps s | "
-             "idle fraction |\n|---|---|---|---|---|---|\n"
-             f"| {row['steps']} | {row['mixed_steps']} | {row['mixed_step_seconds']} | "
-             f"{row['decode_step_seconds']} | {row['idle_between_steps_seconds']} | {row['idle_fraction']} |")
-    write_results(args.out, {**env, "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops_rate,
-                             "model": path, "rows": [row]}, table)
+           "admission": args.admission, "async_scheduling": async_scheduling, "kv_blocks": kv_blocks,
+           **timeline}
+    print(row, flush=True)
+    return row
 
 
-def step_timeline(steps: list[tuple[bool, float, torch.cuda.Event, torch.cuda.Event]],
-                  elapsed: float) -> dict:
-    """Where the run's time went. Per step (mixed: some row still in its prompt): the wall time of the
-    runner's run, and two events: before its first kernel (the forward's start; the step's uploads precede
-    it) and after its last (the run returns once its tokens are on the host). The GPU idles between one
-    step's last event and the next one's first: the host's scheduling, commit and step preparation."""
-    idle = sum(max(0.0, end.elapsed_time(nxt) / 1e3)
-               for (_, _, _, end), (_, _, nxt, _) in zip(steps, steps[1:]))
-    mixed = [wall for is_mixed, wall, _, _ in steps if is_mixed]
-    decode = [wall for is_mixed, wall, _, _ in steps if not is_mixed]
-    return {"steps": len(steps), "mixed_steps": len(mixed), "mixed_step_seconds": round(sum(mixed), 2),
-            "decode_step_seconds": round(sum(decode), 2), "idle_between_steps_seconds": round(idle, 2),
+def step_timeline(steps: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]], elapsed: float) -> dict:
+    """Where the run's time went on the GPU. Per step (mixed: some row still in its prompt), two events: before
+    its first kernel (the forward's start; the step's uploads precede it) and after its last (recorded once
+    the runner has queued the step: in stream order, so it marks the step's end on the device). A step's span
+    is the time between them; the GPU idles between one step's end and the next one's start, waiting for
+    the host (its scheduling, commit and the next step's preparation)."""
+    idle = sum(max(0.0, end.elapsed_time(nxt) / 1e3) for (_, _, end), (_, nxt, _) in zip(steps, steps[1:]))
+    spans = [(mixed, first.elapsed_time(end) / 1e3) for mixed, first, end in steps]
+    mixed = sum(span for is_mixed, span in spans if is_mixed)
+    decode = sum(span for is_mixed, span in spans if not is_mixed)
+    return {"steps": len(steps), "mixed_steps": sum(m for m, _ in spans), "mixed_step_seconds": round(mixed, 2),
+            "decode_step_seconds": round(decode, 2), "idle_between_steps_seconds": round(idle, 2),
             "idle_fraction": round(idle / elapsed, 3)}
 
 

@@ -3,6 +3,9 @@ memory costs the host a driver call and a staging copy (several µs) and the str
 decode step's five to seven small arrays cost more as separate copies than the bytes they hold. `upload` packs
 them into one buffer, copies it once, and hands back device views in each array's own shape.
 
+The buffer is pinned on CUDA, so the copy is queued behind the running step instead of waiting for it
+(async scheduling prepares a step while the previous one runs).
+
 Each view starts 16 bytes into the buffer or a multiple of that, as a tensor of its own would: Triton
 specializes kernels on 16-byte pointer alignment, so an unaligned view would compile a second variant.
 """
@@ -37,6 +40,8 @@ def upload(parts: list[list[int] | torch.Tensor], dtype: torch.dtype, device: to
             pieces += [tensor.reshape(-1), host.new_zeros(pad)]
             sizes += [tensor.numel(), pad]
         host = torch.cat(pieces)
+    if device.type == "cuda":  # from pinned memory the copy is queued; from pageable it can wait for the GPU
+        host = host.pin_memory()
     segments = host.to(device, non_blocking=True).split_with_sizes(sizes)[::2]
     num_lists = len(parts) - len(tensors)
     lists, tensor_views = iter(segments[:num_lists]), iter(segments[num_lists:])

@@ -6,6 +6,11 @@ loop. A run changes no request: what the step adds to them comes back in a StepR
 appends once the scheduler has applied the step. Until then `rollback` puts back the little a run does
 change (seeded generators, loop counters), so a step cut short (KeyboardInterrupt included) leaves no trace.
 A row whose readout or sampling fails ends in StepResult.errors; the other rows are sampled without it.
+
+Async scheduling (`launch` / `finish`): a step is launched without waiting for its tokens, which stay on the
+device (a LaunchedStep) while the host copies them back; the next step can be launched before they arrive,
+its rows whose last token is still pending (request.PENDING_TOKEN) reading it from the previous step's
+device tokens. `finish` waits for the copy and hands back the StepResult that `run` would have.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class StepResult:
     logprobs: dict[int, list[dict[int, Logprob]]] = dataclasses.field(default_factory=dict)
     prompt_logprobs: dict[int, list[dict[int, Logprob]]] = dataclasses.field(default_factory=dict)
     drafts: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # A launched step's sampled tokens while they are still on the device: (batch rows, their tokens [rows])
+    device_tokens: list[tuple[list[int], torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -57,6 +64,21 @@ class _Staged:
     generators: dict[str, torch.Tensor | None]  # request_id -> generator state before (None: no generator)
     decode_tokens: int
     decode_loops: int
+
+
+@dataclasses.dataclass(slots=True)
+class LaunchedStep:
+    """A step launched without waiting for its tokens (async scheduling): its batch, its StepResult (tokens
+    None until finish()), what to undo, and its sampled tokens on the device, in the order `index` gives
+    (request id -> position), with their host copy under way (`ready` marks its end on CUDA)."""
+
+    batch: ScheduledBatch
+    result: StepResult
+    staged: _Staged
+    tokens: torch.Tensor
+    index: dict[str, int]
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
 
 
 class ModelRunner:
@@ -117,8 +139,9 @@ class ModelRunner:
     def uses_cuda_graphs(self) -> bool:
         return self.graphs is not None
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Flatten the batch: token ids, positions, slot mapping, per-row lengths and block tables."""
+    def prepare(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> StepInputs:
+        """Flatten the batch: token ids, positions, slot mapping, per-row lengths and block tables. A row
+        whose last token is pending reads it from `previous`, the step that sampled it."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -127,6 +150,7 @@ class ModelRunner:
         readout: list[int] = []
         prompt_readout: list[int] = []  # tokens whose next prompt token's logprob is asked for, after readout
         generated_rows: list[int] = []
+        pending: tuple[list[int], list[int]] = ([], [])  # (input index, index into previous.tokens)
         for row, (request, num_new, samples) in enumerate(zip(batch.requests, batch.num_new_tokens,
                                                                batch.sample)):
             start = request.num_computed_tokens
@@ -142,9 +166,16 @@ class ModelRunner:
             prompt_readout += [first + p for p in prompt_logprob_positions(request, start, end)]
             if num_new == 1 and start >= request.num_prompt_tokens:
                 generated_rows.append(row)
+            if request.pending and end == request.num_tokens:
+                if previous is None or request.request_id not in previous.index:
+                    raise RuntimeError(f"request {request.request_id}'s last token is pending, and the step "
+                                       "that samples it was not given")
+                pending[0].append(query_start[-1] - 1)
+                pending[1].append(previous.index[request.request_id])
         readout += prompt_readout
         return self._inputs(batch.requests, input_ids, positions, slot_mapping, query_start, context_lens,
-                            list(batch.num_new_tokens), readout, generated_rows)
+                            list(batch.num_new_tokens), readout, generated_rows,
+                            (*pending, previous.tokens) if pending[0] else None)
 
     def decode_inputs(self, requests: list[Request], tokens: list[int] | torch.Tensor, positions: list[int],
                       hidden: torch.Tensor | None = None) -> StepInputs:
@@ -164,8 +195,11 @@ class ModelRunner:
 
     def _inputs(self, requests: list[Request], input_ids: list[int] | torch.Tensor, positions: list[int],
                 slot_mapping: list[int], query_start: list[int], context_lens: list[int],
-                query_lens: list[int], readout: list[int], generated_rows: list[int]) -> StepInputs:
-        """The step's tensors, in two host-to-device copies (runner/host_to_device.py), one per dtype."""
+                query_lens: list[int], readout: list[int], generated_rows: list[int],
+                pending: tuple[list[int], list[int], torch.Tensor] | None = None) -> StepInputs:
+        """The step's tensors, in two host-to-device copies (runner/host_to_device.py), one per dtype.
+        pending: (indices into input_ids, indices into the previous step's device tokens, those tokens):
+        input tokens still on the device, put in place there."""
         int32_parts: list[list[int] | torch.Tensor] = [query_start, context_lens,
                                                        self.block_tables.gather(requests)]
         if self.generated_tables is not None:
@@ -173,8 +207,13 @@ class ModelRunner:
             int32_parts += [prompt_lens, self.generated_tables.gather(requests)]
         int32 = upload(int32_parts, torch.int32, self.device)
         on_device = isinstance(input_ids, torch.Tensor)
-        ids, positions_d, slots, readout_d = upload([[] if on_device else input_ids, positions, slot_mapping,
-                                                     readout], torch.int64, self.device)
+        int64_parts = [[] if on_device else input_ids, positions, slot_mapping, readout]
+        if pending is not None:
+            int64_parts += pending[:2]
+        ids, positions_d, slots, readout_d, *pending_index = upload(int64_parts, torch.int64, self.device)
+        if pending is not None:
+            at, src = pending_index
+            ids.index_copy_(0, at, pending[2].index_select(0, src))
         if on_device:
             ids = input_ids
         shared = None
@@ -239,25 +278,81 @@ class ModelRunner:
                 self.rollback()
                 raise
         try:
-            inputs = self.prepare(batch)
-            states = self.forward(inputs)
-            result = StepResult([None] * batch.num_seqs)
-            sampling = [row for row, samples in enumerate(batch.sample) if samples]
-            if len(inputs.readout) > len(sampling):  # the readout's first rows sample; prompt tokens follow
-                self._isolated(batch, result, self._prompt_logprobs, "prompt logprobs", LoopStates(
-                    states.hidden[:, len(sampling):], states.gate_logits[:, len(sampling):]),
-                    list(range(batch.num_seqs)))
-            rows = [row for row in sampling if row not in result.errors]
-            if rows:
-                self._isolated(batch, result, self._sample_rows, "sampling", states, rows)
-            return result
+            return self._run_loops_and_sample(batch)
         except BaseException:
             self.rollback()
             raise
 
-    def commit(self, result: StepResult) -> None:
-        """The scheduler applied the step: append its traces and logprobs to the requests it advanced."""
+    def _run_loops_and_sample(self, batch: ScheduledBatch, previous: LaunchedStep | None = None,
+                              on_device: bool = False) -> StepResult:
+        """Every loop over the batch, then prompt logprobs and sampling. on_device: the sampled tokens stay
+        on the device (StepResult.device_tokens) instead of in StepResult.tokens."""
+        inputs = self.prepare(batch, previous)
+        states = self.forward(inputs)
+        result = StepResult([None] * batch.num_seqs)
+        sampling = [row for row, samples in enumerate(batch.sample) if samples]
+        if len(inputs.readout) > len(sampling):  # the readout's first rows sample; prompt tokens follow
+            self._isolated(batch, result, self._prompt_logprobs, "prompt logprobs", LoopStates(
+                states.hidden[:, len(sampling):], states.gate_logits[:, len(sampling):]),
+                list(range(batch.num_seqs)))
+        rows = [row for row in sampling if row not in result.errors]
+        if rows:
+            stage = self._sample_rows_on_device if on_device else self._sample_rows
+            self._isolated(batch, result, stage, "sampling", states, rows)
+        return result
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """run() without waiting for the sampled tokens (not for speculative steps): they stay on the device
+        and are copied back to the host behind the step. Rows whose last token is pending read it from
+        `previous`. finish() hands back the StepResult; commit(result, launched.staged) applies it."""
+        if batch.draft_lens:
+            raise ValueError("a speculative step cannot be launched ahead of its tokens")
+        self._stage(batch)
+        try:
+            result = self._run_loops_and_sample(batch, previous, on_device=True)
+            order = [(row, tokens) for rows, tokens in result.device_tokens for row in rows]
+            parts = [tokens for _, tokens in result.device_tokens]
+            tokens = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else
+                                                               torch.zeros(0, dtype=torch.int64))
+            index = {batch.requests[row].request_id: i for i, (row, _) in enumerate(order)}
+            ready = None
+            if tokens.device.type == "cuda":
+                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                host.copy_(tokens, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            else:
+                host = tokens
+        except BaseException:
+            self.rollback()
+            raise
         staged, self._staged = self._staged, None
+        return LaunchedStep(batch, result, staged, tokens, index, host, ready)
+
+    def finish(self, launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step's tokens and put them in its StepResult."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        values = launched.host.tolist()
+        result = launched.result
+        for request, row in ((r, row) for row, r in enumerate(launched.batch.requests)):
+            position = launched.index.get(request.request_id)
+            if position is not None:
+                result.tokens[row] = values[position]
+        result.device_tokens = []
+        return result
+
+    def drop(self, launched: LaunchedStep) -> None:
+        """A launched step will not be applied: its generators and loop counters go back."""
+        self._staged = launched.staged
+        self.rollback()
+
+    def commit(self, result: StepResult, staged: _Staged | None = None) -> None:
+        """The scheduler applied the step: append its traces and logprobs to the requests it advanced.
+        staged: a launched step's (LaunchedStep.staged); by default the last run's."""
+        if staged is None:
+            staged, self._staged = self._staged, None
         if staged is None:
             return
         for row, request in enumerate(staged.batch.requests):
@@ -317,15 +412,7 @@ class ModelRunner:
     def _sample_rows(self, batch: ScheduledBatch, result: StepResult, states: LoopStates,
                      rows: list[int]) -> None:
         """Read out and sample these sampling rows (batch rows); states: every sampling row's, in order."""
-        sampling = [row for row, samples in enumerate(batch.sample) if samples]
-        index = slice(0, len(rows)) if len(rows) == len(sampling) else [sampling.index(row) for row in rows]
-        requests = [batch.requests[row] for row in rows]
-        logits, traces = readout_logits(self.model.compute_logits, states.hidden[:, index],
-                                        states.gate_logits[:, index], self._readout_policies(batch, rows),
-                                        [r.params.loop_trace for r in requests],
-                                        self.config.model.early_exit_threshold)
-        sampled = sample(process_logits(logits, requests), [r.params for r in requests],
-                         [self.generator_of(r) for r in requests])
+        requests, logits, traces, sampled = self._readout_and_sample(batch, states, rows, traced=True)
         logprobs = self.logprobs_of(requests, logits, sampled)  # of the raw logits, as vLLM's default
         for row, token, trace, entry in zip(rows, sampled.tolist(), traces, logprobs):
             result.tokens[row] = token
@@ -333,6 +420,28 @@ class ModelRunner:
                 result.traces[row] = [trace]
             if entry is not None:
                 result.logprobs[row] = [entry]
+
+    def _readout_and_sample(self, batch: ScheduledBatch, states: LoopStates, rows: list[int], traced: bool
+                            ) -> tuple[list[Request], torch.Tensor, list[LoopTrace | None], torch.Tensor]:
+        """The rows' requests, readout logits, traces (where asked for and `traced`) and sampled tokens [rows]
+        on the device."""
+        sampling = [row for row, samples in enumerate(batch.sample) if samples]
+        index = slice(0, len(rows)) if len(rows) == len(sampling) else [sampling.index(row) for row in rows]
+        requests = [batch.requests[row] for row in rows]
+        logits, traces = readout_logits(self.model.compute_logits, states.hidden[:, index],
+                                        states.gate_logits[:, index], self._readout_policies(batch, rows),
+                                        [traced and r.params.loop_trace for r in requests],
+                                        self.config.model.early_exit_threshold)
+        sampled = sample(process_logits(logits, requests), [r.params for r in requests],
+                         [self.generator_of(r) for r in requests])
+        return requests, logits, traces, sampled
+
+    def _sample_rows_on_device(self, batch: ScheduledBatch, result: StepResult, states: LoopStates,
+                               rows: list[int]) -> None:
+        """_sample_rows for a launched step: the rows' tokens stay on the device (result.device_tokens).
+        Rows that ask for logprobs or traces are not launched ahead (the engine runs those steps with run())."""
+        _, _, _, sampled = self._readout_and_sample(batch, states, rows, traced=False)
+        result.device_tokens.append((rows, sampled))
 
     def logprobs_of(self, requests: list[Request], logits: torch.Tensor,
                     sampled: torch.Tensor) -> list[dict[int, Logprob] | None]:

@@ -6,6 +6,8 @@ shape.
 argmax(p / E), E ~ Exp(1), draws from p exactly; it needs no host sync and no torch.multinomial.
 A temperature below request.GREEDY_BELOW is greedy, as in vLLM: logits / 1e-39 overflow fp32 to inf and
 the softmax to NaN.
+Per-row parameters reach the device from pinned memory without a blocking copy (`_per_row`): a blocking one
+would wait for every queued step, which async scheduling must not.
 Logprobs are of the raw model distribution (vLLM's default, logprobs_mode="raw_logprobs"): log_softmax
 of the readout logits before temperature and the filters, so they do not change with the sampling knobs.
 """
@@ -18,6 +20,14 @@ from typing import Callable
 import torch
 
 from request import Logprob, Request, SamplingParams
+
+
+def _per_row(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A per-row parameter vector on `device`, copied without waiting for the device's queued work."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -58,11 +68,11 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_i
     device, (rows, vocab) = logits.device, logits.shape
     output_counts = _token_counts(output_ids, rows, vocab, device)
     seen = (output_counts > 0) | (_token_counts(prompt_ids, rows, vocab, device) > 0)
-    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    repetition = _per_row([p.repetition_penalty for p in params], device)[:, None]
     penalty = torch.where(seen, repetition, 1.0)
     logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    frequency = _per_row([p.frequency_penalty for p in params], device)[:, None]
+    presence = _per_row([p.presence_penalty for p in params], device)[:, None]
     return logits - frequency * output_counts - presence * (output_counts > 0)
 
 
@@ -81,26 +91,26 @@ def _token_counts(token_ids: list[list[int]], rows: int, vocab: int, device: tor
 def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p, as vLLM applies them. logits: [R, V] float32. A greedy
     row divides by 1 (its draw is replaced by the argmax)."""
-    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+    temperature = _per_row([1.0 if p.greedy else p.temperature for p in params], logits.device)
     logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if min(top_k) < vocab:
-        k = torch.tensor(top_k, device=logits.device)
+        k = _per_row(top_k, logits.device, torch.int64)
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     top_p = [p.top_p for p in params]
     if min(top_p) < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        p = torch.tensor(top_p, device=logits.device)[:, None]
+        p = _per_row(top_p, logits.device)[:, None]
         drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= p  # keep the token that crosses p
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     min_p = [p.min_p for p in params]
     if max(min_p) > 0.0:
         probs = logits.softmax(-1)
-        floor = torch.tensor(min_p, device=logits.device)[:, None] * probs.max(-1, keepdim=True).values
+        floor = _per_row(min_p, logits.device)[:, None] * probs.max(-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
@@ -116,7 +126,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for row, generator in enumerate(generators):
         noise[row].exponential_(generator=generator)
     drawn = (probs / noise).argmax(dim=-1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    is_greedy = _per_row([p.greedy for p in params], logits.device, torch.bool)
     return torch.where(is_greedy, greedy, drawn)
 
 

@@ -9,6 +9,15 @@ update() first decides every row's outcome (detokenizing the new tokens) and cha
 them all, so an exception while deciding (KeyboardInterrupt included) leaves every request as it was. A
 request whose detokenizing fails, or whose row the caller reports failed, ends alone with "error".
 
+Async scheduling splits update() in two. advance(batch) applies a launched step provisionally, before its
+tokens are known: each row's computed tokens count, and a sampling row's token stands as PENDING_TOKEN at the
+end of its request (Request.pending), so the next schedule() gives it its decode row as the synchronous path
+would after update(). resolve(batch, tokens) then decides and applies each sampling row's outcome with
+update()'s rules, on the request as it was before the pending token. A request certain to finish once its
+pending token is read (max_tokens, max_model_len, a full pool) is retired at the next schedule(): its blocks
+and seat go back then, as they would have synchronously, so a workload that ends by length schedules the same
+batches either way; one that ends at a stop token or string runs one more row, which resolve() drops.
+
 Under speculative decoding (num_speculative_tokens = k > 0) a decode row reserves the positions of up to k
 tokens, and a step in which every row decodes is a speculative one (ScheduledBatch.draft_lens): a row may
 then come back with several tokens, each checked for stops in turn as if it had come alone. How many a row
@@ -26,7 +35,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from cache.blocks import BlockManager
-from request import ADMISSION, Request, RequestStatus, ScheduledBatch
+from request import ADMISSION, PENDING_TOKEN, Request, RequestStatus, ScheduledBatch
 
 # The stop_reason of a sequence that ended with finish_reason "length" because the KV pool cannot hold one
 # more of its tokens (even were it alone), not because of max_tokens or max_model_len.
@@ -169,6 +178,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """One step: running requests (decode rows before prefill chunks), then newly admitted ones."""
+        for request in [r for r in self.running if r.pending and self._ends_with_pending(r)]:
+            self._retire(request)
         rows: dict[Request, int] = {}
         drafts: dict[Request, int] = {}  # decode rows' reserved positions, under speculative decoding
         budget = self.max_num_batched_tokens
@@ -242,6 +253,62 @@ class Scheduler:
                 request.draft_len = min(self.num_speculative_tokens, drafted + 2) \
                     if accepted[row] == drafted else max(1, drafted - 1)
         return self.take_finished()
+
+    def advance(self, batch: ScheduledBatch, errors: dict[int, str] | None = None) -> None:
+        """Apply a launched step before its tokens are read (async scheduling): every row's computed tokens
+        count and each sampling row's token stands pending; a row that failed at launch ends its request
+        with "error" now. resolve() completes the step."""
+        if batch.draft_lens:
+            raise ValueError("a speculative step cannot be applied before its tokens are read")
+        errors = errors or {}
+        for row, (request, num_new, sample) in enumerate(zip(batch.requests, batch.num_new_tokens,
+                                                             batch.sample)):
+            if request.is_finished:
+                continue
+            if row in errors:
+                self._finish(request, "error", error=errors[row], text=request.output_text)
+                continue
+            request.num_computed_tokens += num_new
+            if sample:
+                request.token_ids.append(PENDING_TOKEN)
+                request.pending = True
+            self.block_manager.cache_full_blocks(request)
+
+    def resolve(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Request]:
+        """The tokens of a step applied by advance(): each sampling row whose request still waits for its
+        token gets update()'s outcome for it (every outcome decided before any is applied; if deciding
+        raises, the tokens stay pending). Returns every request finished since the last hand-back."""
+        rows = [(row, r) for row, (r, sample) in enumerate(zip(batch.requests, batch.sample))
+                if sample and r.pending and not r.is_finished]
+        for _, request in rows:  # as before the token: update()'s rules read the request without it
+            request.token_ids.pop()
+            request.pending = False
+        try:
+            outcomes = [self._decide(request, 0, True, sampled[row], None) for row, request in rows]
+        except BaseException:
+            for _, request in rows:
+                request.token_ids.append(PENDING_TOKEN)
+                request.pending = True
+            raise
+        for outcome in outcomes:
+            if outcome is not None:
+                self._apply(outcome)
+        return self.take_finished()
+
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Does the request finish by length once its pending token is read, whatever that token is? (Its
+        position is counted: the rules of _decide_token for the token after the others.)"""
+        max_tokens = request.params.max_tokens
+        num_output = request.num_output_tokens
+        return ((max_tokens is not None and num_output >= max_tokens) or request.num_tokens >= self.max_model_len
+                or not self._can_grow(request, num_output))
+
+    def _retire(self, request: Request) -> None:
+        """Give back the blocks and seat of a request that finishes when its pending token is read. Steps run
+        in order on the device, so the step still writing its K/V finishes before any later one reuses them."""
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.retired = True
 
     def _decide(self, request: Request, num_new: int, sample: bool, token: int | None,
                 error: str | None) -> _Outcome | None:
@@ -340,7 +407,8 @@ class Scheduler:
         request.num_computed_tokens += outcome.num_new
         if outcome.tokens is not None:
             request.token_ids += outcome.tokens
-        self.block_manager.cache_full_blocks(request)
+        if not request.retired:  # a retired request's blocks went back already
+            self.block_manager.cache_full_blocks(request)
         if outcome.text is not None:
             request.output_text = outcome.text
         if outcome.finish is not None:
@@ -457,6 +525,9 @@ class Scheduler:
         text: str | None = None,
         error: str | None = None,
     ) -> None:
+        if request.pending:  # aborted while its last token was still on the device: it never arrives
+            request.token_ids.pop()
+            request.pending = False
         if text is None:  # decided before anything changes: a failing detokenizer keeps the streamed text
             try:
                 text = self.detokenizer.decode(request.output_token_ids,
@@ -464,11 +535,14 @@ class Scheduler:
                     if request.num_output_tokens else ""
             except Exception:
                 text = request.output_text
-        if request.status is RequestStatus.RUNNING:
+        if request.retired:  # its seat and blocks went back already
+            pass
+        elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self.block_manager.free(request)
         else:
             self.waiting.remove(request)
-        self.block_manager.free(request)
+            self.block_manager.free(request)
         del self._unfinished[request.request_id]
         self._streams.pop(request.request_id, None)
         request.output_text = text

@@ -240,15 +240,16 @@ def test_kvarn_engine_on_cuda_gives_the_one_sequence_reference_tokens(tiny_check
     """The reference path on CUDA (eager: the torch backend captures no graphs): the same tokens as one
     sequence's packed history, with chunked prefill and prefix caching on."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    with kvarn_engine(tiny_checkpoint, "kvarn_k4v2_g64", 16, 32, device="cuda", max_num_batched_tokens=40,
-                      enable_prefix_caching=True) as engine:
+    with kvarn_engine(tiny_checkpoint, "kvarn_k4v2_g64", 16, 32, device="cuda", attention="torch",
+                      max_num_batched_tokens=40, enable_prefix_caching=True) as engine:
         assert not engine.uses_cuda_graphs
         outputs = engine.generate(KVARN_PROMPTS, params, use_tqdm=False)
         config = engine.config
         slots = config.total_ut_steps * config.num_hidden_layers
         for prompt, output in zip(KVARN_PROMPTS, outputs):
             store = PackedSequence(parse_kv_cache_dtype("kvarn_k4v2_g64"), slots, config.num_attention_heads,
-                                   config.num_key_value_heads, config.head_dim, sink=16, tail=32)
+                                   config.num_key_value_heads, config.head_dim, sink=16, tail=32,
+                                   device="cuda")
             assert output.outputs[0].token_ids == greedy_through(engine.model, engine.tokenizer.encode(prompt),
                                                                  40, store)
 

@@ -41,6 +41,28 @@ def _online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _paged_kv_tile(key_cache_ptr, value_cache_ptr, table, offs_n, offs_d, kv_head, mask_n,
+                   KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   MASKED: tl.constexpr):
+    """K and V [len(offs_n), HEAD_DIM] of context positions offs_n, through the row's block table; with
+    MASKED, positions outside mask_n read zeros (and their table entries are not read)."""
+    PAGE: tl.constexpr = BLOCK_SIZE * KV_HEADS * HEAD_DIM
+    if MASKED:
+        page = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+    else:
+        page = tl.load(table + offs_n // BLOCK_SIZE).to(tl.int64)
+    kv = page * PAGE + (offs_n % BLOCK_SIZE) * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+    kv = kv[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(key_cache_ptr + kv, mask=mask_n[:, None], other=0.0)
+        v = tl.load(value_cache_ptr + kv, mask=mask_n[:, None], other=0.0)
+    else:
+        k = tl.load(key_cache_ptr + kv)
+        v = tl.load(value_cache_ptr + kv)
+    return k, v
+
+
+@triton.jit
 def prefill_paged_kernel(
     q_ptr, out_ptr, key_cache_ptr, value_cache_ptr, scales_ptr, block_tables_ptr, query_start_loc_ptr,
     context_lens_ptr, work_ptr,
@@ -59,7 +81,6 @@ def prefill_paged_kernel(
     context_len = tl.load(context_lens_ptr + row)
     prefix = context_len - query_len
     kv_head = head // (HEADS // KV_HEADS)
-    PAGE: tl.constexpr = BLOCK_SIZE * KV_HEADS * HEAD_DIM
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -76,15 +97,23 @@ def prefill_paged_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table = block_tables_ptr + row.to(tl.int64) * stride_bt
+    # Keys before the tile's first query position are visible to every query of the tile: those whole key
+    # tiles need no mask. The rest (the diagonal, at most cdiv(BLOCK_M, BLOCK_N) + 1 tiles) are masked.
+    visible_end = (prefix + m0) // BLOCK_N * BLOCK_N
     key_end = tl.minimum(context_len, prefix + m0 + BLOCK_M)
-    for n0 in range(0, key_end, BLOCK_N):
+    for n0 in range(0, visible_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k, v = _paged_kv_tile(key_cache_ptr, value_cache_ptr, table, offs_n, offs_d, kv_head, offs_n >= 0,
+                              KV_HEADS, HEAD_DIM, BLOCK_SIZE, False)
+        if QUANTIZED:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        s = _dot(q.to(k.dtype), tl.trans(k), DOT_FP32) * qk_scale
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32)
+    for n0 in range(visible_end, key_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < key_end
-        page = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        kv = page * PAGE + (offs_n % BLOCK_SIZE) * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-        kv = kv[:, None] + offs_d[None, :]
-        k = tl.load(key_cache_ptr + kv, mask=mask_n[:, None], other=0.0)
-        v = tl.load(value_cache_ptr + kv, mask=mask_n[:, None], other=0.0)
+        k, v = _paged_kv_tile(key_cache_ptr, value_cache_ptr, table, offs_n, offs_d, kv_head, mask_n,
+                              KV_HEADS, HEAD_DIM, BLOCK_SIZE, True)
         if QUANTIZED:
             k, v = k.to(q.dtype), v.to(q.dtype)
         s = _dot(q.to(k.dtype), tl.trans(k), DOT_FP32)

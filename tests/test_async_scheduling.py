@@ -1,0 +1,157 @@
+"""Async scheduling (engine.py: Engine._step_overlapped): the next step is scheduled and launched before this
+one's tokens are read, and every request gets the tokens, text and finish that the synchronous path gives it;
+a workload that ends by length runs the same batches either way; a pending token never shows in an output."""
+
+import pytest
+
+from engine import Engine, SamplingParams
+from request import PENDING_TOKEN
+
+PROMPTS = ["A looped language model", "Hello", "The quick brown fox jumps over the lazy dog again",
+           "0123456789 + - * / = 42", "Once upon a time", "Looped models read their history four times"]
+
+
+def completions(engine, prompts, params):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs]
+            for out in engine.generate(prompts, params, use_tqdm=False)]
+
+
+def both(options, prompts, params, checkpoint=None):
+    """The completions of a synchronous and an async engine, and the batches each scheduled."""
+    results, batches = [], []
+    for mode in (False, True):
+        with Engine(checkpoint, device="cpu", async_scheduling=mode, verbose=False, **options) as engine:
+            assert engine.engine_config.overlaps_steps is mode
+            scheduled = []
+            schedule = engine.scheduler.schedule
+
+            def recording():
+                batch = schedule()
+                scheduled.append([(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)])
+                return batch
+
+            engine.scheduler.schedule = recording
+            results.append(completions(engine, prompts, params))
+            batches.append([b for b in scheduled if b])
+            assert not engine.has_unfinished()
+    return results, batches
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=40),  # the trained model stops at its end token
+    SamplingParams(temperature=0, max_tokens=50, stop=[" the"]),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=30, n=2),
+], ids=["eos", "stop-string", "seeded-n2"])
+def test_async_gives_the_synchronous_tokens(params):
+    """The embedded model, chunked prefill (24-token budget) and five seats for six prompts, so rows join
+    and leave mid-run: each completion equals the synchronous one."""
+    (sync, overlapped), _ = both({"max_num_seqs": 5, "max_num_batched_tokens": 24}, PROMPTS * 2, params)
+    assert overlapped == sync
+
+
+def test_a_length_ending_workload_runs_the_same_batches():
+    """Requests that end by max_tokens give back their seat and blocks when the step that samples their
+    last token is launched (retired): the async engine schedules exactly the synchronous batches."""
+    params = [SamplingParams(temperature=0, max_tokens=5 + 7 * i, ignore_eos=True) for i in range(6)]
+    (sync, overlapped), (sync_batches, async_batches) = both(
+        {"max_num_seqs": 3, "max_num_batched_tokens": 16}, PROMPTS, params)
+    assert overlapped == sync and async_batches == sync_batches
+
+
+def test_preemption_and_prefix_hits_under_async(tiny_checkpoint):
+    """A pool too small for every row (greedy admission preempts, and a preempted request may still have a
+    token pending) and a shared prefix (hits): the synchronous tokens."""
+    shared = "A looped model reads its own history four times over. " * 3
+    prompts = [shared + tail for tail in ("one", "two", "three", "four")] + PROMPTS[:2]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    options = {"num_kv_blocks": 24, "admission": "greedy", "max_model_len": 160, "max_num_batched_tokens": 32}
+    (sync, overlapped), _ = both(options, prompts, params, tiny_checkpoint)
+    assert overlapped == sync
+    with Engine(tiny_checkpoint, device="cpu", async_scheduling=True, verbose=False, **options) as engine:
+        engine.generate(prompts, params, use_tqdm=False)
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_rows_that_read_the_host_run_synchronously_and_agree():
+    """Penalties, logprobs and loop traces read tokens or logits on the host: a step with such a row waits
+    for the one ahead of it, and every row still gets the synchronous result."""
+    params = [SamplingParams(temperature=0, max_tokens=20),
+              SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=20, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=12)]
+    runs = []
+    for mode in (False, True):
+        with Engine(device="cpu", async_scheduling=mode, verbose=False) as engine:
+            outs = engine.generate(PROMPTS[:4], params, use_tqdm=False)
+            runs.append([(o.outputs[0].token_ids, o.outputs[0].text,
+                          [sorted(d) for d in (o.outputs[0].logprobs or [])]) for o in outs])
+    assert runs[1] == runs[0]
+
+
+def test_a_pending_token_never_shows_and_abort_drops_it():
+    """Outputs handed out while a step runs ahead hold known tokens only; aborting a request whose token is
+    still pending finishes it with the tokens it had."""
+    with Engine(device="cpu", async_scheduling=True, verbose=False) as engine:
+        for out in engine.stream(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)):
+            assert PENDING_TOKEN not in out.outputs[0].token_ids
+        engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                           request_id="r")
+        seen = []
+        while len(seen) < 3:
+            seen += [o for o in engine.step() if o.outputs[0].token_ids]
+        assert engine._pending is not None and engine._requests["r"].pending  # a step runs ahead
+        engine.abort("r")
+        outs = engine.step()
+        final = [o for o in outs if o.request_id == "r"]
+        assert final and final[0].finished and final[0].outputs[0].finish_reason == "abort"
+        assert PENDING_TOKEN not in final[0].outputs[0].token_ids
+        assert len(final[0].outputs[0].token_ids) == len(seen[-1].outputs[0].token_ids)
+        while engine.has_unfinished():
+            engine.step()
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"speculative": "loops:2"}, "speculative='loops:2'"),
+    ({"exit_policy": "early:0.5"}, "exit_policy='early:0.5'"),
+])
+def test_async_refuses_steps_that_need_their_tokens_on_the_host(options, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(device="cpu", async_scheduling=True, verbose=False, **options)
+    with Engine(device="cpu", verbose=False, **options) as engine:  # auto: synchronous here
+        assert not engine.engine_config.overlaps_steps
+
+
+def test_async_scheduling_option_is_checked():
+    with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
+        Engine(device="cpu", async_scheduling="yes", verbose=False)
+
+
+def test_a_pending_token_without_its_step_is_refused():
+    """The runner fails loudly rather than feed the placeholder id to the model."""
+    with Engine(device="cpu", async_scheduling=True, verbose=False) as engine:
+        engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        engine.step()
+        pending = engine._pending
+        batch = engine.scheduler.schedule()
+        assert any(r.pending for r in batch.requests)
+        with pytest.raises(RuntimeError, match="pending"):
+            engine.runner.prepare(batch)
+        assert engine.runner.prepare(batch, pending).input_ids.min() >= 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=40),
+    [SamplingParams(temperature=0, max_tokens=5 + 7 * i, ignore_eos=True) for i in range(12)],
+    SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True),
+], ids=["eos", "length", "seeded"])
+def test_async_on_cuda_gives_the_synchronous_tokens(params):
+    """On CUDA (bf16, CUDA graphs for the decode steps, pinned uploads, tokens read back behind the step):
+    the synchronous path's tokens, with chunked prefill and rows joining and leaving."""
+    runs = []
+    for mode in (False, True):
+        with Engine(device="cuda", dtype="bfloat16", async_scheduling=mode, max_num_seqs=5,
+                    max_num_batched_tokens=24, verbose=False) as engine:
+            assert engine.uses_cuda_graphs
+            runs.append(completions(engine, PROMPTS * 2, params))
+    assert runs[1] == runs[0]
