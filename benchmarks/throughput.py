@@ -10,6 +10,7 @@ GPU's idle time between steps, from events around each step; --async-scheduling 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import time
 
@@ -59,6 +60,8 @@ def main() -> None:
 def run_workload(path: str, args: argparse.Namespace, async_scheduling: bool, bandwidth: float,
                  flops_rate: float) -> dict:
     """The workload on a fresh engine: one result row."""
+    gc.collect()  # the last run's engine and the instrumentation around its runner (a reference cycle)
+    torch.cuda.empty_cache()
     rng = random.Random(0)
     with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=args.max_num_seqs,
                 max_model_len=2 * args.max_len + 8, admission=args.admission,

@@ -70,7 +70,7 @@ def test_graph_decode_is_bitwise_equal_to_eager_decode(tiny_checkpoint, dtype, r
     rows=5 is padded to the 8-row bucket in the graph (cuBLAS then sees another M), so only bucket-sized
     batches are promised bitwise; 5 checks that padding rows never leak into real rows' tokens."""
     with Engine(tiny_checkpoint, device="cuda", dtype=dtype, attention="triton", max_num_seqs=16,
-                num_kv_blocks=512, verbose=False) as engine:
+                num_kv_blocks=512, async_scheduling=False, verbose=False) as engine:  # no step runs ahead
         prompts = [[7 + i] * (5 + 3 * i) for i in range(rows)]
         for p in prompts:
             engine.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
