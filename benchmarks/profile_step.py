@@ -2,6 +2,9 @@
 CPU and CUDA activities over timed steps, the ops with the most host time and the most device time.
 
     python -m benchmarks.profile_step --preset ouro-1.4b --policy early:0.5 --forced-exit 1 --batch 1
+
+--mixed N adds N more prompts once the first rows decode, so the profiled steps mix their prefill chunks
+with the decode rows (eager steps); --async-scheduling on|off picks the scheduling.
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--gaps", type=int, default=0, help="also list the N longest device idle gaps")
+    parser.add_argument("--mixed", type=int, default=0, help="prompts added before the profiled steps")
+    parser.add_argument("--async-scheduling", default="on", choices=["on", "off"])
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
-    with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=args.batch, exit_policy=args.policy,
-                kv_sharing=args.kv_sharing,
+    with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=args.batch + args.mixed,
+                exit_policy=args.policy, kv_sharing=args.kv_sharing,
                 max_model_len=args.prompt + 4 * args.steps + 8, enable_prefix_caching=False,
+                async_scheduling=None if args.async_scheduling == "on" else False,  # None: on where it applies
                 verbose=False) as engine:
         if args.forced_exit is not None:
             force_exit_loop(engine.model, args.forced_exit, float(args.policy.partition(":")[2]))
@@ -43,6 +49,8 @@ def main() -> None:
             engine.add_request(list(range(3, 3 + args.prompt)), params)
         for _ in range(args.steps):  # prefill, then warm decode steps
             engine.step()
+        for _ in range(args.mixed):
+            engine.add_request(list(range(5, 5 + args.prompt)), params)
         torch.cuda.synchronize()
         start = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -51,7 +59,8 @@ def main() -> None:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - start) * 1e3 / args.steps
     events = prof.key_averages()
-    print(f"{args.policy} forced {args.forced_exit} kv_sharing={args.kv_sharing} batch {args.batch}: "
+    print(f"{args.policy} forced {args.forced_exit} kv_sharing={args.kv_sharing} batch {args.batch} "
+          f"mixed {args.mixed} async {args.async_scheduling}: "
           f"{wall:.3f} ms per step (profiled)")
     for title, key in (("host", "self_cpu_time_total"), ("device", "self_device_time_total")):
         print(f"-- top {args.top} by {title} time, µs per step (calls per step)")
