@@ -478,25 +478,29 @@ class Engine:
             if not (batch.requests and self._launchable(batch)):
                 return self._run_now(batch)
             launched = self.runner.launch(batch)
-            with deferred_interrupts():
-                self._advance_launched(launched)
+            try:
+                with deferred_interrupts():
+                    self._advance_launched(launched)
+            except BaseException:  # not applied (a deferred Ctrl-C at the end: applied, and kept)
+                if self._pending is not launched:
+                    self.runner.drop(launched)
+                raise
         pending = self._pending
         with deferred_interrupts():
             batch = self.scheduler.schedule()
         launched = self.runner.launch(batch, pending) if batch.requests and self._launchable(batch) else None
         try:
             with deferred_interrupts():
-                touched = self._resolve(pending)
+                touched = self._hand_back(self._resolve(pending))
                 if launched is not None:
                     self._advance_launched(launched)
-        except BaseException:
+        except BaseException:  # what was resolved is handed back by the next step (Engine._advance)
             if launched is not None and self._pending is not launched:
                 self.runner.drop(launched)
             raise
         if launched is None and batch.requests:  # run it now, without the rows whose requests just finished
             return self._run_now(batch.without_finished(), touched)
-        with deferred_interrupts():
-            return self._hand_back(touched)
+        return touched
 
     @staticmethod
     def _launchable(batch: ScheduledBatch) -> bool:
@@ -508,9 +512,10 @@ class Engine:
     def _advance_launched(self, launched: LaunchedStep) -> None:
         """Apply a launched step provisionally (its tokens pending) and make it the one to resolve next."""
         batch, errors = launched.batch, launched.result.errors
-        self._count_tokens(batch, errors)
+        decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
         self.scheduler.advance(batch, errors)
         self._pending = launched
+        self._count_tokens(batch, errors, decode)
 
     def _resolve(self, launched: LaunchedStep) -> list[Request]:
         """Wait for a launched step's tokens and apply them; the requests it advanced or finished."""
@@ -577,11 +582,21 @@ class Engine:
         exception while building them leaves them for the next call."""
         groups = list(inbox.values())
         outputs = [self._output(group) for group in groups]
-        with deferred_interrupts():
-            for group, output in zip(groups, outputs):
-                inbox.pop(group.request_id, None)
-                if output.finished:
-                    self._forget(group)
+        taken: list[tuple[SequenceGroup, bool]] = []
+        try:
+            with deferred_interrupts():
+                for group, output in zip(groups, outputs):
+                    inbox.pop(group.request_id, None)
+                    if output.finished:
+                        self._forget(group)
+                    taken.append((group, output.finished))
+        except BaseException:  # a Ctrl-C deferred to the block's end: the outputs never reach the caller
+            with deferred_interrupts():
+                for group, forgotten in taken:
+                    if forgotten:
+                        self._remember(group)
+                    inbox[group.request_id] = group
+            raise
         return outputs
 
     def _hand_out(self, group: SequenceGroup) -> RequestOutput:
@@ -596,6 +611,12 @@ class Engine:
         for request in group.requests:
             del self._group_of[request.request_id]
         group.inbox.pop(group.request_id, None)
+
+    def _remember(self, group: SequenceGroup) -> None:
+        """Undo _forget: the group's output is to be handed out again."""
+        self._groups[group.request_id] = group
+        for request in group.requests:
+            self._group_of[request.request_id] = group
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
         first = group.requests[0]

@@ -324,11 +324,12 @@ class ModelRunner:
                 ready.record()
             else:
                 host = tokens
+            launched = LaunchedStep(batch, result, self._staged, tokens, index, host, ready)
         except BaseException:
             self.rollback()
             raise
-        staged, self._staged = self._staged, None
-        return LaunchedStep(batch, result, staged, tokens, index, host, ready)
+        self._staged = None  # the launched step holds it now
+        return launched
 
     def finish(self, launched: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens and put them in its StepResult."""

@@ -6,6 +6,8 @@ import pytest
 
 from engine import Engine, SamplingParams
 from request import PENDING_TOKEN
+from tests.test_step_faults import (HOOKS, Faults, assert_clean, drive, fault_free,  # noqa: F401 (a fixture)
+                                    small_engine, summary, workload)
 
 PROMPTS = ["A looped language model", "Hello", "The quick brown fox jumps over the lazy dog again",
            "0123456789 + - * / = 42", "Once upon a time", "Looped models read their history four times"]
@@ -155,3 +157,77 @@ def test_async_on_cuda_gives_the_synchronous_tokens(params):
             assert engine.uses_cuda_graphs
             runs.append(completions(engine, PROMPTS * 2, params))
     assert runs[1] == runs[0]
+
+
+@pytest.mark.parametrize("options", [
+    {"kv_sharing": "last"},
+    {"kv_cache_dtype": "kvarn_k4v2_g64", "block_size": 64, "kv_tail_tokens": 16, "enable_prefix_caching": False},
+], ids=["kv_sharing_last", "kvarn"])
+def test_async_under_other_kv_layouts(tiny_checkpoint, options):
+    params = [SamplingParams(temperature=0, max_tokens=30 + 9 * i, ignore_eos=True) for i in range(4)]
+    (sync, overlapped), (sync_batches, async_batches) = both(
+        {"max_num_seqs": 3, "max_num_batched_tokens": 32, **options}, PROMPTS[:4], params, tiny_checkpoint)
+    assert overlapped == sync and async_batches == sync_batches
+
+
+def test_requests_added_between_steps_and_host_reading_rows_join_a_running_pipeline():
+    """Requests arrive while steps run ahead, some of them penalized (their steps run synchronously once the
+    one ahead is resolved, without the rows whose requests it finished): each gets the tokens a synchronous
+    engine gives it."""
+    plans = [(PROMPTS[i], SamplingParams(temperature=0, max_tokens=24, stop=[" the"],
+                                         repetition_penalty=1.2 if i % 2 else 1.0)) for i in range(6)]
+    results = []
+    for mode in (False, True):
+        with Engine(device="cpu", async_scheduling=mode, max_num_batched_tokens=16, verbose=False) as engine:
+            finished = {}
+            for step in range(200):
+                if step < len(plans):
+                    engine.add_request(plans[step][0], plans[step][1], request_id=str(step))
+                finished.update({o.request_id: (o.outputs[0].token_ids, o.outputs[0].text)
+                                 for o in engine.step() if o.finished})
+                if len(finished) == len(plans) and not engine.has_unfinished():
+                    break
+            results.append(finished)
+    assert results[1] == results[0] and len(results[0]) == len(plans)
+
+
+ASYNC_HOOKS = ["launch", "finish", "resolve", "advance"]
+
+
+def test_a_keyboard_interrupt_at_any_hook_point_loses_nothing_under_async(tiny_checkpoint, fault_free,
+                                                                           monkeypatch):
+    """tests/test_step_faults.py's workload and hook points with async scheduling, plus the async steps' own
+    (launch, wait for the tokens, resolve, advance): stepping on after the interrupt, every request finishes
+    once with the fault-free synchronous run's outputs, and every block is free. The workload's host-reading
+    rows (logprobs, a trace, prompt logprobs) run synchronously; the steps after them run ahead."""
+    stop, expected, _ = fault_free
+    with small_engine(tiny_checkpoint, async_scheduling=True) as engine:
+        faults = Faults(engine, monkeypatch)
+        for name, owner in [("launch", engine.runner), ("finish", engine.runner),
+                            ("resolve", engine.scheduler), ("advance", engine.scheduler)]:
+            monkeypatch.setattr(owner, name, faults.hook(name, getattr(owner, name)))
+        drive(engine, workload(stop))  # fills the prefix cache as every later run finds it
+        faults.calls.clear()
+        drive(engine, workload(stop))
+        counts = dict(faults.calls)
+        assert all(counts.get(name) for name in ASYNC_HOOKS), counts  # steps did run ahead
+        for name in HOOKS + ASYNC_HOOKS:
+            for nth in sorted({1, -(-counts.get(name, 1) // 2)}):
+                faults.armed = (name, nth)
+                outputs, interrupts = drive(engine, workload(stop))
+                assert interrupts == 1 and faults.armed is None, (name, nth)
+                assert {i: summary(o) for i, o in outputs.items()} == expected, (name, nth)
+                assert_clean(engine)
+
+
+def test_a_sampling_error_ends_only_that_request_under_async(tiny_checkpoint):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with small_engine(tiny_checkpoint, async_scheduling=True) as engine:
+        alone = engine.generate(PROMPTS[:2], params, use_tqdm=False)
+        bad = SamplingParams(temperature=1.0, seed=7, max_tokens=6)
+        bad.seed = 2**64  # past validation: torch's generator refuses it inside the launched step
+        outputs = engine.generate(PROMPTS[:2] + ["Hello"], [params, params, bad], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs[:2]] == [o.outputs[0].token_ids for o in alone]
+        failed = outputs[2].outputs[0]
+        assert failed.finish_reason == "error" and failed.error.startswith("sampling failed: ")
+        assert_clean(engine)

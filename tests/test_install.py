@@ -101,7 +101,7 @@ def test_no_example_benchmark_or_notebook_edits_sys_path():
 
 
 # Names the docs use for files a command writes, not files they cite.
-WRITTEN = {"out.md", "OUT/latency.md", "LOGS/main_table.md", "LOGS/rerun_table.md"}
+WRITTEN = {"out.md", "OUT/latency.md", "OUT/prefill.md", "LOGS/main_table.md", "LOGS/rerun_table.md"}
 
 
 def cited_markdown(text: str) -> set[str]:

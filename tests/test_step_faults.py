@@ -227,20 +227,53 @@ class CallInterrupts:
             sys.settrace(None)
 
 
-def test_ctrl_c_at_random_function_calls_loses_nothing(tiny_checkpoint, fault_free, sigint_in_engine_code):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_ctrl_c_at_random_function_calls_loses_nothing(tiny_checkpoint, fault_free, sigint_in_engine_code,
+                                                       async_scheduling):
+    """Also with async scheduling (engine.py: Engine._step_overlapped), whose plain steps run ahead."""
     stop, expected, _ = fault_free
     rng = random.Random(1)
     injector = CallInterrupts()
-    with small_engine(tiny_checkpoint) as engine:
+    with small_engine(tiny_checkpoint, async_scheduling=async_scheduling) as engine:
         drive(engine, workload(stop))
         injector.run(engine, workload(stop))
         total = injector.calls
-        for trial in range(40):
+        for trial in range(60 if async_scheduling else 40):
             injector.calls, injector.at = 0, set(rng.sample(range(1, total), 4))
             outputs, _ = injector.run(engine, workload(stop))
             assert {i: summary(o) for i, o in outputs.items()} == expected, trial
             assert_clean(engine)
     assert sigint_in_engine_code["raised"] >= 120
+
+
+def test_a_ctrl_c_as_step_hands_out_keeps_the_outputs_for_the_next_step(tiny_checkpoint):
+    """A SIGINT while step() takes its finished outputs out of the inbox is deferred to the end of that
+    section: the outputs it had taken are put back, and the next step() hands them out."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with small_engine(tiny_checkpoint) as engine:
+            request_id = engine.add_request(PROMPTS[0], params)
+            forget = engine._forget
+
+            def interrupted_forget(group):
+                os.kill(os.getpid(), signal.SIGINT)  # lands inside the deferred section
+                forget(group)
+
+            engine._forget = interrupted_forget
+            outputs, interrupted = [], 0
+            for _ in range(20):
+                if outputs:
+                    break
+                try:
+                    outputs = [o for o in engine.step() if o.finished]
+                except KeyboardInterrupt:
+                    interrupted += 1
+                    engine._forget = forget
+            assert interrupted == 1 and [o.request_id for o in outputs] == [request_id]
+            assert len(outputs[0].outputs[0].token_ids) == 3 and not engine.has_unfinished()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_sigint_inside_a_deferred_section_raises_as_it_ends():
