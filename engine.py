@@ -408,7 +408,8 @@ class Engine:
         request added with add_request() that advanced or finished since the last step(), this one's
         included (a generate() or stream() in progress may have advanced them); the requests of a
         generate() or stream() go to that call. If the outputs never reach the caller (an exception while
-        building them, KeyboardInterrupt included), the next step() hands them out."""
+        building them, KeyboardInterrupt included), the next step() hands them out. Under async scheduling
+        (the CUDA default) the next step is already running when this returns."""
         self._check_open()
         self._advance()
         return self._hand_out_all(self._step_inbox)
@@ -505,17 +506,24 @@ class Engine:
     @staticmethod
     def _launchable(batch: ScheduledBatch) -> bool:
         """Can the batch run ahead of its tokens? Not where a row reads tokens or logits on the host."""
-        return not batch.draft_lens and all(
-            not p.penalized and p.logprobs is None and p.prompt_logprobs is None and not p.loop_trace
-            for p in (r.params for r in batch.requests))
+        if batch.draft_lens:
+            return False
+        for request in batch.requests:
+            p = request.params
+            if p.penalized or p.logprobs is not None or p.prompt_logprobs is not None or p.loop_trace:
+                return False
+        return True
 
     def _advance_launched(self, launched: LaunchedStep) -> None:
         """Apply a launched step provisionally (its tokens pending) and make it the one to resolve next."""
-        batch, errors = launched.batch, launched.result.errors
+        batch = launched.batch
+        # Rows of requests that finished meanwhile (a stop in the step before) ran for nothing: not counted,
+        # as the synchronous path never runs them.
+        skipped = {**launched.result.errors, **{row: "" for row, r in enumerate(batch.requests) if r.is_finished}}
         decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
-        self.scheduler.advance(batch, errors)
+        self.scheduler.advance(batch, launched.result.errors)
         self._pending = launched
-        self._count_tokens(batch, errors, decode)
+        self._count_tokens(batch, skipped, decode)
 
     def _resolve(self, launched: LaunchedStep) -> list[Request]:
         """Wait for a launched step's tokens and apply them; the requests it advanced or finished."""

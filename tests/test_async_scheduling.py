@@ -19,8 +19,9 @@ def completions(engine, prompts, params):
 
 
 def both(options, prompts, params, checkpoint=None):
-    """The completions of a synchronous and an async engine, and the batches each scheduled."""
-    results, batches = [], []
+    """The completions of a synchronous and an async engine, and the batches each scheduled; both count the
+    same prompt and decode tokens (a row run ahead for a request that had just stopped is not counted)."""
+    results, batches, counts = [], [], []
     for mode in (False, True):
         with Engine(checkpoint, device="cpu", async_scheduling=mode, verbose=False, **options) as engine:
             assert engine.engine_config.overlaps_steps is mode
@@ -35,7 +36,9 @@ def both(options, prompts, params, checkpoint=None):
             engine.scheduler.schedule = recording
             results.append(completions(engine, prompts, params))
             batches.append([b for b in scheduled if b])
+            counts.append((engine.num_prefill_tokens, engine.num_decode_tokens))
             assert not engine.has_unfinished()
+    assert counts[1] == counts[0]
     return results, batches
 
 
