@@ -519,7 +519,8 @@ class Engine:
         batch = launched.batch
         # Rows of requests that finished meanwhile (a stop in the step before) ran for nothing: not counted,
         # as the synchronous path never runs them.
-        skipped = {**launched.result.errors, **{row: "" for row, r in enumerate(batch.requests) if r.is_finished}}
+        skipped = {**launched.result.errors,
+                   **{row: "" for row, r in enumerate(batch.requests) if r.is_finished}}
         decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
         self.scheduler.advance(batch, launched.result.errors)
         self._pending = launched
@@ -536,7 +537,8 @@ class Engine:
         return self._touched([r for r in waiting if not r.pending], finished)
 
     def _commit(self, batch: ScheduledBatch, result: StepResult | None) -> list[Request]:
-        """Apply the step (nothing, if the scheduler's update raises); the requests it advanced or finished."""
+        """Apply the step (nothing, if the scheduler's update raises); the requests it advanced or
+        finished."""
         touched: list[Request] = []
         if result is not None:
             decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]

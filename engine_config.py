@@ -60,8 +60,9 @@ class EngineConfig:
     # KVarN: positions kept in high precision, the first kv_sink_tokens and the kv_tail_tokens newest
     kv_sink_tokens: int = 0
     kv_tail_tokens: int = 0
-    # Async scheduling (engine.py): the host schedules and prepares the next step while the device runs this
-    # one. None: on for CUDA where it applies (not with speculative decoding or early:Q); True or False: asked.
+    # Async scheduling (engine.py): the host schedules and prepares the next step while the device runs
+    # this one. None: on for CUDA where it applies (not with speculative decoding or early:Q); True or
+    # False: as asked.
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:

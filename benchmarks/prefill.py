@@ -68,7 +68,8 @@ def kernel_split(engine: Engine, prompt: int, rng: random.Random) -> list[dict]:
             totals[event.name] += event.device_time
             counts[event.name] += 1
     ranked = sorted(totals.items(), key=lambda kv: -kv[1])
-    rows = [{"kernel": name[:90], "calls": counts[name], "ms": round(us / 1e3, 2)} for name, us in ranked[:12]]
+    rows = [{"kernel": name[:90], "calls": counts[name], "ms": round(us / 1e3, 2)}
+            for name, us in ranked[:12]]
     rest = sum(us for _, us in ranked[12:])
     rows.append({"kernel": "(the rest)", "calls": sum(counts[n] for n, _ in ranked[12:]),
                  "ms": round(rest / 1e3, 2)})

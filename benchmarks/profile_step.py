@@ -40,7 +40,8 @@ def main() -> None:
     with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=args.batch + args.mixed,
                 exit_policy=args.policy, kv_sharing=args.kv_sharing,
                 max_model_len=args.prompt + 4 * args.steps + 8, enable_prefix_caching=False,
-                async_scheduling=None if args.async_scheduling == "on" else False,  # None: on where it applies
+                # None: on where it applies (not under early:Q)
+                async_scheduling=None if args.async_scheduling == "on" else False,
                 verbose=False) as engine:
         if args.forced_exit is not None:
             force_exit_loop(engine.model, args.forced_exit, float(args.policy.partition(":")[2]))

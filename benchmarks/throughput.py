@@ -42,8 +42,9 @@ def main() -> None:
              f"torch {env['torch']}, triton {env['triton']}, commit "
              f"{env['commit']}; copy {bandwidth / 1e12:.2f} TB/s, "
              f"bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s\n\n"
-             "| requests | admission | async scheduling | KV blocks | preemptions | output tok/s | total tok/s | "
-             "time s | roofline s | fraction of roofline |\n|---|---|---|---|---|---|---|---|---|---|\n"
+             "| requests | admission | async scheduling | KV blocks | preemptions | output tok/s | "
+             "total tok/s | time s | roofline s | fraction of roofline |\n"
+             "|---|---|---|---|---|---|---|---|---|---|\n"
              + "".join(f"| {r['requests']} | {r['admission']} | {r['async_scheduling']} | {r['kv_blocks']} | "
                        f"{r['preemptions']} | {r['output_tok_s']} | {r['total_tok_s']} | {r['seconds']} | "
                        f"{r['roofline_seconds']} | {r['fraction_of_roofline']} |\n" for r in rows)
@@ -130,16 +131,17 @@ def run_workload(path: str, args: argparse.Namespace, async_scheduling: bool, ba
 
 
 def step_timeline(steps: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]], elapsed: float) -> dict:
-    """Where the run's time went on the GPU. Per step (mixed: some row still in its prompt), two events: before
-    its first kernel (the forward's start; the step's uploads precede it) and after its last (recorded once
-    the runner has queued the step: in stream order, so it marks the step's end on the device). A step's span
-    is the time between them; the GPU idles between one step's end and the next one's start, waiting for
-    the host (its scheduling, commit and the next step's preparation)."""
+    """Where the run's time went on the GPU. Per step (mixed: some row still in its prompt), two events:
+    before its first kernel (the forward's start; the step's uploads precede it) and after its last (recorded
+    once the runner has queued the step: in stream order, so it marks the step's end on the device). A step's
+    span is the time between them; the GPU idles between one step's end and the next one's start, waiting
+    for the host (its scheduling, commit and the next step's preparation)."""
     idle = sum(max(0.0, end.elapsed_time(nxt) / 1e3) for (_, _, end), (_, nxt, _) in zip(steps, steps[1:]))
     spans = [(mixed, first.elapsed_time(end) / 1e3) for mixed, first, end in steps]
     mixed = sum(span for is_mixed, span in spans if is_mixed)
     decode = sum(span for is_mixed, span in spans if not is_mixed)
-    return {"steps": len(steps), "mixed_steps": sum(m for m, _ in spans), "mixed_step_seconds": round(mixed, 2),
+    return {"steps": len(steps), "mixed_steps": sum(m for m, _ in spans),
+            "mixed_step_seconds": round(mixed, 2),
             "decode_step_seconds": round(decode, 2), "idle_between_steps_seconds": round(idle, 2),
             "idle_fraction": round(idle / elapsed, 3)}
 

@@ -440,7 +440,8 @@ class ModelRunner:
     def _sample_rows_on_device(self, batch: ScheduledBatch, result: StepResult, states: LoopStates,
                                rows: list[int]) -> None:
         """_sample_rows for a launched step: the rows' tokens stay on the device (result.device_tokens).
-        Rows that ask for logprobs or traces are not launched ahead (the engine runs those steps with run())."""
+        Rows that ask for logprobs or traces are not launched ahead (the engine runs those steps with
+        run())."""
         _, _, _, sampled = self._readout_and_sample(batch, states, rows, traced=False)
         result.device_tokens.append((rows, sampled))
 

@@ -300,12 +300,13 @@ class Scheduler:
         position is counted: the rules of _decide_token for the token after the others.)"""
         max_tokens = request.params.max_tokens
         num_output = request.num_output_tokens
-        return ((max_tokens is not None and num_output >= max_tokens) or request.num_tokens >= self.max_model_len
-                or not self._can_grow(request, num_output))
+        return ((max_tokens is not None and num_output >= max_tokens)
+                or request.num_tokens >= self.max_model_len or not self._can_grow(request, num_output))
 
     def _retire(self, request: Request) -> None:
-        """Give back the blocks and seat of a request that finishes when its pending token is read. Steps run
-        in order on the device, so the step still writing its K/V finishes before any later one reuses them."""
+        """Give back the blocks and seat of a request that finishes when its pending token is read. Steps
+        run in order on the device, so the step still writing its K/V finishes before any later one reuses
+        them."""
         self.running.remove(request)
         self.block_manager.free(request)
         request.retired = True

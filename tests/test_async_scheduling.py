@@ -164,7 +164,8 @@ def test_async_on_cuda_gives_the_synchronous_tokens(params):
 
 @pytest.mark.parametrize("options", [
     {"kv_sharing": "last"},
-    {"kv_cache_dtype": "kvarn_k4v2_g64", "block_size": 64, "kv_tail_tokens": 16, "enable_prefix_caching": False},
+    {"kv_cache_dtype": "kvarn_k4v2_g64", "block_size": 64, "kv_tail_tokens": 16,
+     "enable_prefix_caching": False},
 ], ids=["kv_sharing_last", "kvarn"])
 def test_async_under_other_kv_layouts(tiny_checkpoint, options):
     params = [SamplingParams(temperature=0, max_tokens=30 + 9 * i, ignore_eos=True) for i in range(4)]
@@ -197,8 +198,8 @@ def test_requests_added_between_steps_and_host_reading_rows_join_a_running_pipel
 ASYNC_HOOKS = ["launch", "finish", "resolve", "advance"]
 
 
-def test_a_keyboard_interrupt_at_any_hook_point_loses_nothing_under_async(tiny_checkpoint, fault_free,
-                                                                           monkeypatch):
+def test_a_keyboard_interrupt_at_any_hook_point_loses_nothing_under_async(
+        tiny_checkpoint, fault_free, monkeypatch):  # noqa: F811 (fault_free: the imported fixture)
     """tests/test_step_faults.py's workload and hook points with async scheduling, plus the async steps' own
     (launch, wait for the tokens, resolve, advance): stepping on after the interrupt, every request finishes
     once with the fault-free synchronous run's outputs, and every block is free. The workload's host-reading

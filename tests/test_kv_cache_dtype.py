@@ -250,8 +250,8 @@ def test_kvarn_engine_on_cuda_gives_the_one_sequence_reference_tokens(tiny_check
             store = PackedSequence(parse_kv_cache_dtype("kvarn_k4v2_g64"), slots, config.num_attention_heads,
                                    config.num_key_value_heads, config.head_dim, sink=16, tail=32,
                                    device="cuda")
-            assert output.outputs[0].token_ids == greedy_through(engine.model, engine.tokenizer.encode(prompt),
-                                                                 40, store)
+            ids = engine.tokenizer.encode(prompt)
+            assert output.outputs[0].token_ids == greedy_through(engine.model, ids, 40, store)
 
 
 def test_kvarn_preempted_requests_recompute_the_same_tokens(tiny_checkpoint):
