@@ -337,7 +337,7 @@ class ModelRunner:
             launched.ready.synchronize()
         values = launched.host.tolist()
         result = launched.result
-        for request, row in ((r, row) for row, r in enumerate(launched.batch.requests)):
+        for row, request in enumerate(launched.batch.requests):
             position = launched.index.get(request.request_id)
             if position is not None:
                 result.tokens[row] = values[position]

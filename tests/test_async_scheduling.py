@@ -50,7 +50,7 @@ def both(options, prompts, params, checkpoint=None):
 def test_async_gives_the_synchronous_tokens(params):
     """The embedded model, chunked prefill (24-token budget) and five seats for six prompts, so rows join
     and leave mid-run: each completion equals the synchronous one."""
-    (sync, overlapped), _ = both({"max_num_seqs": 5, "max_num_batched_tokens": 24}, PROMPTS * 2, params)
+    (sync, overlapped), _ = both({"max_num_seqs": 5, "max_num_batched_tokens": 24}, PROMPTS, params)
     assert overlapped == sync
 
 
