@@ -519,8 +519,7 @@ class Engine:
         batch = launched.batch
         # Rows of requests that finished meanwhile (a stop in the step before) ran for nothing: not counted,
         # as the synchronous path never runs them.
-        skipped = {**launched.result.errors,
-                   **{row: "" for row, r in enumerate(batch.requests) if r.is_finished}}
+        skipped = set(launched.result.errors) | {row for row, r in enumerate(batch.requests) if r.is_finished}
         decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
         self.scheduler.advance(batch, launched.result.errors)
         self._pending = launched
@@ -547,18 +546,16 @@ class Engine:
                                              {row: a for row, (_, a) in result.drafts.items()})
             self.runner.commit(result)
             touched = [r for r, n in zip(batch.requests, before) if r.num_tokens > n or r.is_finished]
-            self._count_tokens(batch, result.errors, decode)
+            self._count_tokens(batch, set(result.errors), decode)
         else:
             finished = self.scheduler.take_finished()
         return self._touched(touched, finished)
 
-    def _count_tokens(self, batch: ScheduledBatch, errors: dict[int, str],
-                      decode: list[bool] | None = None) -> None:
-        """Count the step's prompt and decode tokens (rows that did not fail), as they were before it."""
-        if decode is None:
-            decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
+    def _count_tokens(self, batch: ScheduledBatch, skip: set[int], decode: list[bool]) -> None:
+        """Count the step's prompt and decode tokens, but for the rows in `skip`; decode[row]: was the row a
+        decode row before the step."""
         for row, (is_decode, num_new) in enumerate(zip(decode, batch.num_new_tokens)):
-            if row not in errors:
+            if row not in skip:
                 if is_decode:
                     self.num_decode_tokens += num_new
                 else:

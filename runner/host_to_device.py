@@ -17,6 +17,14 @@ import torch
 ALIGN_BYTES = 16
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, copied without waiting for the device's queued work: from pinned memory
+    on CUDA the copy is queued, where one from pageable memory can wait for the GPU."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def upload(parts: list[list[int] | torch.Tensor], dtype: torch.dtype, device: torch.device
            ) -> list[torch.Tensor]:
     """parts: lists (1-D) or CPU tensors of any shape, of `dtype`'s values. One device buffer holds them all;
@@ -40,9 +48,7 @@ def upload(parts: list[list[int] | torch.Tensor], dtype: torch.dtype, device: to
             pieces += [tensor.reshape(-1), host.new_zeros(pad)]
             sizes += [tensor.numel(), pad]
         host = torch.cat(pieces)
-    if device.type == "cuda":  # from pinned memory the copy is queued; from pageable it can wait for the GPU
-        host = host.pin_memory()
-    segments = host.to(device, non_blocking=True).split_with_sizes(sizes)[::2]
+    segments = to_device(host, device).split_with_sizes(sizes)[::2]
     num_lists = len(parts) - len(tensors)
     lists, tensor_views = iter(segments[:num_lists]), iter(segments[num_lists:])
     return [next(tensor_views).view(part.shape) if isinstance(part, torch.Tensor) else next(lists)

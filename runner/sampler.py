@@ -20,14 +20,12 @@ from typing import Callable
 import torch
 
 from request import Logprob, Request, SamplingParams
+from runner.host_to_device import to_device
 
 
 def _per_row(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A per-row parameter vector on `device`, copied without waiting for the device's queued work."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -536,13 +536,8 @@ class Scheduler:
                     if request.num_output_tokens else ""
             except Exception:
                 text = request.output_text
-        if request.retired:  # its seat and blocks went back already
-            pass
-        elif request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-            self.block_manager.free(request)
-        else:
-            self.waiting.remove(request)
+        if not request.retired:  # a retired request gave its seat and blocks back already
+            (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
             self.block_manager.free(request)
         del self._unfinished[request.request_id]
         self._streams.pop(request.request_id, None)
