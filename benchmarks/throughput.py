@@ -10,6 +10,7 @@ GPU's idle time between steps, from events around each step; --async-scheduling 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import random
 import time
@@ -49,10 +50,13 @@ def main() -> None:
                        f"{r['preemptions']} | {r['output_tok_s']} | {r['total_tok_s']} | {r['seconds']} | "
                        f"{r['roofline_seconds']} | {r['fraction_of_roofline']} |\n" for r in rows)
              + "\nGPU time by step kind (from events around each step), and between steps:\n\n"
-             "| async scheduling | steps | mixed steps | s in mixed steps | s in decode steps | "
-             "GPU idle between steps s | idle fraction |\n|---|---|---|---|---|---|---|\n"
+             "| async scheduling | steps | mixed steps | s in mixed steps (roofline, host) | "
+             "s in decode steps (roofline, host) | GPU idle between steps s | idle fraction |\n"
+             "|---|---|---|---|---|---|---|\n"
              + "".join(f"| {r['async_scheduling']} | {r['steps']} | {r['mixed_steps']} | "
-                       f"{r['mixed_step_seconds']} | {r['decode_step_seconds']} | "
+                       f"{r['mixed_step_seconds']} ({r['mixed_roofline_seconds']}, "
+                       f"{r['mixed_host_seconds']}) | {r['decode_step_seconds']} "
+                       f"({r['decode_roofline_seconds']}, {r['decode_host_seconds']}) | "
                        f"{r['idle_between_steps_seconds']} | {r['idle_fraction']} |\n" for r in rows))
     write_results(args.out, {**env, "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops_rate,
                              "model": path, "rows": rows}, table)
@@ -78,7 +82,7 @@ def run_workload(path: str, args: argparse.Namespace, async_scheduling: bool, ba
                                  max_tokens=rng.randint(100, args.max_len))
                   for i in range(args.num_requests)]
         roofline = [0.0]
-        steps: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]] = []
+        steps: list[StepRecord] = []
         forward = engine.runner.forward
         first_kernel: list[torch.cuda.Event] = []
 
@@ -95,13 +99,16 @@ def run_workload(path: str, args: argparse.Namespace, async_scheduling: bool, ba
                 tokens = batch.num_tokens
                 kv = sum(r.num_computed_tokens + n
                          for r, n in zip(batch.requests, batch.num_new_tokens)) * kv_token
-                roofline[0] += max((weights + kv) / bandwidth, tokens * flops_per_token / flops_rate)
+                bound = max((weights + kv) / bandwidth, tokens * flops_per_token / flops_rate)
+                roofline[0] += bound
                 mixed = any(r.num_computed_tokens < r.num_prompt_tokens for r in batch.requests)
                 first_kernel.clear()
+                began = time.perf_counter()
                 result = method(batch, *args)
+                host = time.perf_counter() - began
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
-                steps.append((mixed, first_kernel[0], end))
+                steps.append(StepRecord(mixed, tokens, batch.num_seqs, bound, host, first_kernel[0], end))
                 return result
             return wrapper
 
@@ -130,20 +137,46 @@ def run_workload(path: str, args: argparse.Namespace, async_scheduling: bool, ba
     return row
 
 
-def step_timeline(steps: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]], elapsed: float) -> dict:
+@dataclasses.dataclass(slots=True)
+class StepRecord:
+    """One step as the benchmark saw it: mixed (some row still in its prompt), its tokens and rows, its
+    roofline seconds, the host seconds its run or launch took, and events before its first kernel and
+    after its last."""
+
+    mixed: bool
+    tokens: int
+    rows: int
+    roofline: float
+    host: float
+    first: torch.cuda.Event
+    end: torch.cuda.Event
+
+
+def step_timeline(steps: list[StepRecord], elapsed: float) -> dict:
     """Where the run's time went on the GPU. Per step (mixed: some row still in its prompt), two events:
     before its first kernel (the forward's start; the step's uploads precede it) and after its last (recorded
     once the runner has queued the step: in stream order, so it marks the step's end on the device). A step's
     span is the time between them; the GPU idles between one step's end and the next one's start, waiting
     for the host (its scheduling, commit and the next step's preparation)."""
-    idle = sum(max(0.0, end.elapsed_time(nxt) / 1e3) for (_, _, end), (_, nxt, _) in zip(steps, steps[1:]))
-    spans = [(mixed, first.elapsed_time(end) / 1e3) for mixed, first, end in steps]
-    mixed = sum(span for is_mixed, span in spans if is_mixed)
-    decode = sum(span for is_mixed, span in spans if not is_mixed)
-    return {"steps": len(steps), "mixed_steps": sum(m for m, _ in spans),
-            "mixed_step_seconds": round(mixed, 2),
-            "decode_step_seconds": round(decode, 2), "idle_between_steps_seconds": round(idle, 2),
-            "idle_fraction": round(idle / elapsed, 3)}
+    idle = sum(max(0.0, step.end.elapsed_time(nxt.first) / 1e3) for step, nxt in zip(steps, steps[1:]))
+    spans = [step.first.elapsed_time(step.end) / 1e3 for step in steps]
+
+    def total(values, mixed: bool) -> float:
+        return round(sum(v for v, step in zip(values, steps) if step.mixed == mixed), 2)
+
+    roofline, host = [s.roofline for s in steps], [s.host for s in steps]
+    slowest = sorted(range(len(steps)), key=lambda i: spans[i] - steps[i].roofline, reverse=True)[:8]
+    return {"steps": len(steps), "mixed_steps": sum(s.mixed for s in steps),
+            "mixed_step_seconds": total(spans, True), "decode_step_seconds": total(spans, False),
+            "mixed_roofline_seconds": total(roofline, True),
+            "decode_roofline_seconds": total(roofline, False),
+            "mixed_host_seconds": total(host, True), "decode_host_seconds": total(host, False),
+            "idle_between_steps_seconds": round(idle, 2), "idle_fraction": round(idle / elapsed, 3),
+            # the steps furthest above their roofline: what to look at first
+            "furthest_from_roofline": [{"mixed": steps[i].mixed, "tokens": steps[i].tokens,
+                                        "rows": steps[i].rows, "gpu_ms": round(spans[i] * 1e3, 2),
+                                        "roofline_ms": round(steps[i].roofline * 1e3, 2),
+                                        "host_ms": round(steps[i].host * 1e3, 2)} for i in slowest]}
 
 
 if __name__ == "__main__":
