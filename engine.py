@@ -123,7 +123,8 @@ class Engine:
                  exit_policy: str | None = None, kv_sharing: str = "none", speculative: str | None = None,
                  num_speculative_tokens: int | None = None, admission: str = "reserve",
                  kv_cache_dtype: str = "auto", kv_sink_tokens: int = 0, kv_tail_tokens: int = 0,
-                 async_scheduling: bool | None = None, verbose: bool = True) -> None:
+                 async_scheduling: bool | None = None, piecewise_graph_tokens: int = 512,
+                 verbose: bool = True) -> None:
         if not isinstance(verbose, bool):
             raise ValueError(f"verbose must be True or False, got {verbose!r}")
         self.engine_config = config = EngineConfig.resolve(
@@ -135,7 +136,7 @@ class Engine:
             packed_prefill=packed_prefill, enforce_eager=enforce_eager, kv_sharing=kv_sharing,
             speculative=speculative, num_speculative_tokens=num_speculative_tokens, admission=admission,
             kv_cache_dtype=kv_cache_dtype, kv_sink_tokens=kv_sink_tokens, kv_tail_tokens=kv_tail_tokens,
-            async_scheduling=async_scheduling)
+            async_scheduling=async_scheduling, piecewise_graph_tokens=piecewise_graph_tokens)
         model_dir = config.model_dir
         self.config: OuroConfig = config.model
         self.tokenizer = Tokenizer(model_dir)
@@ -1003,6 +1004,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                         help="schedule and prepare the next step while the device runs this one: auto "
                              "(default) is on for CUDA without --speculative or early:Q, off elsewhere")
+    engine.add_argument("--piecewise-graph-tokens", type=int, default=512, metavar="N",
+                        help="steps with prompt tokens, of at most N tokens, replay piecewise CUDA graphs "
+                             "(attention eager between them); 0: such steps run eagerly (default 512)")
     output = gen.add_argument_group("output")
     output.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     output.add_argument("--loop-trace", action="store_true",
@@ -1075,7 +1079,8 @@ def cli_generate(args: argparse.Namespace) -> int:
                 admission=args.admission, kv_cache_dtype=args.kv_cache_dtype,
                 kv_sink_tokens=args.kv_sink_tokens, kv_tail_tokens=args.kv_tail_tokens,
                 block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-                async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling]) as engine:
+                async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+                piecewise_graph_tokens=args.piecewise_graph_tokens) as engine:
         if rows is not None:
             return _generate_batch(engine, rows, params)
         return _generate_one(engine, args, params)

@@ -47,6 +47,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     packed_prefill: bool = False
     enforce_eager: bool = False
+    # Steps with prompt tokens, of at most this many tokens, replay piecewise CUDA graphs
+    # (runner/piecewise_graphs.py); larger ones, or all of them at 0, run eagerly.
+    piecewise_graph_tokens: int = 512
     exit_policy: ExitPolicy = ExitPolicy("full")
     kv_sharing: str = "none"
     # Self-speculative decoding (docs/speculative.md): "loops:d" drafts with the first d loops; None: off.
@@ -172,6 +175,10 @@ def check_options(**values: Any) -> None:
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         if name in values:
             _check_positive(name, values[name])
+    tokens = values.get("piecewise_graph_tokens", 0)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise ValueError(f"piecewise_graph_tokens must be a non-negative integer (0: no piecewise graphs), "
+                         f"got {tokens!r}")
     for name in ("num_kv_blocks", "max_model_len", "loops"):
         if values.get(name) is not None:
             _check_positive(name, values[name])

@@ -5,6 +5,7 @@
 #   loops: gpu tests, early exit and kv_sharing rows, and (with BASE=<an older checkout>) full-policy TPOT
 #   of BASE vs this tree in ABBA order; ab: that comparison, then latency
 #   throughput: the KV-format gpu tests, throughput (with its step timeline), then prefill MFU
+#   piecewise: the piecewise-graph, engine and async gpu tests, mixed steps piecewise vs eager, throughput
 #   c: the paired eval of CUDA graphs against eager (ABBA timing, token identity; docs/paired_eval.md);
 #      EARLY=1 runs benchmarks/early_exit.py first, EVAL_LIMIT (default 500) bounds the eval
 #   check: every gpu test (with their durations), then BASE vs this tree with decode_ab --profile
@@ -78,6 +79,12 @@ elif [ "$PART" = throughput ]; then
   wait
   step 220 python -m benchmarks.throughput --preset ouro-1.4b ${THROUGHPUT_ARGS:-} --out "$OUT/throughput.json"
   step 150 python -m benchmarks.prefill --preset ouro-1.4b --out "$OUT/prefill.json"; cat "$OUT/prefill.md"
+elif [ "$PART" = piecewise ]; then
+  timeout "${TEST_LIMIT:-200}" python -m pytest -q -m gpu tests/test_piecewise_graphs.py tests/test_gpu_engine.py \
+    tests/test_async_scheduling.py ${TESTS:-} --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+  wait
+  step 200 python -m benchmarks.mixed_steps --preset ouro-1.4b --out "$OUT/mixed_steps.json"
+  step 230 python -m benchmarks.throughput --preset ouro-1.4b --async-scheduling on off --out "$OUT/throughput.json"
 elif [ "$PART" = c ]; then
   wait
   [ -n "${EARLY:-}" ] && step 120 python -m benchmarks.early_exit --preset ouro-1.4b --out "$OUT/early_exit.json"

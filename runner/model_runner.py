@@ -33,6 +33,7 @@ from runner.block_tables import BlockTables
 from runner.cuda_graph import DecodeGraphs
 from runner.host_to_device import upload
 from runner.loop_driver import EagerLoops, EarlyExit, LoopStats, StepInputs, run_loops
+from runner.piecewise_graphs import PiecewiseGraphs
 from runner.sampler import logprob_dicts, logprobs_topn, process_logits, sample
 from runner.speculative import SelfSpeculation
 
@@ -108,8 +109,14 @@ class ModelRunner:
         self.eager = EagerLoops(model, backend)
         self.speculation = SelfSpeculation(self, config.draft_loops) if config.draft_loops else None
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs:
             self.graphs = self._capture(scratch_block)
+            # Steps with prompt tokens: piecewise, unless an exit hook must see each loop (early:Q).
+            tokens = min(config.piecewise_graph_tokens, config.max_num_batched_tokens)
+            if tokens and self.hook is None:
+                self.piecewise = PiecewiseGraphs(model, backend, tokens, self.device)
+                self.piecewise.capture_all()
 
     def _capture(self, scratch_block: int) -> DecodeGraphs:
         """One graph per decode bucket for the whole step; one per (bucket, loop) when rows can stop early or
@@ -236,7 +243,8 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> LoopStates:
         """Every loop over the batch (fewer for rows an exit hook stops): a captured graph for a decode step
-        that fits a bucket, else eager."""
+        that fits a bucket, piecewise graphs for a step with prompt tokens that fits a token bucket, else
+        eager."""
         stats = self.loop_stats
         stats.decode_tokens += len(inputs.generated_rows)
         if self.hook is None:
@@ -247,6 +255,14 @@ class ModelRunner:
             if inputs.reads_out_every_token:
                 return states
             return LoopStates(states.hidden[:, inputs.readout], states.gate_logits[:, inputs.readout])
+        piecewise = self.piecewise
+        if (not decode and piecewise is not None and inputs.hidden is None
+                and piecewise.bucket_for(inputs.num_tokens)):
+            self.backend.prepare(inputs.meta)
+            hidden = piecewise.run(inputs.input_ids, inputs.positions)[:, inputs.readout]
+            # each loop's gate on its own, as the eager loop driver computes it
+            gates = [self.model.early_exit_gate(h).squeeze(-1) for h in hidden]
+            return LoopStates(hidden, torch.stack(gates))
         executor = self.executor_for(rows) if decode else self.eager
         return run_loops(executor, self.model, inputs, range(self.loops), self.hook)
 

@@ -59,8 +59,8 @@ def generate(checkpoint, loops: int, params: list[SamplingParams] | SamplingPara
     return [out.outputs[0] for out in outputs], prompt_ids, stats, replayed
 
 
-def traced(policy: str | None = None) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, loop_trace=True,
+def traced(policy: str | None = None, new_tokens: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, loop_trace=True,
                           exit_policy=policy)
 
 
@@ -213,10 +213,11 @@ def test_triton_backend_matches_reference_under_loop_controls_fp32(tiny_checkpoi
     """The Triton kernels, in the interpreter on CPU: mixed prefill + decode steps, exits that shrink the
     batch loop by loop, and generated tokens read from their shared pages, each against the oracle."""
     engine_policy = policies if isinstance(policies, str) else None
-    params = traced() if engine_policy else [traced(p) for p in policies]
+    new_tokens = 5  # the interpreter is slow; 5 tokens still give every prompt mixed and decode steps
+    params = traced(new_tokens=new_tokens) if engine_policy else [traced(p, new_tokens) for p in policies]
     completions, prompt_ids, _, _ = generate(tiny_checkpoint, loops, params, attention="triton",
                                              exit_policy=engine_policy, kv_sharing=kv_sharing)
-    tokens, traces, tolerance = Oracle(tiny_checkpoint, loops).decode(prompt_ids, NEW_TOKENS, policies,
+    tokens, traces, tolerance = Oracle(tiny_checkpoint, loops).decode(prompt_ids, new_tokens, policies,
                                                                       kv_sharing)
     for completion, want, trace in zip(completions, tokens, traces):
         assert completion.token_ids == want

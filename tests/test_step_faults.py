@@ -238,12 +238,13 @@ def test_ctrl_c_at_random_function_calls_loses_nothing(tiny_checkpoint, fault_fr
         drive(engine, workload(stop))
         injector.run(engine, workload(stop))
         total = injector.calls
-        for trial in range(60 if async_scheduling else 40):
+        trials = 45 if async_scheduling else 30
+        for trial in range(trials):
             injector.calls, injector.at = 0, set(rng.sample(range(1, total), 4))
             outputs, _ = injector.run(engine, workload(stop))
             assert {i: summary(o) for i, o in outputs.items()} == expected, trial
             assert_clean(engine)
-    assert sigint_in_engine_code["raised"] >= 120
+    assert sigint_in_engine_code["raised"] >= 3 * trials  # of 4 per trial, most land in engine code
 
 
 def test_a_ctrl_c_as_step_hands_out_keeps_the_outputs_for_the_next_step(tiny_checkpoint):

@@ -100,7 +100,10 @@ def _merge_splits(partials_ptr, out_ptr, first, num_splits, num_partials, HEAD_D
     tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["loop"])  # one compiled kernel serves every loop's calls
+# One compiled kernel serves every loop's calls and every step: the loop and the block tables' row strides
+# (the longest table of the step) change from call to call, and Triton would compile a variant for each
+# value of 1 and each multiple of 16.
+@triton.jit(do_not_specialize=["loop", "stride_bt", "stride_gt"])
 def decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, key_cache_ptr, value_cache_ptr, scales_ptr,
     block_tables_ptr, context_lens_ptr, slot_mapping_ptr, rows_ptr, partials_ptr, tickets_ptr,

@@ -129,7 +129,8 @@ def _attend_tile(q, m_i, l_i, acc, t0, end, sink, side_from, block, side_block, 
     return m_new, l_i, acc
 
 
-@triton.jit
+# The table strides (the step's longest tables) change per step: one compiled kernel for every value.
+@triton.jit(do_not_specialize=["stride_bt", "stride_st"])
 def kvarn_decode_split_kernel(
     q_ptr, out_ptr, partials_ptr,
     key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, side_k_ptr, side_v_ptr,

@@ -62,7 +62,8 @@ def _paged_kv_tile(key_cache_ptr, value_cache_ptr, table, offs_n, offs_d, kv_hea
     return k, v
 
 
-@triton.jit
+# stride_bt (the step's longest block table) changes per step: one compiled kernel for every value.
+@triton.jit(do_not_specialize=["stride_bt"])
 def prefill_paged_kernel(
     q_ptr, out_ptr, key_cache_ptr, value_cache_ptr, scales_ptr, block_tables_ptr, query_start_loc_ptr,
     context_lens_ptr, work_ptr,
@@ -128,7 +129,7 @@ def prefill_paged_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_packed"])  # the step's packed token count
 def prefill_packed_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, packed_ptr,
     num_packed, scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,

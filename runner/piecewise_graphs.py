@@ -1,0 +1,159 @@
+"""Piecewise CUDA graphs for steps with prompt tokens (prefill, or prefill beside decode rows), per token
+bucket: everything the model does between two attention calls is one captured graph, and attention runs
+eagerly between the replays, on the step's own metadata.
+
+Why piecewise. A mixed step's attention depends on far more than its token count (how the tokens split
+into rows, each row's cached prefix, which rows decode), so capturing it whole would need a graph per
+composition. The work between attention calls (norms, projections, RoPE, the MLP) depends only on the
+token count: padded to a bucket, it is the same kernels on the same buffers in every step. This is
+vLLM's piecewise capture (its default for mixed batches), done here with the plain capture API instead of
+a compiler pass: the model runs once per bucket under capture, and the attention callable it is handed
+copies q, k and v into static buffers (the piece's last kernels), ends the piece's capture, begins the
+next one and returns the static buffer that eager attention fills at replay time. A step of T loops x L
+layers replays T * L + 1 pieces and makes T * L eager attention calls.
+
+Only small steps are captured (up to `max_tokens`, 512 by default): there the host's launches cost more
+than the GPU's work, and one eager step of 1,000+ launches is several times slower than the replay. A
+step of thousands of tokens is compute-bound, its launches hide behind the GPU's work, and it runs eagerly
+(vLLM caps its capture sizes the same way).
+
+Exactness. Padding changes the row count of every projection; the per-row results are the same bits
+where the GEMM's choice of kernel does not depend on the row count (tests/test_piecewise_graphs.py
+checks tokens against eager steps on the GPU). Padding tokens are token 0 at position 0; they touch no
+KV (attention runs on the real tokens only) and no real row reads them.
+
+Every piece shares one graph memory pool and the chains replay one at a time, in capture order. The
+garbage collector runs in full before each bucket's chain (runner/cuda_graph.py: collect_garbage) and
+its young generation before every later piece, outside any capture.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Callable
+
+import torch
+
+from attention.base import AttentionBackend
+from model.ouro import OuroForCausalLM
+from runner.cuda_graph import collect_garbage
+
+DEFAULT_MAX_TOKENS = 512
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, 64, 128, then steps of 128, capped at max_tokens (which is always the last bucket)."""
+    sizes = [b for b in (16, 32, 64) if b < max_tokens] + list(range(128, max_tokens + 1, 128))
+    if not sizes or sizes[-1] != max_tokens:
+        sizes.append(max_tokens)
+    return sorted(set(sizes))
+
+
+class PiecewiseGraphs:
+    """Per token bucket, a chain of captured pieces; `run` replays the chain of the smallest bucket that
+    holds a step, with eager attention between the pieces, and returns every loop's output of the step's
+    tokens, [T, tokens, H] (a view of graph-owned memory that the next run overwrites)."""
+
+    def __init__(self, model: OuroForCausalLM, backend: AttentionBackend, max_tokens: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.loops = model.config.total_ut_steps
+        self.buckets = token_buckets(max_tokens)
+        self.max_tokens = self.buckets[-1]
+        n, config = self.max_tokens, model.config
+        dtype = model.embed_tokens.weight.dtype
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.q = torch.zeros(n, heads, head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(n, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.attention_out = torch.zeros_like(self.q)
+        self.chains: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.slots: list[int] = []  # the KV slot of the attention call after each piece but the last
+        self.outputs: dict[int, torch.Tensor] = {}  # each bucket's [T, bucket, H], graph-owned
+        self.pool = None
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        for size in self.buckets:
+            if size >= num_tokens:
+                return size
+        return None
+
+    # -- capture -------------------------------------------------------------------------------------
+
+    def _run_model(self, n: int, attention: Callable) -> torch.Tensor:
+        """The model's loops over the first n static tokens: [T, n, H], every loop's output."""
+        model = self.model
+        h = model.embed_tokens(self.input_ids[:n])
+        cos, sin = model.rotary(self.positions[:n], h.dtype)
+        outputs = []
+        for t in range(self.loops):
+            h = model.run_loop(h, cos, sin, attention, t)
+            outputs.append(h)
+        return torch.stack(outputs)
+
+    def _stash(self, n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A piece's last kernels: q, k, v into the static buffers eager attention reads. Returns the static
+        buffer the next piece reads attention's output from."""
+        self.q[:n].copy_(q)
+        self.k[:n].copy_(k)
+        self.v[:n].copy_(v)
+        return self.attention_out[:n]
+
+    @torch.inference_mode()
+    def capture_all(self, collect: Callable[[], None] = collect_garbage) -> None:
+        stream = torch.cuda.Stream()
+        self.pool = torch.cuda.graph_pool_handle()
+        for n in reversed(self.buckets):  # largest first: later chains reuse its pool memory
+            with torch.cuda.stream(stream):  # the warm-up: compiles and allocator growth outside capture
+                self._run_model(n, lambda q, k, v, slot, n=n: self._stash(n, q, k, v))
+            torch.cuda.synchronize()
+            collect()
+            chain: list[torch.cuda.CUDAGraph] = []
+            slots: list[int] = []
+
+            def begin_piece() -> None:
+                chain.append(torch.cuda.CUDAGraph())
+                chain[-1].capture_begin(pool=self.pool)
+
+            def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int,
+                      n: int = n) -> torch.Tensor:
+                out = self._stash(n, q, k, v)
+                chain[-1].capture_end()
+                slots.append(slot)
+                gc.collect(0)
+                begin_piece()
+                return out
+
+            with torch.cuda.stream(stream):
+                begin_piece()
+                try:
+                    self.outputs[n] = self._run_model(n, split)
+                finally:
+                    chain[-1].capture_end()
+            if self.slots and slots != self.slots:
+                raise RuntimeError(f"the model called attention in another order at {n} tokens")
+            self.slots, self.chains[n] = slots, chain
+        torch.cuda.synchronize()
+
+    # -- replay --------------------------------------------------------------------------------------
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Every loop's output of the step's tokens, [T, n, H]. The attention backend must be prepared
+        with the step's metadata."""
+        n = input_ids.shape[0]
+        bucket = self.bucket_for(n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        if n < bucket:  # padding: token 0 at position 0 (the buffers may hold a larger step's tokens)
+            self.input_ids[n:bucket].zero_()
+            self.positions[n:bucket].zero_()
+        q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.attention_out[:n]
+        chain, forward = self.chains[bucket], self.backend.forward
+        for piece, slot in zip(chain, self.slots):
+            piece.replay()
+            out.copy_(forward(q, k, v, slot))
+        chain[-1].replay()
+        return self.outputs[bucket][:, :n]
