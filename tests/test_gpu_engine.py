@@ -137,6 +137,7 @@ import gc, sys
 import torch
 from engine import Engine
 from runner.cuda_graph import DecodeGraphs, collect_garbage
+from runner.piecewise_graphs import PiecewiseGraphs
 
 
 def leave_cyclic_cuda_garbage():
@@ -170,25 +171,28 @@ def garbage_then(collect):
 
 with Engine(sys.argv[1], device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=2,
             num_kv_blocks=64, verbose=False) as engine:
-    args = (engine.model, engine.backend, "step", 2, 8, engine.kv_pool.block_size,
-            engine.kv_pool.num_blocks - 1, engine.device)
+    if sys.argv[3] == "decode":
+        graphs = DecodeGraphs(engine.model, engine.backend, "step", 2, 8, engine.kv_pool.block_size,
+                              engine.kv_pool.num_blocks - 1, engine.device)
+    else:  # the piecewise chains: the same wrapper runs before each bucket's first piece
+        graphs = PiecewiseGraphs(engine.model, engine.backend, 32, engine.device)
     mode = sys.argv[2]
     gc.disable()
     try:
-        DecodeGraphs(*args).capture_all(collect=garbage_then(collect_garbage if mode == "guarded"
-                                                             else lambda: None))
+        graphs.capture_all(collect=garbage_then(collect_garbage if mode == "guarded" else lambda: None))
         print("CAPTURED")
     except Exception as err:
         print("ABORTED", type(err).__name__, str(err)[:300])
 """
 
 
+@pytest.mark.parametrize("graphs", ["decode", "piecewise"])
 @pytest.mark.parametrize("mode, expected", [("guarded", "CAPTURED"), ("unguarded", "ABORTED")])
-def test_capture_needs_gc_collect_when_cyclic_cuda_garbage_is_around(tiny_checkpoint, mode, expected):
+def test_capture_needs_gc_collect_when_cyclic_cuda_garbage_is_around(tiny_checkpoint, mode, expected, graphs):
     """With the wrapper's gc.collect() the capture survives an earlier engine's cyclic garbage
     (torch.cuda.graph then empties the allocator's cache, so the memory is the capture's); without it
     the cycle keeps the memory and the capture aborts on its first allocation. Each run is its own
     process."""
-    result = subprocess.run([sys.executable, "-c", GC_SCRIPT, str(tiny_checkpoint), mode], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-c", GC_SCRIPT, str(tiny_checkpoint), mode, graphs], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert expected in result.stdout, result.stdout + result.stderr
