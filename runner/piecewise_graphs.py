@@ -136,6 +136,8 @@ class PiecewiseGraphs:
             if self.slots and slots != self.slots:
                 raise RuntimeError(f"the model called attention in another order at {n} tokens")
             self.slots, self.chains[n] = slots, chain
+            for piece in chain:  # a first replay uploads the graph: paid here, not by a request's first step
+                piece.replay()  # (without attention between: the pieces touch no KV, only their buffers)
         torch.cuda.synchronize()
 
     # -- replay --------------------------------------------------------------------------------------
