@@ -157,7 +157,7 @@ class AttentionBackend(ABC):
         pack_filled, read and write_side."""
         if not self.capabilities.kvarn:
             raise ValueError(f"attention backend {self.name!r} has no path for a KVarN KV pool "
-                             "(kv_cache_dtype='kvarn_*'); attention='torch' has")
+                             "(kv_cache_dtype='kvarn_*'); attention='torch' and 'triton' have")
         self.packed_pool, self.scale = pool, scale
 
     def prepare(self, meta: AttentionMetadata) -> None:

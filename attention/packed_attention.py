@@ -40,3 +40,17 @@ def attend_two_ways(q: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor],
     weights = torch.softmax(scores.masked_fill(~causal[None], float("-inf")), -1)
     return (torch.einsum("hnl,lhd->nhd", weights * hp[None], v_exact)
             + torch.einsum("hnl,lhd->nhd", weights * ~hp[None], v_packed))
+
+
+def attend_row_through_pool(pool, slot: int, side_table: list[int], table: torch.Tensor, first: int,
+                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One row of a step over a KVarN pool (cache/kvarn_pool.py), the reference way: pack the blocks its
+    new tokens (positions first..) fill, attend over its history read two ways, then keep the new rows that
+    stay high precision (after the reads: a ring entry may pass to a newer block). fp32 [n, heads, D]."""
+    pool.pack_filled(slot, side_table, table, first, k, v)
+    exact, packed = pool.read(slot, side_table, table, first, k, v)
+    positions = torch.arange(first + k.shape[0], device=q.device)
+    hp = high_precision(positions[first:], positions, pool.block_size, pool.sink, pool.tail)
+    out = attend_two_ways(q, exact, packed, first, hp, scale)
+    pool.write_side(slot, side_table, first, k, v)
+    return out

@@ -11,7 +11,7 @@ import torch
 
 from attention import fp8
 from attention.base import AttentionBackend, Capabilities, SharedKVMetadata, register
-from attention.packed_attention import attend_two_ways, high_precision
+from attention.packed_attention import attend_row_through_pool
 
 
 def encode(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
@@ -87,19 +87,14 @@ class TorchBackend(AttentionBackend):
     def _forward_kvarn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
         """Per row: pack the blocks its new tokens fill, attend over its history read two ways, then keep
         the new rows that stay high precision (after the reads: a ring entry may pass to a newer block)."""
-        meta, pool = self.meta, self.packed_pool
+        meta = self.meta
         out = torch.empty_like(q)
         starts = meta.query_starts_cpu
         for row, side_table in enumerate(meta.side_tables_cpu):
             new = slice(starts[row], starts[row + 1])
             first = meta.context_lens_cpu[row] - meta.query_lens_cpu[row]
-            table = meta.block_tables[row]
-            pool.pack_filled(slot, side_table, table, first, k[new], v[new])
-            exact, packed = pool.read(slot, side_table, table, first, k[new], v[new])
-            positions = torch.arange(meta.context_lens_cpu[row], device=q.device)
-            hp = high_precision(positions[first:], positions, pool.block_size, pool.sink, pool.tail)
-            out[new] = attend_two_ways(q[new], exact, packed, first, hp, self.scale).to(q.dtype)
-            pool.write_side(slot, side_table, first, k[new], v[new])
+            out[new] = attend_row_through_pool(self.packed_pool, slot, side_table, meta.block_tables[row],
+                                               first, q[new], k[new], v[new], self.scale).to(q.dtype)
         return out
 
     def _slot_scales(self, slot: int) -> torch.Tensor | None:

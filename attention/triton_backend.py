@@ -16,6 +16,9 @@ merge traffic stays small. Rows are deliberately left out of the count: it depen
 context only, so a row's output is the same bits in any batch and in eager and graph mode alike (the
 graph's grid simply has room for the longest context its block table can hold).
 
+A KVarN pool (bind_packed; eager only) takes attention/triton_kvarn.py's path instead: decode rows through
+the KVarN pack and decode kernels, prefill rows through the reference.
+
 kv_sharing="last" (SharedKVMetadata): the decode kernel reads a row's generated tokens from their pages and
 stores a generated token there (its slot mapping is -1, which kv_store skips); prefill rows hold prompt
 tokens only, so the prefill kernels never see generated pages.
@@ -34,6 +37,7 @@ from attention.kernels.decode import (decode_merge_kernel, decode_split_kernel, 
                                       split_cap)
 from attention.kernels.kv_store import kv_store_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
+from attention.triton_kvarn import KVarNStep, kvarn_forward, prepare_kvarn_step
 from attention.workspace import Workspace, current_stream
 
 # Max |packed - per-row| / max |reference| that the packed prefill kernel promises (bf16 inputs; fp32
@@ -87,7 +91,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     # The kernels tile head_dim with tl.arange, which needs a power of two; these are the ones tested.
     default_capabilities = Capabilities(head_dims=(32, 64, 128, 256), cuda_graphs=True,
-                                        kv_formats=("paged", "shared-last"))
+                                        kv_formats=("paged", "shared-last"), kvarn=True)
     optional_capabilities = frozenset({"packed_prefill"})
 
     def __init__(self, capabilities: Capabilities) -> None:
@@ -152,6 +156,22 @@ class TritonBackend(AttentionBackend):
         self.prefill_num_warps = 4 if self.head_dim <= 128 else 8
         self.prefill_num_stages = 3
 
+    def bind_packed(self, pool, scale: float) -> None:
+        """A KVarN pool (attention/triton_kvarn.py): eager only, and no packed prefill (which reads new K/V
+        from the step's inputs, not through the pool)."""
+        device = pool.key_codes.device
+        if device.type == "cpu" and not INTERPRETED:
+            raise ValueError("the triton attention backend runs on CPU only under TRITON_INTERPRET=1")
+        if self.capabilities.packed_prefill:
+            raise ValueError("packed_prefill cannot be combined with a KVarN KV cache "
+                             "(kv_cache_dtype='kvarn_*')")
+        self.check(None, pool.head_dim, device)
+        super().bind_packed(pool, scale)
+        self._device, self.block_size, self.kv_heads = device, pool.block_size, pool.kv_heads
+        self.split_cap = split_cap(device, pool.kv_heads)
+        self.split_min_keys = 512  # a multiple of every KVarN tile (64, 128)
+        self._kvarn_step: KVarNStep | None = None
+
     # --- per step -------------------------------------------------------------------------------
 
     def capture_begin(self, max_rows: int) -> None:
@@ -166,6 +186,11 @@ class TritonBackend(AttentionBackend):
         super().prepare(meta)
         if meta.block_size != self.block_size:
             raise ValueError(f"metadata block_size {meta.block_size} != the KV pool's {self.block_size}")
+        if self.packed_pool is not None:
+            if self._capturing:
+                raise ValueError("a KVarN KV cache runs eagerly: its steps cannot be graph-captured yet")
+            self._kvarn_step = prepare_kvarn_step(meta, self.block_size, self._to_device)
+            return
         query_lens, context_lens = meta.query_lens_cpu, meta.context_lens_cpu
         starts = meta.query_starts_cpu
         decode = [row for row, n in enumerate(query_lens) if n == 1]
@@ -203,7 +228,9 @@ class TritonBackend(AttentionBackend):
         self._plan = None
 
     def _int_tensor(self, pairs: list[tuple[int, int]]) -> torch.Tensor:
-        host = torch.tensor(pairs, dtype=torch.int32)
+        return self._to_device(torch.tensor(pairs, dtype=torch.int32))
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         if self._device.type == "cuda":  # pinned: the copy is queued, not waited for
             host = host.pin_memory()
         return host.to(self._device, non_blocking=True)
@@ -212,6 +239,11 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
         """Returns a per-step output buffer: the next forward of the step overwrites it."""
+        if self.packed_pool is not None:
+            if self._kvarn_step is None:
+                raise RuntimeError("prepare(meta) must run before forward")
+            return kvarn_forward(self._kvarn_step, self.meta, self.packed_pool, slot, q, k, v, self.scale,
+                                 self.split_cap, self.split_min_keys)
         key = (q.dtype, q.shape, q.stride(), k.stride(), v.stride())
         plan = self._plan
         if plan is None or plan.key != key or (self._capturing and plan.in_capture != self._in_capture()):

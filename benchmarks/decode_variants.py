@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.decode import decode_merge_kernel, split_count
+from attention.kernels.decode import decode_merge_kernel, split_bounds, split_count
 from benchmarks.attention import DecodeStep, copy_bandwidth_gbps, graph_time_us, slots_for, triton_us
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -55,9 +55,7 @@ def acc2d_kernel(q_ptr, key_cache_ptr, value_cache_ptr, scales_ptr, block_tables
     num_splits = split_count(context_len, SPLIT_MIN_KEYS, SPLIT_CAP)
     if split < num_splits:
         kv_head = head // (HEADS // KV_HEADS)
-        keys_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * keys_per_split
-        end = tl.minimum(start + keys_per_split, context_len)
+        start, end = split_bounds(split, num_splits, context_len, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
         tile = tl.arange(0, BLOCK_N)
         q = tl.load(q_ptr + r.to(tl.int64) * stride_qn + head * stride_qh + offs_d).to(tl.float32)

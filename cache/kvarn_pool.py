@@ -1,6 +1,7 @@
 """The KVarN paged pool (kv_cache_dtype="kvarn_*"): per (loop, layer) slot, a packed tile per
 (block, kv head) at the block's id, and side blocks of high-precision rows. The reference path, in plain
-torch (cache/kvarn.py's codec); the torch attention backend stores and reads through it.
+torch (cache/kvarn.py's codec), which the torch attention backend stores and reads through; and, for the
+Triton backend's decode rows, `write_side_rows` and `pack_side_blocks` (the Triton pack kernel).
 
     key_codes    uint8 [T*L, blocks, kv_heads, G, D * key_bits / 8]    (cache/kvarn.py: encode_tiles)
     value_codes  uint8 [T*L, blocks, kv_heads, G, D * value_bits / 8]
@@ -125,6 +126,27 @@ class KVarNPool:
                                            self.rotation)  # [full, kv_heads, G, D]
                 out[:full * g] = tiles.transpose(1, 2).flatten(0, 1)
         return (exact_k, exact_v), (packed_k, packed_v)
+
+    # -- the Triton path (attention/triton_backend.py): one call per slot for a step's decode rows --------
+
+    def write_side_rows(self, slot: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [n, kv_heads, D] into side rows `rows` (int64 [n], side block * G + offset)."""
+        for side, new in ((self.side_keys[slot], k), (self.side_values[slot], v)):
+            side.view(-1, self.kv_heads, self.head_dim).index_copy_(0, rows, new.to(side.dtype))
+
+    def pack_side_blocks(self, slot: int, side_blocks: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Pack side blocks `side_blocks` (int64 [F], each holding its block's G rows) into pool blocks
+        `blocks` (int32 [F]) with the Triton pack kernel (cache/kvarn_pack_kernel.py), rotating the rows
+        first as the codec does."""
+        from cache.kvarn_pack_kernel import pack_tiles  # triton: only this path needs it
+
+        g = self.block_size
+        rows_k = (self.side_keys[slot, side_blocks].float() @ self.rotation).flatten(0, 1)  # [F * G, KVH, D]
+        rows_v = (self.side_values[slot, side_blocks].float() @ self.rotation).flatten(0, 1)
+        order = torch.arange(rows_k.shape[0], device=rows_k.device).view(-1, g)
+        pack_tiles(rows_k, rows_v, order, blocks, self.key_codes[slot], self.value_codes[slot],
+                   self.key_scales[slot], self.value_scales[slot], self.fmt.key_bits, self.fmt.value_bits,
+                   self.iterations)
 
     def write_side(self, slot: int, side_table: list[int], start: int, k: torch.Tensor,
                    v: torch.Tensor) -> None:

@@ -278,6 +278,22 @@ def test_decode_matches_attention_over_decoded_tiles(group, key_bits, value_bits
     assert float((out.cpu() - want).abs().max()) <= 1e-4 * float(want.abs().max())
 
 
+@pytest.mark.parametrize("group,sink,tail,lengths", [(16, 8, 20, [5, 48, 77, 130]), (16, 0, 0, [16, 33])])
+def test_decode_with_unrotated_side_rows_gives_the_unrotated_output(group, sink, tail, lengths):
+    """The engine's side pool keeps rows as the model made them: with q given, side rows score with q and
+    their share stays unrotated, the packed share is rotated back; the same attention, in the model's
+    basis."""
+    heads, kv_heads, head_dim = 4, 2, 32
+    inputs, reads = packed_history(lengths, kv_heads, head_dim, group, 4, 2, torch.float32, sink, tail)
+    rotation = kvarn.hadamard(head_dim, device=DEVICE)
+    inputs["side_k"], inputs["side_v"] = rotate(inputs["side_k"]), rotate(inputs["side_v"])
+    q_r = torch.randn(len(lengths), heads, head_dim, generator=torch.Generator().manual_seed(4)) * 2
+    out = kvarn_decode(q_r.to(DEVICE), **inputs, key_bits=4, value_bits=2, sink=sink, tail=tail, num_splits=4,
+                       split_min_keys=group, q=rotate(q_r.to(DEVICE)), rotation=rotation)
+    want = rotate(attend(q_r, reads, head_dim ** -0.5))
+    assert float((out.cpu() - want).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
 def test_decode_of_an_empty_row_gives_zeros_and_leaves_the_others_alone():
     inputs, reads = packed_history([0, 33], 2, 32, 16, 4, 2, torch.float32, 0, 0)
     q = torch.randn(2, 2, 32, generator=torch.Generator().manual_seed(2))

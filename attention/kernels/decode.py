@@ -52,6 +52,15 @@ def split_count(context_len, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constex
 
 
 @triton.jit
+def split_bounds(split, num_splits, context_len, TILE: tl.constexpr):
+    """Keys [start, end) of split `split` of a row's context: equal shares, each a whole number of TILE-key
+    tiles (the last one shorter)."""
+    keys_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), TILE) * TILE
+    start = split * keys_per_split
+    return start, tl.minimum(start + keys_per_split, context_len)
+
+
+@triton.jit
 def _key_rows(table, gen_table, first, positions, end, prompt_len, loop, plane_elems, kv_head,
               WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
               SHARED: tl.constexpr, LOOPS: tl.constexpr, NUM_LAYERS: tl.constexpr):
@@ -135,9 +144,7 @@ def decode_split_kernel(
     if split < num_splits:
         GROUP: tl.constexpr = HEADS // KV_HEADS
         kv_head = head // GROUP
-        keys_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * keys_per_split
-        end = tl.minimum(start + keys_per_split, context_len)
+        start, end = split_bounds(split, num_splits, context_len, BLOCK_N)
         last = context_len - 1  # the new token: read from k/v, not from the cache
         cached_end = tl.minimum(end, last)
 

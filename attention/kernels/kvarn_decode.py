@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.decode import decode_merge_kernel, host_split_count, split_cap, split_count
+from attention.kernels.decode import (decode_merge_kernel, host_split_count, split_bounds, split_cap,
+                                      split_count)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # (low plane width, high plane width or 0) per code width: the codec's bit planes (kvarn.PLANES).
@@ -58,13 +59,15 @@ def _unpack_codes(tile_ptr, offs_g, LOW_BITS: tl.constexpr, HIGH_BITS: tl.conste
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, t0, end, sink, side_from, block, side_block, kv_head,
+def _attend_tile(q, q_side, m_i, l_i, acc, acc_side, t0, end, sink, side_from, block, side_block, kv_head,
                  key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, side_k_ptr, side_v_ptr,
                  KV_HEADS: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                  K_LOW_BITS: tl.constexpr, K_HIGH_BITS: tl.constexpr, V_LOW_BITS: tl.constexpr,
                  V_HIGH_BITS: tl.constexpr, MIXED: tl.constexpr):
-    """Tile t0 .. t0 + G - 1 into the running (max, sum, acc). Without MIXED every position of the tile is
-    in range and packed (no masks, no side pool); with MIXED some are side rows or out of range."""
+    """Tile t0 .. t0 + G - 1 into the running (max, sum, acc, acc_side): packed positions score with q (the
+    rotated query) into acc, side rows with q_side (the query in the side rows' basis) into acc_side. Without
+    MIXED every position of the tile is in range and packed (no masks, no side pool); with MIXED some are
+    side rows or out of range."""
     offs_g = tl.arange(0, G)
     offs_d = tl.arange(0, D)
     positions = t0 + offs_g
@@ -93,13 +96,14 @@ def _attend_tile(q, m_i, l_i, acc, t0, end, sink, side_from, block, side_block, 
         side_rows = ((side_block * G + offs_g) * KV_HEADS + kv_head) * D
         side_ptrs = side_rows[:, None] + offs_d[None, :]
         k_side = tl.load(side_k_ptr + side_ptrs, mask=from_side[:, None], other=0.0).to(tl.float32)
-        s = tl.where(from_side, tl.sum(k_side * q[None, :], 1), s)
+        s = tl.where(from_side, tl.sum(k_side * q_side[None, :], 1), s)
         # Every tile in a split's range holds a position below the context length: m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
         v_side = tl.load(side_v_ptr + side_ptrs, mask=from_side[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v_side, 0)
+        acc = acc * alpha
+        acc_side = acc_side * alpha + tl.sum(p[:, None] * v_side, 0)
         if any_packed:
             p_packed = tl.where(packed, p, 0.0)
             channel_scale = tl.load(value_scales + offs_d).to(tl.float32)
@@ -125,24 +129,28 @@ def _attend_tile(q, m_i, l_i, acc, t0, end, sink, side_from, block, side_block, 
         weighted = p * v_token_scale
         tile_out = tl.sum(weighted[:, None] * value_codes, 0) + tl.sum(p * v_token_zero, 0)
         acc = acc * alpha + v_channel_scale * tile_out
+        acc_side = acc_side * alpha
     l_i = l_i * alpha + tl.sum(p, 0)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, acc_side
 
 
 # The table strides (the step's longest tables) change per step: one compiled kernel for every value.
 @triton.jit(do_not_specialize=["stride_bt", "stride_st"])
 def kvarn_decode_split_kernel(
-    q_ptr, out_ptr, partials_ptr,
+    q_ptr, q_side_ptr, out_ptr, out_side_ptr, partials_ptr, partials_side_ptr,
     key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, side_k_ptr, side_v_ptr,
     block_tables_ptr, side_tables_ptr, context_lens_ptr,
     sink, tail, scale, stride_qn, stride_qh, stride_bt, stride_st,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
     K_LOW_BITS: tl.constexpr, K_HIGH_BITS: tl.constexpr, V_LOW_BITS: tl.constexpr, V_HIGH_BITS: tl.constexpr,
-    SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr,
+    SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr, TWO_BASES: tl.constexpr,
 ):
     """Grid (grid_splits, HEADS, rows). Program (s, h, r) attends query head h of row r over split s of
     its context, whole tiles of TILE positions. A row with one split writes its output; otherwise the
-    split leaves its partial state for `decode_merge_kernel`."""
+    split leaves its partial state for `decode_merge_kernel`. With TWO_BASES the side rows are unrotated:
+    they score with q_side (the unrotated query, of q's strides) and their share of the output goes to
+    out_side (partials_side), the packed tiles' to out (partials), still rotated; without it q_side_ptr,
+    out_side_ptr and partials_side_ptr are not read, and out holds the whole (rotated) output."""
     split = tl.program_id(0)
     head = tl.program_id(1)
     row = tl.program_id(2)
@@ -150,17 +158,20 @@ def kvarn_decode_split_kernel(
     num_splits = split_count(context_len, SPLIT_MIN_KEYS, SPLIT_CAP)
     if split < num_splits:
         kv_head = head // (HEADS // KV_HEADS)
-        keys_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), TILE) * TILE
-        start = split * keys_per_split
-        end = tl.minimum(start + keys_per_split, context_len)
+        start, end = split_bounds(split, num_splits, context_len, TILE)
         side_from = context_len - tl.maximum(tail, context_len % TILE)  # the newest rows, high precision
 
         offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + row.to(tl.int64) * stride_qn + head * stride_qh + offs_d).to(tl.float32)
-        q = q * (scale * LOG2E)
+        q_offset = row.to(tl.int64) * stride_qn + head * stride_qh + offs_d
+        q = tl.load(q_ptr + q_offset).to(tl.float32) * (scale * LOG2E)
+        if TWO_BASES:
+            q_side = tl.load(q_side_ptr + q_offset).to(tl.float32) * (scale * LOG2E)
+        else:
+            q_side = q
         m_i = tl.full([], float("-inf"), tl.float32)
         l_i = tl.zeros([], tl.float32)
         acc = tl.zeros([HEAD_DIM], tl.float32)
+        acc_side = tl.zeros([HEAD_DIM], tl.float32)
         blocks = block_tables_ptr + row.to(tl.int64) * stride_bt
         side_blocks = side_tables_ptr + row.to(tl.int64) * stride_st
         for t0 in range(start, end, TILE):
@@ -169,26 +180,34 @@ def kvarn_decode_split_kernel(
             block = tl.maximum(tl.load(blocks + tile), 0).to(tl.int64)
             if (t0 < sink) | (t0 + TILE > side_from):
                 side_block = tl.maximum(tl.load(side_blocks + tile), 0).to(tl.int64)
-                m_i, l_i, acc = _attend_tile(
-                    q, m_i, l_i, acc, t0, end, sink, side_from, block, side_block, kv_head,
+                m_i, l_i, acc, acc_side = _attend_tile(
+                    q, q_side, m_i, l_i, acc, acc_side, t0, end, sink, side_from, block, side_block, kv_head,
                     key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, side_k_ptr, side_v_ptr,
                     KV_HEADS, HEAD_DIM, TILE, K_LOW_BITS, K_HIGH_BITS, V_LOW_BITS, V_HIGH_BITS, True)
             else:
-                m_i, l_i, acc = _attend_tile(
-                    q, m_i, l_i, acc, t0, end, sink, side_from, block, block, kv_head,
+                m_i, l_i, acc, acc_side = _attend_tile(
+                    q, q_side, m_i, l_i, acc, acc_side, t0, end, sink, side_from, block, block, kv_head,
                     key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, side_k_ptr, side_v_ptr,
                     KV_HEADS, HEAD_DIM, TILE, K_LOW_BITS, K_HIGH_BITS, V_LOW_BITS, V_HIGH_BITS, False)
 
+        if not TWO_BASES:
+            acc += acc_side
         if num_splits == 1:
-            out_row = out_ptr + row.to(tl.int64) * (HEADS * HEAD_DIM) + head * HEAD_DIM
-            out = acc / tl.where(l_i > 0, l_i, 1.0)
-            tl.store(out_row + offs_d, out.to(out_ptr.dtype.element_ty))
+            out_offset = row.to(tl.int64) * (HEADS * HEAD_DIM) + head * HEAD_DIM + offs_d
+            norm = tl.where(l_i > 0, l_i, 1.0)
+            tl.store(out_ptr + out_offset, (acc / norm).to(out_ptr.dtype.element_ty))
+            if TWO_BASES:
+                tl.store(out_side_ptr + out_offset, (acc_side / norm).to(out_side_ptr.dtype.element_ty))
         else:
             num_partials = tl.num_programs(0) * HEADS * tl.num_programs(2)
             part = (row * HEADS + head) * tl.num_programs(0) + split
             tl.store(partials_ptr + part * HEAD_DIM + offs_d, acc)
             tl.store(partials_ptr + num_partials * HEAD_DIM + part, m_i)
             tl.store(partials_ptr + num_partials * (HEAD_DIM + 1) + part, l_i)
+            if TWO_BASES:  # the same max and sum: decode_merge_kernel merges each part on its own
+                tl.store(partials_side_ptr + part * HEAD_DIM + offs_d, acc_side)
+                tl.store(partials_side_ptr + num_partials * HEAD_DIM + part, m_i)
+                tl.store(partials_side_ptr + num_partials * (HEAD_DIM + 1) + part, l_i)
 
 
 def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
@@ -197,8 +216,12 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
                  context_lens: torch.Tensor, key_bits: int, value_bits: int, sink: int = 0, tail: int = 0,
                  scale: float | None = None, num_splits: int | None = None, split_min_keys: int = 512,
                  max_context_len: int | None = None, out: torch.Tensor | None = None,
-                 num_warps: int = 4) -> torch.Tensor:
+                 num_warps: int = 4, q: torch.Tensor | None = None,
+                 rotation: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one rotated query per row over its packed history; the rotated output [rows, heads, D].
+    With q (the unrotated query, q_r = q H, of q_r's shape and strides) the side rows are unrotated (the
+    engine's side pool keeps them as the model made them) and the result is the unrotated output: the side
+    rows' share plus the packed tiles' share rotated back with `rotation` (H, D x D fp32).
 
     q_r [rows, heads, D] (any float dtype; last dim contiguous). The pool tensors of one (loop, layer) slot
     are contiguous: key_codes/value_codes uint8 [NB, KVH, G, D * bits / 8], key_scales fp16 [NB, KVH, 2D + G],
@@ -228,6 +251,11 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
     if split_min_keys % group or q_r.stride(2) != 1:
         raise ValueError(f"split_min_keys ({split_min_keys}) must be a multiple of the tile ({group}), and "
                          "q_r's last dim contiguous")
+    if q is not None and (q.shape != q_r.shape or q.stride() != q_r.stride() or out is not None
+                          or rotation is None or rotation.shape != (head_dim, head_dim)):
+        raise ValueError(f"q must have q_r's shape {list(q_r.shape)} and strides {q_r.stride()} (got "
+                         f"{list(q.shape)}, {q.stride()}), come with the rotation [{head_dim}, {head_dim}], "
+                         "and takes no `out`")
     cap = num_splits or split_cap(q_r.device, kv_heads)
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if rows else 0
@@ -236,19 +264,29 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
         out = torch.empty(rows, heads, head_dim, dtype=torch.float32, device=q_r.device)
     if rows == 0:
         return out
-    partials = torch.empty(rows * heads * grid_splits * (head_dim + 2) if grid_splits > 1 else 1,
+
+    def partial_state() -> torch.Tensor:
+        return torch.empty(rows * heads * grid_splits * (head_dim + 2) if grid_splits > 1 else 1,
                            dtype=torch.float32, device=q_r.device)
+
+    two_bases = q is not None
+    partials = partial_state()
+    out_side, partials_side = (torch.empty_like(out), partial_state()) if two_bases else (out, partials)
     k_low, k_high = PLANE_WIDTHS[key_bits]
     v_low, v_high = PLANE_WIDTHS[value_bits]
     kvarn_decode_split_kernel[(grid_splits, heads, rows)](
-        q_r, out, partials, key_codes, value_codes, key_scales, value_scales, side_k, side_v,
+        q_r, q if two_bases else q_r, out, out_side, partials, partials_side,
+        key_codes, value_codes, key_scales, value_scales, side_k, side_v,
         block_tables, side_tables, context_lens,
         sink, tail, head_dim ** -0.5 if scale is None else scale, q_r.stride(0), q_r.stride(1),
         block_tables.stride(0), side_tables.stride(0),
-        heads, kv_heads, head_dim, group, k_low, k_high, v_low, v_high, split_min_keys, cap,
+        heads, kv_heads, head_dim, group, k_low, k_high, v_low, v_high, split_min_keys, cap, two_bases,
         num_warps=num_warps,
     )
     if grid_splits > 1:
-        decode_merge_kernel[(heads, rows)](out, context_lens, partials, grid_splits, heads, head_dim,
-                                           split_min_keys, cap)
-    return out
+        for target, state in ((out, partials), (out_side, partials_side))[:1 + two_bases]:
+            decode_merge_kernel[(heads, rows)](target, context_lens, state, grid_splits, heads, head_dim,
+                                               split_min_keys, cap)
+    if not two_bases:
+        return out
+    return out_side + out @ rotation.T  # H is symmetric; .T says which way it turns
