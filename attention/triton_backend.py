@@ -16,8 +16,8 @@ merge traffic stays small. Rows are deliberately left out of the count: it depen
 context only, so a row's output is the same bits in any batch and in eager and graph mode alike (the
 graph's grid simply has room for the longest context its block table can hold).
 
-A KVarN pool (bind_packed; eager only) takes attention/triton_kvarn.py's path instead: decode rows through
-the KVarN pack and decode kernels, prefill rows through the reference.
+A KVarN pool (bind_packed; eager only) takes attention/triton_kvarn.py's path instead: the KVarN pack,
+prefill and decode kernels.
 
 kv_sharing="last" (SharedKVMetadata): the decode kernel reads a row's generated tokens from their pages and
 stores a generated token there (its slot mapping is -1, which kv_store skips); prefill rows hold prompt

@@ -136,15 +136,19 @@ class KVarNPool:
 
     def pack_side_blocks(self, slot: int, side_blocks: torch.Tensor, blocks: torch.Tensor) -> None:
         """Pack side blocks `side_blocks` (int64 [F], each holding its block's G rows) into pool blocks
-        `blocks` (int32 [F]) with the Triton pack kernel (cache/kvarn_pack_kernel.py), rotating the rows
-        first as the codec does."""
-        from cache.kvarn_pack_kernel import pack_tiles  # triton: only this path needs it
-
-        g = self.block_size
+        `blocks` (int32 [F]), rotating the rows first as the codec does."""
         rows_k = (self.side_keys[slot, side_blocks].float() @ self.rotation).flatten(0, 1)  # [F * G, KVH, D]
         rows_v = (self.side_values[slot, side_blocks].float() @ self.rotation).flatten(0, 1)
-        order = torch.arange(rows_k.shape[0], device=rows_k.device).view(-1, g)
-        pack_tiles(rows_k, rows_v, order, blocks, self.key_codes[slot], self.value_codes[slot],
+        order = torch.arange(rows_k.shape[0], device=rows_k.device).view(-1, self.block_size)
+        self.pack_rows(slot, rows_k, rows_v, order, blocks)
+
+    def pack_rows(self, slot: int, rotated_k: torch.Tensor, rotated_v: torch.Tensor, rows: torch.Tensor,
+                  blocks: torch.Tensor) -> None:
+        """Pack tiles of rotated rows (rotated_k, rotated_v [n, kv_heads, D]; tile f is rows[f], int64 [F, G])
+        into pool blocks `blocks` (int32 [F]) with the Triton pack kernel (cache/kvarn_pack_kernel.py)."""
+        from cache.kvarn_pack_kernel import pack_tiles  # triton: only this path needs it
+
+        pack_tiles(rotated_k, rotated_v, rows, blocks, self.key_codes[slot], self.value_codes[slot],
                    self.key_scales[slot], self.value_scales[slot], self.fmt.key_bits, self.fmt.value_bits,
                    self.iterations)
 

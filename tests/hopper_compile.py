@@ -9,6 +9,7 @@ across a branch), so CPU-only CI runs this as a script in a process without TRIT
 from __future__ import annotations
 
 import os
+from concurrent.futures import ProcessPoolExecutor
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -16,6 +17,8 @@ from triton.compiler import ASTSource
 
 from attention.kernels.decode import decode_merge_kernel, decode_split_kernel
 from attention.kernels.kv_store import kv_store_kernel
+from attention.kernels.kvarn_decode import PLANE_WIDTHS, kvarn_decode_split_kernel
+from attention.kernels.kvarn_prefill import kvarn_prefill_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
 from cache.copy_forward_kernel import copy_forward_kernel
 
@@ -29,16 +32,24 @@ CACHE_POINTERS = ("key_cache_ptr", "value_cache_ptr")
 WIDE_INTS = {"plane_elems"}  # a pool plane can exceed 2^31 elements: the launcher passes it as i64
 
 
+# The KVarN kernels' pointers (attention/triton_kvarn.py launches them with fp32 queries and outputs).
+KVARN_POINTERS = {"key_codes_ptr": "*u8", "value_codes_ptr": "*u8", "key_scales_ptr": "*fp16",
+                  "value_scales_ptr": "*fp16", "side_tables_ptr": "*i32", "partials_side_ptr": "*fp32",
+                  "q_ptr": "*fp32", "q_rot_ptr": "*fp32", "q_side_ptr": "*fp32", "out_ptr": "*fp32",
+                  "out_rot_ptr": "*fp32", "out_side_ptr": "*fp32"}
+
+
 def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int,
-                       cache_dtype: str | None = None) -> None:
-    """cache_dtype: the KV pool's element type where it is not `dtype` (fp8e4nv: an fp8 pool)."""
+                       cache_dtype: str | None = None, pointers: dict[str, str] | None = None) -> None:
+    """cache_dtype: the KV pool's element type where it is not `dtype` (fp8e4nv: an fp8 pool). pointers:
+    pointee types by argument name, over the defaults."""
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
             pointee = cache_dtype if cache_dtype and name in CACHE_POINTERS else dtype
-            signature[name] = INDEX_POINTERS.get(name, "*" + pointee)
+            signature[name] = {**INDEX_POINTERS, **(pointers or {})}.get(name, "*" + pointee)
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name == "scale" else "i64" if name in WIDE_INTS else "i32"
@@ -47,34 +58,56 @@ def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int,
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def main() -> None:
-    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+def variants() -> list[tuple]:
+    """(kernel, dtype, constexprs, num_warps, cache dtype, pointer types) of every variant."""
+    out = []
     for dtype, tile in (("bf16", 64), ("fp32", 32)):
         for quantized in (False, True) if dtype == "bf16" else (False,):  # True: an fp8 pool
             cache = "fp8e4nv" if quantized else None
             decode_tile = 128 if dtype == "bf16" and not quantized else tile  # the backend's decode_block_n
-            for row_map in (False, True):
-                for fused in (False, True):
-                    for shared in (False, True):
-                        compile_for_hopper(decode_split_kernel, dtype, {
-                            **OURO, "BLOCK_SIZE": 16, "BLOCK_N": decode_tile, "SPLIT_MIN_KEYS": 512,
-                            "SPLIT_CAP": 16,
-                            "ROW_MAP": row_map, "FUSED_MERGE": fused, "SHARED": shared,
-                            "LOOPS": 4 if shared else 1, "NUM_LAYERS": 24 if shared else 1,
-                            "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32", "FP16_DOT": quantized},
-                            4, cache)
+            # graph mode (not FUSED_MERGE) runs decode steps only, so never with a row map
+            for row_map, fused in ((False, False), (False, True), (True, True)):
+                for shared in (False, True):
+                    out.append((decode_split_kernel, dtype, {
+                        **OURO, "BLOCK_SIZE": 16, "BLOCK_N": decode_tile, "SPLIT_MIN_KEYS": 512,
+                        "SPLIT_CAP": 16, "ROW_MAP": row_map, "FUSED_MERGE": fused, "SHARED": shared,
+                        "LOOPS": 4 if shared else 1, "NUM_LAYERS": 24 if shared else 1,
+                        "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32", "FP16_DOT": quantized}, 4, cache,
+                        None))
             prefill = {**OURO, "BLOCK_M": tile, "BLOCK_N": tile, "DOT_FP32": dtype == "fp32"}
-            compile_for_hopper(prefill_paged_kernel, dtype,
-                               {**prefill, "BLOCK_SIZE": 16, "QUANTIZED": quantized}, 8, cache)
-            compile_for_hopper(kv_store_kernel, dtype, {"KV_HEADS": 16, "HEAD_DIM": 128, "BLOCK_H": 16,
-                                                        "QUANTIZED": quantized}, 4, cache)
-        compile_for_hopper(decode_merge_kernel, dtype, {"HEADS": 16, "HEAD_DIM": 128, "SPLIT_MIN_KEYS": 512,
-                                                        "SPLIT_CAP": 16}, 4)
-        compile_for_hopper(prefill_packed_kernel, dtype, {**OURO, "BLOCK_M": tile, "BLOCK_N": tile,
-                                                          "DOT_FP32": dtype == "fp32"}, 8)
+            out.append((prefill_paged_kernel, dtype, {**prefill, "BLOCK_SIZE": 16, "QUANTIZED": quantized}, 8,
+                        cache, None))
+            out.append((kv_store_kernel, dtype, {"KV_HEADS": 16, "HEAD_DIM": 128, "BLOCK_H": 16,
+                                                 "QUANTIZED": quantized}, 4, cache, None))
+        out.append((decode_merge_kernel, dtype, {"HEADS": 16, "HEAD_DIM": 128, "SPLIT_MIN_KEYS": 512,
+                                                 "SPLIT_CAP": 16}, 4, None, None))
+        out.append((prefill_packed_kernel, dtype, {**OURO, "BLOCK_M": tile, "BLOCK_N": tile,
+                                                   "DOT_FP32": dtype == "fp32"}, 8, None, None))
         for masked in (False, True):
-            compile_for_hopper(copy_forward_kernel, dtype, {"LOOPS": 4, "LAYERS": 24, "ROW": 2048,
-                                                            "BLOCK": 2048, "MASKED": masked}, 4)
+            out.append((copy_forward_kernel, dtype, {"LOOPS": 4, "LAYERS": 24, "ROW": 2048, "BLOCK": 2048,
+                                                     "MASKED": masked}, 4, None, None))
+    # The KVarN kernels at k4v2 (one plane each; the two-plane unpack is shared code, compiled by the GPU
+    # tests of tests/test_kvarn_kernels.py): the slowest variants to compile.
+    for key_bits, value_bits in ((4, 2),):
+        (k_low, k_high), (v_low, v_high) = PLANE_WIDTHS[key_bits], PLANE_WIDTHS[value_bits]
+        planes = {"K_LOW_BITS": k_low, "K_HIGH_BITS": k_high, "V_LOW_BITS": v_low, "V_HIGH_BITS": v_high}
+        kvarn = {**OURO, "TILE": 64, **planes}
+        out.append((kvarn_decode_split_kernel, "bf16", {**kvarn, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16,
+                                                        "TWO_BASES": True}, 4, None, KVARN_POINTERS))
+        out.append((kvarn_prefill_kernel, "bf16", {**kvarn, "BLOCK_M": 16}, 4, None, KVARN_POINTERS))
+    return out
+
+
+def compile_variant(index: int) -> None:
+    """Variant `index` of variants() (kernels do not pickle: each worker process builds the list)."""
+    compile_for_hopper(*variants()[index])
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+    # Each compile is one CPU thread's work: two processes halve the wall time on CI's two cores.
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        list(pool.map(compile_variant, range(len(variants()))))
     print("all kernel variants compile for sm_90")
 
 

@@ -266,22 +266,25 @@ def first_divergence(ids, reference) -> int:
 
 
 def test_kvarn_triton_engine_gives_the_reference_path_tokens(tiny_checkpoint):
-    """The Triton path (attention/triton_kvarn.py: decode rows through the kernels, blocks packed by the
-    Triton pack kernel as decode fills them; prefill rows through the reference) against the torch backend's
-    reference path, under the interpreter, with prefix caching on and a side pool that mixes in sink and tail
-    rows. The two pack with different floating-point implementations (a code on a rounding boundary may land
-    one step apart), so a completion may leave the reference's only at a near tie of its top two tokens."""
-    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=2)
-    prompts = KVARN_PROMPTS[::2]  # 58 and 52 tokens: each fills its first block while decoding
+    """The Triton path (attention/triton_kvarn.py: the pack, prefill and decode kernels; chunks of 40 tokens,
+    so tiles complete inside chunks, across them and while decoding) against the torch backend's reference
+    path, under the interpreter, with prefix caching on and a side pool that mixes in sink and tail rows. The
+    two pack with different floating-point implementations (a code on a rounding boundary may land one step
+    apart), so a completion may leave the reference's only at a near tie of its top two tokens."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    # 58 tokens: its first block fills while it decodes. 98 tokens in chunks of 80: its first block fills
+    # inside the first chunk, which the second row's decode steps then share.
+    prompts = [KVARN_PROMPTS[0], KVARN_PROMPTS[0] + KVARN_PROMPTS[1]]
     completions = {}
     for attention in ("torch", "triton"):
-        with kvarn_engine(tiny_checkpoint, "kvarn_k4v2_g64", 16, 32, attention=attention, loops=2,
-                          max_num_batched_tokens=40, enable_prefix_caching=True) as engine:
+        with kvarn_engine(tiny_checkpoint, "kvarn_k4v2_g64", 16, 32, attention=attention, loops=1,
+                          max_num_batched_tokens=80, enable_prefix_caching=True) as engine:
             assert engine.backend.name == attention
+            assert len(engine.tokenizer.encode(prompts[1])) > 80
             completions[attention] = [o.outputs[0] for o in engine.generate(prompts, params, use_tqdm=False)]
     reached = [first_divergence(got.token_ids, want)
                for got, want in zip(completions["triton"], completions["torch"])]
-    assert sum(reached) >= len(prompts) * 8, reached  # agreement well past each block's packing
+    assert sum(reached) >= len(prompts) * 7, reached  # agreement past the first prompt's packing (token 6)
 
 
 @pytest.mark.gpu

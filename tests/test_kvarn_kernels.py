@@ -12,8 +12,11 @@ import pytest
 import torch
 
 from attention.kernels.kvarn_decode import PLANE_WIDTHS, kvarn_decode
+from attention.kernels.kvarn_prefill import kvarn_prefill
+from attention import packed_attention
 from cache import kvarn
 from cache.kv_format import KVARN_PRESETS, KVFormat
+from cache.kvarn_pool import KVarNPool
 from cache.kvarn_pack_kernel import pack_tiles, plane_widths, rotate
 from cache.packed_sequence import PackedSequence
 
@@ -336,6 +339,41 @@ def test_pack_then_decode_equals_the_packed_sequence_reference():
                        split_min_keys=group)[0].cpu()
     tolerance = 1e-4 if DEVICE == "cpu" else 2e-2
     assert float((got - want).abs().max()) <= tolerance * float(want.abs().max())
+
+
+@pytest.mark.parametrize("sink,tail,first", [(8, 20, 40), (0, 0, 37), (16, 0, 48)])
+def test_prefill_over_a_packed_history_matches_the_reference(sink, tail, first):
+    """A row's first chunk stored the reference way, then a second chunk of 30 queries (two programs, one
+    part-filled), its tiles packed and rows kept the reference way too, so both read the same pool: the
+    kernel, by the per-query rule, against attention/packed_attention.py's two-way attention. Blocks and side
+    blocks shuffled; chunks that start inside a tile and on its edge."""
+    heads, kv_heads, head_dim, group, length = 4, 2, 32, 16, first + 30
+    fmt = KVFormat("kvarn_k4v2_g16", 4, 2, group, "kvarn")
+    pool = KVarNPool(fmt, 1, 1, 8, kv_heads, head_dim, torch.float32, torch.device(DEVICE), sink, tail, 8)
+    tiles = math.ceil(length / group)
+    table = torch.tensor([3, 1, 6, 2, 7, 5][:tiles], dtype=torch.int32, device=DEVICE)
+    side_table = [4, 0, 7, 2, 5, 6][:tiles]
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(length, n, head_dim, generator=g).to(DEVICE) for n in (heads, kv_heads, kv_heads))
+    scale = head_dim ** -0.5
+    packed_attention.attend_row_through_pool(pool, 0, side_table, table, 0, q[:first], k[:first], v[:first],
+                                             scale)
+    new = slice(first, length)
+    pool.pack_filled(0, side_table, table, first, k[new], v[new])
+    exact, packed = pool.read(0, side_table, table, first, k[new], v[new])
+    positions = torch.arange(length, device=DEVICE)
+    hp = packed_attention.high_precision(positions[first:], positions, group, sink, tail)
+    want = packed_attention.attend_two_ways(q[new], exact, packed, first, hp, scale)
+    pool.write_side(0, side_table, first, k[new], v[new])
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+    got = kvarn_prefill(q[new], k[new], v[new], pool.key_codes[0], pool.value_codes[0], pool.key_scales[0],
+                        pool.value_scales[0], pool.side_keys[0], pool.side_values[0], table[None],
+                        ints([side_table]), ints([0, 30]), ints([length]), ints([[0, 0], [0, 16]]), 4, 2,
+                        pool.rotation, sink, tail, scale)
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
 
 
 def test_rotate_is_the_codecs_hadamard_and_its_own_inverse():

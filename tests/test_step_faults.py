@@ -238,7 +238,7 @@ def test_ctrl_c_at_random_function_calls_loses_nothing(tiny_checkpoint, fault_fr
         drive(engine, workload(stop))
         injector.run(engine, workload(stop))
         total = injector.calls
-        trials = 45 if async_scheduling else 30
+        trials = 35 if async_scheduling else 25
         for trial in range(trials):
             injector.calls, injector.at = 0, set(rng.sample(range(1, total), 4))
             outputs, _ = injector.run(engine, workload(stop))
