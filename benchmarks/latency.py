@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
                         choices=["auto", "bf16", "fp8_e4m3"],
                         help="one engine per format (auto: the model's bf16)")
+    parser.add_argument("--block-size", type=int, default=16, help="64 for the KVarN g64 formats (eager)")
     parser.add_argument("--async-scheduling", nargs="+", default=["on"], choices=["on", "off"],
                         help="one engine per value (default: on, the CUDA default)")
     parser.add_argument("--out", default=f"benchmarks/results/latency-{environment()['date']}.json")
@@ -58,7 +59,7 @@ def main() -> None:
         with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                     max_model_len=max(args.prompts) + args.decode_steps + 8, enable_prefix_caching=False,
                     enforce_eager=(mode == "eager"), kv_cache_dtype=kv_cache_dtype,
-                    async_scheduling=overlap == "on", verbose=True) as engine:
+                    block_size=args.block_size, async_scheduling=overlap == "on", verbose=True) as engine:
             weights = weight_bytes_per_step(engine)
             kv_token = engine.kv_pool.bytes_per_token
             capacity = engine.block_manager.num_blocks * engine.kv_pool.block_size
