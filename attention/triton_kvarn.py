@@ -81,8 +81,9 @@ def prepare_kvarn_step(meta: AttentionMetadata, block_size: int, to_device) -> K
         step.side_rows = to_device(torch.tensor(side_rows, dtype=torch.int64))
         step.side_tokens = to_device(torch.tensor(side_tokens, dtype=torch.int64))
 
-    def blocks_of(entries) -> torch.Tensor:  # pool block ids, from the device block tables
-        return torch.stack([meta.block_tables[row, tile] for row, tile in entries]).to(torch.int32)
+    def blocks_of(entries: list[tuple[int, int]]) -> torch.Tensor:  # (row, tile) -> pool block, on the device
+        rows, tiles = to_device(torch.tensor(entries, dtype=torch.int64)).unbind(1)
+        return meta.block_tables[rows, tiles].to(torch.int32)
 
     if side_packed:
         step.side_packed = (to_device(torch.tensor([side for side, _, _ in side_packed], dtype=torch.int64)),

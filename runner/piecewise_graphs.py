@@ -38,8 +38,6 @@ from attention.base import AttentionBackend
 from model.ouro import OuroForCausalLM
 from runner.cuda_graph import collect_garbage
 
-DEFAULT_MAX_TOKENS = 512
-
 
 def token_buckets(max_tokens: int) -> list[int]:
     """16, 32, 64, 128, then steps of 128, capped at max_tokens (which is always the last bucket)."""

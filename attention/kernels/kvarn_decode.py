@@ -14,7 +14,9 @@ scale c, token scale t, token zero u of the values,
     score_i = r_i (sum_j (q_j s_j) code_ij + q . z)
     out_j   = c_j (sum_i (p_i t_i) code_ij + sum_i p_i u_i)
 so the bit planes are unpacked in registers and no dequantized copy exists. Queries and outputs are in the
-rotated basis (q_r = q H; the caller rotates the output back with H^T).
+rotated basis (q_r = q H; the caller rotates the output back with H^T). With TWO_BASES (`kvarn_decode(...,
+q=, rotation=)`, as the engine runs it) the side rows are the model's own, unrotated: they score with q, and
+only the packed tiles' share of the output is rotated back.
 
 Partial state for several splits is decode.py's: fp32 acc [P, D], then max [P], then sum [P], merged by its
 `decode_merge_kernel`; scores are in base 2 (q is pre-scaled by scale * log2 e).
