@@ -982,8 +982,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3",
                                                                      *KVARN_PRESETS],
                         help="how K/V is stored: the model dtype (auto), bf16, fp8_e4m3 with one scale per "
-                        "(slot, kv head), or a KVarN preset (with --attention torch and --block-size of "
-                        "its tile) (default auto)")
+                        "(slot, kv head), or a KVarN preset (with --block-size of its tile; on CUDA with "
+                        "--attention torch, or triton with --enforce-eager) (default auto)")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     engine.add_argument("--kv-sink-tokens", type=int, default=0,
