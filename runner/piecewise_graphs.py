@@ -22,9 +22,11 @@ where the GEMM's choice of kernel does not depend on the row count (tests/test_p
 checks tokens against eager steps on the GPU). Padding tokens are token 0 at position 0; they touch no
 KV (attention runs on the real tokens only) and no real row reads them.
 
-Every piece shares one graph memory pool and the chains replay one at a time, in capture order. The
-garbage collector runs in full before each bucket's chain (runner/cuda_graph.py: collect_garbage) and
-its young generation before every later piece, outside any capture.
+Every piece shares one graph memory pool: a chain's pieces replay in their capture order, chains one at a
+time, and what a chain keeps past its replay (its loop outputs) stays allocated, so no other chain's
+temporaries land on it. The garbage collector runs in full before each bucket's chain
+(runner/cuda_graph.py: collect_garbage) and its young generation before every later piece, outside any
+capture.
 """
 
 from __future__ import annotations
