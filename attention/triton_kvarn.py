@@ -56,13 +56,14 @@ def prepare_kvarn_step(meta: AttentionMetadata, block_size: int, to_device) -> K
     decode, prefill, work = [], [], []
     for row, (num_new, end) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
         first, table = end - num_new, tables[row]
-        for position in range(first, end):
-            side = table[position // g] if position // g < len(table) else -1
+        for tile in range(first // g, -(-end // g)):  # the blocks the new rows land in, a run per block
+            side = table[tile] if tile < len(table) else -1
+            lo, hi = max(first, tile * g), min(end, (tile + 1) * g)
             if side >= 0:
-                side_rows.append(side * g + position % g)
-                side_tokens.append(starts[row] + position - first)
+                side_rows += range(side * g + lo % g, side * g + (hi - 1) % g + 1)
+                side_tokens += range(starts[row] + lo - first, starts[row] + hi - first)
             elif num_new == 1:
-                raise RuntimeError(f"decode row {row} (position {position}) has no side block for its newest "
+                raise RuntimeError(f"decode row {row} (position {lo}) has no side block for its newest "
                                    "block; the side-row windows (cache/side_rows.py) should give it one")
         for tile in range(first // g, end // g):  # the tiles this step completes
             if tile * g < first:  # begun before the step: every row is in its side block now

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.kvarn_decode import PLANE_WIDTHS, _unpack_codes
+from attention.kernels.prefill import chunk_of_work_item
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -44,13 +45,9 @@ def kvarn_prefill_kernel(
     """Grid (work items, HEADS). Work item i = (row, m0): queries m0 .. m0 + BLOCK_M - 1 of the row's chunk.
     q [N, HEADS, D] unrotated and q_rot = q H (the same strides); k, v [N, KV_HEADS, D] the step's new K/V;
     out and out_rot fp32 [N, HEADS, D], contiguous. Pool tensors: one slot's, contiguous."""
-    item = tl.program_id(0)
     head = tl.program_id(1)
-    row = tl.load(work_ptr + 2 * item)
-    m0 = tl.load(work_ptr + 2 * item + 1)
-    token0 = tl.load(query_start_loc_ptr + row)
-    query_len = tl.load(query_start_loc_ptr + row + 1) - token0
-    context_len = tl.load(context_lens_ptr + row)
+    row, m0, token0, query_len, context_len = chunk_of_work_item(work_ptr, query_start_loc_ptr,
+                                                                 context_lens_ptr)
     first = context_len - query_len  # the chunk's first position
     kv_head = head // (HEADS // KV_HEADS)
 

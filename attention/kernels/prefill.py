@@ -41,6 +41,19 @@ def _online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def chunk_of_work_item(work_ptr, query_start_loc_ptr, context_lens_ptr):
+    """Work item program_id(0) of a prefill grid, (row, m0): the row, m0, the row's first token in the step,
+    its chunk length and its context length (the chunk's queries sit at context positions
+    context_len - query_len + m0 ...)."""
+    item = tl.program_id(0)
+    row = tl.load(work_ptr + 2 * item)
+    m0 = tl.load(work_ptr + 2 * item + 1)
+    token0 = tl.load(query_start_loc_ptr + row)
+    query_len = tl.load(query_start_loc_ptr + row + 1) - token0
+    return row, m0, token0, query_len, tl.load(context_lens_ptr + row)
+
+
+@triton.jit
 def _paged_kv_tile(key_cache_ptr, value_cache_ptr, table, offs_n, offs_d, kv_head, mask_n,
                    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    MASKED: tl.constexpr):
@@ -73,13 +86,9 @@ def prefill_paged_kernel(
 ):
     """Grid (work items, HEADS). Work item i = (row, m0): queries m0 .. m0 + BLOCK_M - 1 of the row's
     chunk, which sit at context positions prefix + m0 ... (prefix = context_len - query_len)."""
-    item = tl.program_id(0)
     head = tl.program_id(1)
-    row = tl.load(work_ptr + 2 * item)
-    m0 = tl.load(work_ptr + 2 * item + 1)
-    token0 = tl.load(query_start_loc_ptr + row)
-    query_len = tl.load(query_start_loc_ptr + row + 1) - token0
-    context_len = tl.load(context_lens_ptr + row)
+    row, m0, token0, query_len, context_len = chunk_of_work_item(work_ptr, query_start_loc_ptr,
+                                                                 context_lens_ptr)
     prefix = context_len - query_len
     kv_head = head // (HEADS // KV_HEADS)
 
