@@ -89,7 +89,7 @@ elif [ "$PART" = piecewise ]; then
   step 230 python -m benchmarks.throughput --preset ouro-1.4b --async-scheduling on off --out "$OUT/throughput.json"
 elif [ "$PART" = kvarn ]; then
   timeout "${TEST_LIMIT:-240}" python -m pytest -q -m gpu tests/test_kv_cache_dtype.py tests/test_kvarn_kernels.py \
-    --timeout 150 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+    ${TESTS:-} --timeout 150 -rfE --durations=10 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   wait
   step 300 python -m benchmarks.latency --preset ouro-1.4b --modes eager --block-size 64 \
     --kv-cache-dtypes auto kvarn_k4v2_g64 --prompts 2048 --batches 16 --decode-steps 16 --out "$OUT/latency-kvarn.json"
