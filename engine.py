@@ -154,7 +154,8 @@ class Engine:
         kvarn = parse_kv_cache_dtype(config.kv_cache_dtype).kind == "kvarn"
         side_rows = SideRows(config.max_num_seqs, config.block_size, config.kv_sink_tokens,
                              config.kv_tail_tokens) if kvarn else None  # a KVarN pool's high-precision rows
-        side_blocks = side_rows.capacity if kvarn else 0
+        # One side block more than SideRows hands out: the scratch side block that graph padding rows write.
+        side_blocks = side_rows.capacity + 1 if kvarn else 0
         probe = self._make_pool(1, 0)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(probe, probe.side_bytes_for(side_blocks)
                                                                      if kvarn else 0)
@@ -178,7 +179,8 @@ class Engine:
                                    config.max_model_len, self.tokenizer, config.speculative_tokens,
                                    config.admission)
         self.runner = ModelRunner(config, self.model, self.backend, self.kv_pool, self.layout,
-                                  scratch_block=num_blocks, token_text=self.tokenizer.token_text)
+                                  scratch_block=num_blocks, token_text=self.tokenizer.token_text,
+                                  scratch_side_block=side_blocks - 1 if kvarn else None)
         self._requests: dict[str, Request] = {}  # every sequence the scheduler may still hand back, by id
         self._groups: dict[str, SequenceGroup] = {}  # by request id, until its finished output is handed out
         self._group_of: dict[str, SequenceGroup] = {}  # by sequence id, as long as the group
@@ -982,8 +984,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3",
                                                                      *KVARN_PRESETS],
                         help="how K/V is stored: the model dtype (auto), bf16, fp8_e4m3 with one scale per "
-                        "(slot, kv head), or a KVarN preset (with --block-size of its tile; on CUDA with "
-                        "--attention torch, or triton with --enforce-eager) (default auto)")
+                        "(slot, kv head), or a KVarN preset (with --block-size of its tile) (default auto)")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     engine.add_argument("--kv-sink-tokens", type=int, default=0,

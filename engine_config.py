@@ -94,21 +94,17 @@ class EngineConfig:
 
     def _check_kvarn(self) -> None:
         """What the KVarN pool supports today: the torch backend's reference path and the Triton backend's
-        eager path (no CUDA graphs), tiles of block_size tokens, and nothing that moves or shares K/V between
-        loops or rewinds it (prefix caching and preemption are supported). Fail-closed: each other
-        combination is a ValueError naming the options."""
+        (CUDA graphs for decode steps, piecewise graphs for prefill), tiles of block_size tokens, and nothing
+        that moves or shares K/V between loops or rewinds it (prefix caching and preemption are supported).
+        Fail-closed: each other combination is a ValueError naming the options."""
         name = f"kv_cache_dtype={self.kv_cache_dtype!r}"
         group = parse_kv_cache_dtype(self.kv_cache_dtype).group
         check_tile_dims(group, self.model.head_dim)
         backend = self.attention if self.attention != "auto" else ("torch" if self.device.type == "cpu"
                                                                     else "triton")
-        graphs = self.device.type == "cuda" and not self.enforce_eager
         refused = [
             (backend not in ("torch", "triton"), f"runs on attention='torch' or 'triton', got "
                                                  f"attention={self.attention!r}"),
-            (backend == "triton" and graphs, "with attention='triton' runs eagerly for now (no CUDA graphs "
-                                             "over a KVarN pool yet): pass enforce_eager=True, or "
-                                             "attention='torch'"),
             (self.packed_prefill, "cannot be combined with packed_prefill=True"),
             (self.block_size != group, f"needs block_size={group} (one tile per block), got "
                                        f"{self.block_size}"),

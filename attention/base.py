@@ -58,6 +58,14 @@ class SharedKVMetadata:
                                 [self.prompt_lens_cpu[r] for r in rows], self.loops, self.num_layers)
 
 
+def side_table_tensor(tables: list[list[int]], width: int = 0) -> torch.Tensor:
+    """Rows' side tables (block index -> side block) as one int32 [rows, max(width, longest)] host tensor
+    (AttentionMetadata.side_tables), -1 past each table's end."""
+    width = max(width, *(len(t) for t in tables), 1)
+    return torch.tensor([table + [-1] * (width - len(table)) for table in tables],
+                        dtype=torch.int32).view(len(tables), width)
+
+
 @dataclasses.dataclass(slots=True)
 class AttentionMetadata:
     """One step's batch, flattened. Built once per step by the runner; shared by every (loop, layer).
@@ -75,8 +83,10 @@ class AttentionMetadata:
     context_lens_cpu: list[int]
     block_size: int
     shared_kv: SharedKVMetadata | None = None  # kv_sharing="last" only
-    # A KVarN pool only: per row, the side block of each block of its table (-1: none to read)
+    # A KVarN pool only: per row, the side block of each block of its table (-1: none to read); on the
+    # device as [B, max_blocks] int32 (-1 past a table's end), where the runner uploads it
     side_tables_cpu: list[list[int]] | None = None
+    side_tables: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -113,7 +123,8 @@ class AttentionMetadata:
             self.context_lens[index], self.block_tables[index], self.slot_mapping[tokens], query_lens,
             [self.context_lens_cpu[r] for r in rows], self.block_size,
             self.shared_kv.select(rows, index) if self.shared_kv is not None else None,
-            None if self.side_tables_cpu is None else [self.side_tables_cpu[r] for r in rows])
+            None if self.side_tables_cpu is None else [self.side_tables_cpu[r] for r in rows],
+            None if self.side_tables is None else self.side_tables[index])
         return sub, tokens
 
 

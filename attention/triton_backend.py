@@ -16,8 +16,8 @@ merge traffic stays small. Rows are deliberately left out of the count: it depen
 context only, so a row's output is the same bits in any batch and in eager and graph mode alike (the
 graph's grid simply has room for the longest context its block table can hold).
 
-A KVarN pool (bind_packed; eager only) takes attention/triton_kvarn.py's path instead: the KVarN pack,
-prefill and decode kernels.
+A KVarN pool (bind_packed) takes attention/triton_kvarn.py's path instead: the KVarN pack, prefill and
+decode kernels, with its step plan made on the device under CUDA-graph capture (decode steps only).
 
 kv_sharing="last" (SharedKVMetadata): the decode kernel reads a row's generated tokens from their pages and
 stores a generated token there (its slot mapping is -1, which kv_store skips); prefill rows hold prompt
@@ -37,7 +37,7 @@ from attention.kernels.decode import (decode_merge_kernel, decode_split_kernel, 
                                       split_cap)
 from attention.kernels.kv_store import kv_store_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
-from attention.triton_kvarn import KVarNStep, kvarn_forward, prepare_kvarn_step
+from attention.triton_kvarn import KVarNStep, kvarn_forward, prepare_kvarn_graph_step, prepare_kvarn_step
 from attention.workspace import Workspace, current_stream
 
 # Max |packed - per-row| / max |reference| that the packed prefill kernel promises (bf16 inputs; fp32
@@ -103,6 +103,7 @@ class TritonBackend(AttentionBackend):
         self._step: _Step | None = None
         self._plan: _Plan | None = None
         self._capturing = False
+        self._kvarn_step: KVarNStep | None = None
         # Captured graphs keep pointing at these, so they live as long as the instance.
         self._graph_buffers: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
 
@@ -157,8 +158,8 @@ class TritonBackend(AttentionBackend):
         self.prefill_num_stages = 3
 
     def bind_packed(self, pool, scale: float) -> None:
-        """A KVarN pool (attention/triton_kvarn.py): eager only, and no packed prefill (which reads new K/V
-        from the step's inputs, not through the pool)."""
+        """A KVarN pool (attention/triton_kvarn.py), with no packed prefill (which reads new K/V from the
+        step's inputs, not through the pool)."""
         device = pool.key_codes.device
         if device.type == "cpu" and not INTERPRETED:
             raise ValueError("the triton attention backend runs on CPU only under TRITON_INTERPRET=1")
@@ -170,26 +171,28 @@ class TritonBackend(AttentionBackend):
         self._device, self.block_size, self.kv_heads = device, pool.block_size, pool.kv_heads
         self.split_cap = split_cap(device, pool.kv_heads)
         self.split_min_keys = 512  # a multiple of every KVarN tile (64, 128)
-        self._kvarn_step: KVarNStep | None = None
 
     # --- per step -------------------------------------------------------------------------------
 
     def capture_begin(self, max_rows: int) -> None:
         self._capturing = True
-        self._step = self._plan = None
+        self._step = self._plan = self._kvarn_step = None
 
     def capture_end(self) -> None:
         self._capturing = False
-        self._step = self._plan = None
+        self._step = self._plan = self._kvarn_step = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
         if meta.block_size != self.block_size:
             raise ValueError(f"metadata block_size {meta.block_size} != the KV pool's {self.block_size}")
         if self.packed_pool is not None:
-            if self._capturing:
-                raise ValueError("a KVarN KV cache runs eagerly: its steps cannot be graph-captured yet")
-            self._kvarn_step = prepare_kvarn_step(meta, self.block_size, self._to_device)
+            if not self._capturing:
+                self._kvarn_step = prepare_kvarn_step(meta, self.block_size, self._to_device)
+            elif meta.is_decode:
+                self._kvarn_step = prepare_kvarn_graph_step(meta, self.block_size)
+            else:
+                raise ValueError("only decode steps (one new token per row) can be graph-captured")
             return
         query_lens, context_lens = meta.query_lens_cpu, meta.context_lens_cpu
         starts = meta.query_starts_cpu

@@ -15,6 +15,12 @@ is rotated back ("both bases").
 
 Writing side rows before attending is safe: a request keeps the side blocks of its window at the step's
 start during the step, so a new row never lands where a row the step still reads lies (cache/side_rows.py).
+
+Under CUDA-graph capture (decode steps only) the plan is made on the device from the metadata tensors, which
+are the graph's static buffers (`prepare_kvarn_graph_step`): each row's side row from its side table and
+context length, and a pack of every row's newest tile, skipped by the kernel where that tile is not full
+(its block is passed as -1). The eager plan packs the same tiles with the same kernel, so both modes store
+the same bits.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import dataclasses
 
 import torch
 
-from attention.base import AttentionMetadata
+from attention.base import AttentionMetadata, side_table_tensor
 from attention.kernels.kvarn_decode import kvarn_decode
 from attention.kernels.kvarn_prefill import kvarn_prefill
 
@@ -35,12 +41,13 @@ class KVarNStep:
     """A step's host decisions over a KVarN pool, the same for every (loop, layer) call."""
 
     side_rows: torch.Tensor | None = None  # [M] int64: side block * G + offset of each new row kept there
-    side_tokens: torch.Tensor | None = None  # [M] int64: the step token each comes from
-    side_packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (side blocks int64, blocks int32) to pack
+    side_tokens: torch.Tensor | None = None  # [M] int64: the step token each comes from (None: token i)
+    side_packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (side rows int64 [F, G], blocks int32)
     chunk_packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (token rows int64 [F, G], blocks int32)
     prefill_work: torch.Tensor | None = None  # [items, 2] int32 (row, first query) for the prefill kernel
     prefill_tokens: torch.Tensor | None = None  # [P] int64: the step tokens of the prefill rows
     decode_tokens: torch.Tensor | None = None  # [R] int64: each decode row's token
+    every_row_decodes: bool = False  # a decode step: row i's token is token i (no decode_tokens)
     block_tables: torch.Tensor | None = None  # [R, blocks] int32: the decode rows'
     side_tables: torch.Tensor | None = None  # [rows, blocks] int32 (-1: no side block), every row
     decode_side_tables: torch.Tensor | None = None  # [R, blocks] int32: the decode rows'
@@ -87,22 +94,26 @@ def prepare_kvarn_step(meta: AttentionMetadata, block_size: int, to_device) -> K
         return meta.block_tables[rows, tiles].to(torch.int32)
 
     if side_packed:
-        step.side_packed = (to_device(torch.tensor([side for side, _, _ in side_packed], dtype=torch.int64)),
+        rows = [list(range(side * g, (side + 1) * g)) for side, _, _ in side_packed]
+        step.side_packed = (to_device(torch.tensor(rows, dtype=torch.int64)),
                             blocks_of([(row, tile) for _, row, tile in side_packed]))
     if chunk_packed:
         step.chunk_packed = (to_device(torch.tensor([list(r) for r in chunk_rows], dtype=torch.int64)),
                              blocks_of(chunk_packed))
-    width = max((len(t) for t in tables), default=0) or 1
-    side_tables = torch.full((len(tables), width), -1, dtype=torch.int32)
-    for row, table in enumerate(tables):
-        side_tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
-    step.side_tables = to_device(side_tables)
+    step.side_tables = (meta.side_tables if meta.side_tables is not None
+                        else to_device(side_table_tensor(tables)))
     if prefill:
         step.prefill_work = to_device(torch.tensor(work, dtype=torch.int32))
         step.prefill_tokens = to_device(torch.tensor([t for row in prefill for t in range(starts[row],
                                                                                            starts[row + 1])],
                                                      dtype=torch.int64))
-    if decode:
+    if decode and len(decode) == len(tables):  # a decode step: row i is token i
+        step.every_row_decodes = True
+        step.side_tokens = None
+        step.block_tables, step.decode_side_tables = meta.block_tables, step.side_tables
+        step.context_lens = meta.context_lens
+        step.max_context_len = max(meta.context_lens_cpu, default=0)
+    elif decode:
         index = to_device(torch.tensor(decode, dtype=torch.int64))
         step.decode_tokens = to_device(torch.tensor([starts[row] for row in decode], dtype=torch.int64))
         step.block_tables = meta.block_tables.index_select(0, index)
@@ -112,6 +123,29 @@ def prepare_kvarn_step(meta: AttentionMetadata, block_size: int, to_device) -> K
     return step
 
 
+def prepare_kvarn_graph_step(meta: AttentionMetadata, block_size: int) -> KVarNStep:
+    """A decode step's plan made on the device from the metadata tensors (meta.side_tables included), for a
+    CUDA-graph capture: the graph then follows the metadata of each step it replays. Each row's new token
+    goes to side row side_tables[r, p // G] * G + p % G of its position p; each row's newest tile is packed
+    from its side block when the token completes it (its block passed as -1 otherwise, which the pack kernel
+    skips)."""
+    if meta.side_tables is None:
+        raise ValueError("a captured KVarN decode step needs the side tables on the device "
+                         "(meta.side_tables)")
+    g = block_size
+    context = meta.context_lens.long()
+    position = context - 1
+    tile = (position // g)[:, None]
+    sides = meta.side_tables.gather(1, tile).squeeze(1).long()
+    blocks = meta.block_tables.gather(1, tile).squeeze(1)
+    offsets = torch.arange(g, dtype=torch.int64, device=sides.device)
+    return KVarNStep(side_rows=sides * g + position % g,
+                     side_packed=(sides[:, None] * g + offsets, torch.where(context % g == 0, blocks, -1)),
+                     block_tables=meta.block_tables, side_tables=meta.side_tables,
+                     decode_side_tables=meta.side_tables, context_lens=meta.context_lens,
+                     max_context_len=meta.block_tables.shape[1] * g, every_row_decodes=True)
+
+
 def kvarn_forward(step: KVarNStep, meta: AttentionMetadata, pool, slot: int, q: torch.Tensor,
                   k: torch.Tensor, v: torch.Tensor, scale: float, split_cap: int,
                   split_min_keys: int) -> torch.Tensor:
@@ -119,15 +153,19 @@ def kvarn_forward(step: KVarNStep, meta: AttentionMetadata, pool, slot: int, q: 
     returns attention's output [N, heads, D] in q's dtype."""
     rotation, fmt = pool.rotation, pool.fmt
     if step.side_rows is not None:
-        pool.write_side_rows(slot, step.side_rows, k[step.side_tokens], v[step.side_tokens])
+        tokens = step.side_tokens
+        pool.write_side_rows(slot, step.side_rows, k if tokens is None else k[tokens],
+                             v if tokens is None else v[tokens])
     if step.side_packed is not None:
         pool.pack_side_blocks(slot, *step.side_packed)
     if step.chunk_packed is not None:
         pool.pack_rows(slot, k.float() @ rotation, v.float() @ rotation, *step.chunk_packed)
-    out = torch.empty_like(q)
     key_codes, value_codes = pool.key_codes[slot], pool.value_codes[slot]
     key_scales, value_scales = pool.key_scales[slot], pool.value_scales[slot]
     side_k, side_v = pool.side_keys[slot], pool.side_values[slot]
+    if step.every_row_decodes:
+        return _decode(step, pool, slot, q.float(), scale, split_cap, split_min_keys).to(q.dtype)
+    out = torch.empty_like(q)
     if step.prefill_work is not None:
         attended = kvarn_prefill(q, k, v, key_codes, value_codes, key_scales, value_scales, side_k, side_v,
                                  meta.block_tables, step.side_tables, meta.query_start_loc, meta.context_lens,
@@ -135,11 +173,18 @@ def kvarn_forward(step: KVarNStep, meta: AttentionMetadata, pool, slot: int, q: 
                                  pool.tail, scale, PREFILL_BLOCK_M)
         out[step.prefill_tokens] = attended[step.prefill_tokens].to(q.dtype)
     if step.decode_tokens is not None:
-        query = q[step.decode_tokens].float()
-        attended = kvarn_decode(query @ rotation, key_codes, value_codes, key_scales, value_scales, side_k,
-                                side_v, step.block_tables, step.decode_side_tables, step.context_lens,
-                                fmt.key_bits, fmt.value_bits, pool.sink, pool.tail, scale, split_cap,
-                                split_min_keys, step.max_context_len, q=query, rotation=rotation)
+        attended = _decode(step, pool, slot, q[step.decode_tokens].float(), scale, split_cap, split_min_keys)
         out[step.decode_tokens] = attended.to(q.dtype)
     return out
+
+
+def _decode(step: KVarNStep, pool, slot: int, query: torch.Tensor, scale: float, split_cap: int,
+            split_min_keys: int) -> torch.Tensor:
+    """The decode rows' attention (query fp32 [R, heads, D], unrotated): the unrotated output, fp32."""
+    fmt, rotation = pool.fmt, pool.rotation
+    return kvarn_decode(query @ rotation, pool.key_codes[slot], pool.value_codes[slot], pool.key_scales[slot],
+                        pool.value_scales[slot], pool.side_keys[slot], pool.side_values[slot],
+                        step.block_tables, step.decode_side_tables, step.context_lens, fmt.key_bits,
+                        fmt.value_bits, pool.sink, pool.tail, scale, split_cap, split_min_keys,
+                        step.max_context_len, q=query, rotation=rotation)
 

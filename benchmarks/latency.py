@@ -15,6 +15,7 @@ import time
 from benchmarks.common import (add_random_prompts, checkpoint, copy_bandwidth, environment,
                                prefill_until_first_tokens, sync, weight_bytes_per_step,
                                write_results)
+from cache.kv_format import DENSE, FP8, KVARN_PRESETS
 from engine import Engine, SamplingParams
 
 
@@ -44,9 +45,10 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["graph", "eager"], choices=["graph", "eager"])
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
-                        choices=["auto", "bf16", "fp8_e4m3"],
-                        help="one engine per format (auto: the model's bf16)")
-    parser.add_argument("--block-size", type=int, default=16, help="64 for the KVarN g64 formats (eager)")
+                        choices=[*DENSE, *FP8, *KVARN_PRESETS],
+                        help="one engine per format (auto: the model's bf16; KVarN: with --block-size of its "
+                             "tile)")
+    parser.add_argument("--block-size", type=int, default=16, help="64 for the KVarN g64 formats")
     parser.add_argument("--async-scheduling", nargs="+", default=["on"], choices=["on", "off"],
                         help="one engine per value (default: on, the CUDA default)")
     parser.add_argument("--out", default=f"benchmarks/results/latency-{environment()['date']}.json")

@@ -2,9 +2,12 @@
 fp16 scales out, with the arithmetic of the plain-torch codec (cache/kvarn.py: quantize_keys,
 quantize_values, pack_codes), which is the reference these kernels are tested against.
 
-One program quantizes one (tile, kv head): its G rotated key rows and G rotated value rows, gathered through
-a row-index table from a source viewed as [rows, kv_heads, D] (a side block, or a chunk's new K/V). The
-Hadamard rotation is the caller's (`rotate`); the source is rotated already.
+One program quantizes one (tile, kv head): its G key rows and G value rows, gathered through a row-index
+table from a source viewed as [rows, kv_heads, D] (a side block, or a chunk's new K/V), and rotated by the
+Hadamard matrix first: either by the caller (`rotate`; the source is rotated already) or in the kernel
+(`pack_tiles(..., rotation=H)`, an fp32 dot: the engine's side blocks, which hold unrotated rows). A tile
+whose pool block is negative is skipped, so a captured CUDA graph can pack a fixed list of candidates of
+which only some completed their tile in the step being replayed.
 
 Pool layout of one (loop, layer) slot, NB blocks:
     key_codes    uint8 [NB, KVH, G, D * key_bits / 8]    a token row's bit planes, in kvarn.PLANES order
@@ -141,32 +144,47 @@ def _store_codes(codes, tile_ptr, offs_g, LOW_BITS: tl.constexpr, HIGH_BITS: tl.
 
 
 @triton.jit
-def _load_tile(src_ptr, rows_ptr, tile, kv_head, stride_row, stride_head, offs_g, offs_d, G: tl.constexpr):
+def _load_tile(src_ptr, rows_ptr, tile, kv_head, stride_row, stride_head, offs_g, offs_d, rotation,
+               G: tl.constexpr, ROTATE: tl.constexpr):
+    """The tile's G rows of kv head kv_head, fp32 [G, D], times the rotation when ROTATE (plain fp32 FMAs,
+    "ieee": no TF32 rounding of the rows)."""
     rows = tl.load(rows_ptr + tile * G + offs_g)  # int64
     ptrs = src_ptr + rows[:, None] * stride_row + kv_head * stride_head + offs_d[None, :]
-    return tl.load(ptrs).to(tl.float32)
+    x = tl.load(ptrs).to(tl.float32)
+    if ROTATE:
+        x = tl.dot(x, rotation, input_precision="ieee")
+    return x
 
 
 @triton.jit
 def kvarn_pack_kernel(
-    src_k_ptr, src_v_ptr, src_rows_ptr, dst_blocks_ptr,
+    src_k_ptr, src_v_ptr, src_rows_ptr, dst_blocks_ptr, rotation_ptr,
     key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr,
     stride_k_row, stride_k_head, stride_v_row, stride_v_head,
     KV_HEADS: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     K_LOW_BITS: tl.constexpr, K_HIGH_BITS: tl.constexpr, V_LOW_BITS: tl.constexpr, V_HIGH_BITS: tl.constexpr,
-    ITERATIONS: tl.constexpr,
+    ITERATIONS: tl.constexpr, ROTATE: tl.constexpr,
 ):
     """Grid (tiles, KV_HEADS). Program (t, h) quantizes the rows src_rows[t, :] of kv head h, keys then
-    values, into block dst_blocks[t]. The pool tensors are contiguous; block offsets are 64-bit."""
+    values, into block dst_blocks[t], or does nothing where that is negative. With ROTATE the rows are
+    rotated by rotation_ptr's fp32 [D, D] matrix first (not read otherwise). The pool tensors are
+    contiguous; block offsets are 64-bit."""
     tile = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
+    block = tl.load(dst_blocks_ptr + tile)
+    if block < 0:
+        return
     offs_g = tl.arange(0, G)
     offs_d = tl.arange(0, D)
-    slot = tl.load(dst_blocks_ptr + tile).to(tl.int64) * KV_HEADS + kv_head
+    slot = block.to(tl.int64) * KV_HEADS + kv_head
+    rotation = tl.zeros([D, D], tl.float32)
+    if ROTATE:
+        rotation = tl.load(rotation_ptr + offs_d[:, None] * D + offs_d[None, :])
 
     # Keys: per-channel scale s and zero z of the token-normalized tile, per-token scale r.
     KEY_LEVELS: tl.constexpr = (1 << (K_LOW_BITS + K_HIGH_BITS)) - 1
-    x = _load_tile(src_k_ptr, src_rows_ptr, tile, kv_head, stride_k_row, stride_k_head, offs_g, offs_d, G)
+    x = _load_tile(src_k_ptr, src_rows_ptr, tile, kv_head, stride_k_row, stride_k_head, offs_g, offs_d,
+                   rotation, G, ROTATE)
     log_r, log_c = _sinkhorn(x, G, D, ITERATIONS)
     token_scale = _fp16(tl.exp(log_r))
     channel = tl.exp(log_c)
@@ -185,7 +203,8 @@ def kvarn_pack_kernel(
 
     # Values: per-token scale t and zero u of the channel-normalized tile, per-channel scale c.
     VALUE_LEVELS: tl.constexpr = (1 << (V_LOW_BITS + V_HIGH_BITS)) - 1
-    x = _load_tile(src_v_ptr, src_rows_ptr, tile, kv_head, stride_v_row, stride_v_head, offs_g, offs_d, G)
+    x = _load_tile(src_v_ptr, src_rows_ptr, tile, kv_head, stride_v_row, stride_v_head, offs_g, offs_d,
+                   rotation, G, ROTATE)
     log_r, log_c = _sinkhorn(x, G, D, ITERATIONS)
     channel_scale = _fp16(tl.exp(log_c))
     token = tl.exp(log_r)
@@ -206,12 +225,13 @@ def kvarn_pack_kernel(
 def pack_tiles(src_k: torch.Tensor, src_v: torch.Tensor, src_rows: torch.Tensor, dst_blocks: torch.Tensor,
                key_codes: torch.Tensor, value_codes: torch.Tensor, key_scales: torch.Tensor,
                value_scales: torch.Tensor, key_bits: int, value_bits: int, iterations: int = 8,
-               num_warps: int | None = None) -> None:
+               num_warps: int | None = None, rotation: torch.Tensor | None = None) -> None:
     """Quantize and pack num_tiles tiles of every kv head in one launch.
 
-    src_k, src_v: rotated K and V viewed as [rows, kv_heads, D] (any float dtype; the last dim contiguous).
+    src_k, src_v: K and V viewed as [rows, kv_heads, D] (any float dtype; the last dim contiguous), rotated
+    already, or unrotated with `rotation` (fp32 [D, D], contiguous: the kernel rotates them).
     src_rows: int64 [num_tiles, G], the source rows of each tile's tokens, in order.
-    dst_blocks: int32 [num_tiles], the pool block each tile goes to.
+    dst_blocks: int32 [num_tiles], the pool block each tile goes to (a negative one: the tile is skipped).
     key_codes, value_codes, key_scales, value_scales: one slot's pool tensors (module docstring), contiguous.
     """
     num_blocks, kv_heads, group = key_codes.shape[:3]
@@ -237,14 +257,19 @@ def pack_tiles(src_k: torch.Tensor, src_v: torch.Tensor, src_rows: torch.Tensor,
     if (src_rows.shape != (num_tiles, group) or src_rows.dtype != torch.int64
             or dst_blocks.dtype != torch.int32):
         raise ValueError(f"src_rows must be int64 [{num_tiles}, {group}] and dst_blocks int32 [{num_tiles}]")
+    if rotation is not None and (rotation.shape != (head_dim, head_dim) or rotation.dtype != torch.float32
+                                 or not rotation.is_contiguous()):
+        raise ValueError(f"rotation must be a contiguous fp32 [{head_dim}, {head_dim}] matrix, got "
+                         f"{rotation.dtype} {list(rotation.shape)}")
     if num_tiles == 0:
         return
     if num_warps is None:  # a [G, D] fp32 tile in registers: about 32 values per thread
         num_warps = max(4, min(16, group * head_dim // 1024))
     kvarn_pack_kernel[(num_tiles, kv_heads)](
         src_k, src_v, src_rows.contiguous(), dst_blocks.contiguous(),
+        rotation if rotation is not None else dst_blocks,
         key_codes, value_codes, key_scales, value_scales,
         src_k.stride(0), src_k.stride(1), src_v.stride(0), src_v.stride(1),
-        kv_heads, group, head_dim, k_low, k_high, v_low, v_high, iterations,
+        kv_heads, group, head_dim, k_low, k_high, v_low, v_high, iterations, rotation is not None,
         num_warps=num_warps,
     )

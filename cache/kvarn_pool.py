@@ -134,13 +134,17 @@ class KVarNPool:
         for side, new in ((self.side_keys[slot], k), (self.side_values[slot], v)):
             side.view(-1, self.kv_heads, self.head_dim).index_copy_(0, rows, new.to(side.dtype))
 
-    def pack_side_blocks(self, slot: int, side_blocks: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Pack side blocks `side_blocks` (int64 [F], each holding its block's G rows) into pool blocks
-        `blocks` (int32 [F]), rotating the rows first as the codec does."""
-        rows_k = (self.side_keys[slot, side_blocks].float() @ self.rotation).flatten(0, 1)  # [F * G, KVH, D]
-        rows_v = (self.side_values[slot, side_blocks].float() @ self.rotation).flatten(0, 1)
-        order = torch.arange(rows_k.shape[0], device=rows_k.device).view(-1, self.block_size)
-        self.pack_rows(slot, rows_k, rows_v, order, blocks)
+    def pack_side_blocks(self, slot: int, rows: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Pack tiles of side rows into pool blocks: tile f is side rows rows[f] (int64 [F, G], side block * G
+        + offset, a whole side block in order), block blocks[f] (int32 [F]; a negative one: skipped). The pack
+        kernel rotates the rows itself, as the codec does, so nothing rotated is materialized."""
+        from cache.kvarn_pack_kernel import pack_tiles  # triton: only this path needs it
+
+        shape = (-1, self.kv_heads, self.head_dim)
+        pack_tiles(self.side_keys[slot].view(shape), self.side_values[slot].view(shape), rows, blocks,
+                   self.key_codes[slot], self.value_codes[slot], self.key_scales[slot],
+                   self.value_scales[slot], self.fmt.key_bits, self.fmt.value_bits, self.iterations,
+                   rotation=self.rotation)
 
     def pack_rows(self, slot: int, rotated_k: torch.Tensor, rotated_v: torch.Tensor, rows: torch.Tensor,
                   blocks: torch.Tensor) -> None:

@@ -59,20 +59,23 @@ class DecodeGraphs:
     the loop driver's executor (runner/loop_driver.py: LoopExecutor).
 
     Inputs live in static buffers sized for the largest bucket; each bucket's graphs read their first rows.
-    Padding rows attend to one token of a scratch block (and, under kv_sharing="last", have no generated
-    tokens)."""
+    Padding rows attend to one token of a scratch block (under kv_sharing="last", they have no generated
+    tokens; over a KVarN pool, their one token is a row of a scratch side block)."""
 
     reuses_outputs = True  # a loop's hidden and gate outputs are static buffers that the next replay rewrites
 
     def __init__(self, model: OuroForCausalLM, backend: AttentionBackend, mode: str, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device,
                  shared_kv: tuple[int, int, int] | None = None, exit_threshold: float | None = None,
-                 copy_forward: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None) -> None:
+                 copy_forward: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None,
+                 scratch_side_block: int | None = None) -> None:
         """shared_kv: (loops, num_layers, max generated pages per sequence) under kv_sharing="last".
         exit_threshold: early:Q's Q, for mode "loop": each loop's graph then also advances the rows' exit
         CDF and marks the generated rows that reached Q, so that the host reads one small flag vector.
         copy_forward(slots, mask, loop): the KV layout's copy-forward of the rows where mask; each loop's
-        graph then copies the K/V of the rows that reached Q forward itself, masked on the device."""
+        graph then copies the K/V of the rows that reached Q forward itself, masked on the device.
+        scratch_side_block: a KVarN pool's side block that no request holds; the rows then carry side tables
+        (AttentionMetadata.side_tables), and a padding row's side table points at this block."""
         if mode not in ("step", "loop"):
             raise ValueError(f"DecodeGraphs mode must be 'step' or 'loop', got {mode!r}")
         self.model = model
@@ -97,6 +100,9 @@ class DecodeGraphs:
             self.prompt_lens = torch.full((n,), PADDING_PROMPT_LEN, dtype=torch.int32, device=device)
             self.generated_block_tables = torch.full((n, shared_kv[2]), scratch_block, dtype=torch.int32,
                                                      device=device)
+        self.scratch_side_block = scratch_side_block
+        self.side_tables = None if scratch_side_block is None else torch.full(
+            (n, max_blocks_per_seq), scratch_side_block, dtype=torch.int32, device=device)
         self.exit_threshold = exit_threshold
         self.copy_forward = copy_forward
         self.gate_logits = torch.zeros(n, dtype=dtype, device=device)
@@ -116,9 +122,10 @@ class DecodeGraphs:
             loops, layers, _ = self.shared_kv
             shared = SharedKVMetadata(self.prompt_lens[:bs], self.generated_block_tables[:bs],
                                       [PADDING_PROMPT_LEN] * bs, loops, layers)
+        side_tables = None if self.side_tables is None else self.side_tables[:bs]
         return AttentionMetadata(self.query_start_loc[:bs + 1], self.context_lens[:bs],
                                  self.block_tables[:bs], self.slot_mapping[:bs], [1] * bs, [1] * bs,
-                                 self.block_size, shared)
+                                 self.block_size, shared, side_tables=side_tables)
 
     def _inputs(self, bs: int) -> StepInputs:
         """A whole step's inputs: every row reads out (the runner picks the sampling rows afterwards)."""
@@ -196,6 +203,8 @@ class DecodeGraphs:
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.context_lens[:n].copy_(meta.context_lens)
         self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if self.side_tables is not None:
+            self.side_tables[:n, :meta.side_tables.shape[1]].copy_(meta.side_tables)
         if meta.shared_kv is not None:
             tables = meta.shared_kv.generated_block_tables
             self.prompt_lens[:n].copy_(meta.shared_kv.prompt_lens)
@@ -224,6 +233,8 @@ class DecodeGraphs:
                    self.cdf, self.survival, self.may_exit]
         if self.shared_kv is not None:
             buffers += [self.prompt_lens, self.generated_block_tables]
+        if self.side_tables is not None:
+            buffers.append(self.side_tables)
         for buffer in buffers:
             buffer[:len(rows)] = buffer[index]
         self._pad(len(rows))
@@ -241,6 +252,8 @@ class DecodeGraphs:
         self.slot_mapping[n:bs].fill_(self.scratch_block * self.block_size)
         self.context_lens[n:bs].fill_(1)
         self.block_tables[n:bs].fill_(self.scratch_block)
+        if self.side_tables is not None:
+            self.side_tables[n:bs].fill_(self.scratch_side_block)
         if self.shared_kv is not None:
             self.prompt_lens[n:bs].fill_(PADDING_PROMPT_LEN)
         self.may_exit[n:bs] = False

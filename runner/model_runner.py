@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from attention.base import AttentionBackend, AttentionMetadata, SharedKVMetadata
+from attention.base import AttentionBackend, AttentionMetadata, SharedKVMetadata, side_table_tensor
 from cache.kv_pool import KVPool
 from cache.kvarn_pool import KVarNPool
 from cache.layout import KVLayout
@@ -85,15 +85,18 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: OuroForCausalLM, backend: AttentionBackend,
                  pool: KVPool | KVarNPool, layout: KVLayout, scratch_block: int,
-                 token_text: Callable[[int], str] | None = None) -> None:
-        """scratch_block: a pool block no request owns, which CUDA-graph padding rows write. token_text: one
-        token's text, for Logprob.decoded_token."""
+                 token_text: Callable[[int], str] | None = None,
+                 scratch_side_block: int | None = None) -> None:
+        """scratch_block: a pool block no request owns, which CUDA-graph padding rows write;
+        scratch_side_block (a KVarN pool): the side block they write. token_text: one token's text, for
+        Logprob.decoded_token."""
         self.config = config
         self.token_text = token_text
         self.model = model
         self.backend = backend
         self.layout = layout
         self.side_tables = isinstance(pool, KVarNPool)  # a KVarN pool: rows carry their side tables
+        self.scratch_side_block = scratch_side_block
         self.device = config.device
         self.loops = config.loops
         self.generators: dict[str, torch.Generator] = {}
@@ -138,7 +141,7 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.backend, "loop" if per_loop else "step",
                               config.max_num_seqs * max(1, config.speculative_tokens),
                               self.block_tables.width, config.block_size, scratch_block, self.device, shared,
-                              threshold, copy_forward)
+                              threshold, copy_forward, self.scratch_side_block)
         graphs.capture_all()
         return graphs
 
@@ -207,11 +210,14 @@ class ModelRunner:
         """The step's tensors, in two host-to-device copies (runner/host_to_device.py), one per dtype.
         pending: (indices into input_ids, indices into the previous step's device tokens, those tokens):
         input tokens still on the device, put in place there."""
-        int32_parts: list[list[int] | torch.Tensor] = [query_start, context_lens,
-                                                       self.block_tables.gather(requests)]
+        tables = self.block_tables.gather(requests)
+        int32_parts: list[list[int] | torch.Tensor] = [query_start, context_lens, tables]
         if self.generated_tables is not None:
             prompt_lens = [r.num_prompt_tokens for r in requests]
             int32_parts += [prompt_lens, self.generated_tables.gather(requests)]
+        side_tables = [r.side_table for r in requests] if self.side_tables else None
+        if side_tables is not None:  # last: [rows, the block tables' width], -1 where a block has none
+            int32_parts.append(side_table_tensor(side_tables, tables.shape[1]))
         int32 = upload(int32_parts, torch.int32, self.device)
         on_device = isinstance(input_ids, torch.Tensor)
         int64_parts = [[] if on_device else input_ids, positions, slot_mapping, readout]
@@ -236,7 +242,8 @@ class ModelRunner:
             context_lens_cpu=context_lens,
             block_size=self.config.block_size,
             shared_kv=shared,
-            side_tables_cpu=[r.side_table for r in requests] if self.side_tables else None,
+            side_tables_cpu=side_tables,
+            side_tables=int32[-1] if side_tables is not None else None,
         )
         return StepInputs(ids, positions_d, meta, readout_d, generated_rows,
                           readout == list(range(len(input_ids))))

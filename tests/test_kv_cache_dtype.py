@@ -290,31 +290,27 @@ def test_kvarn_triton_engine_gives_the_reference_path_tokens(tiny_checkpoint):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kvarn_triton_engine_on_cuda_gives_the_reference_path_tokens(tiny_checkpoint, dtype):
-    """The same comparison on CUDA, eager (a KVarN pool takes no CUDA graphs yet), all loops."""
+    """The same comparison on CUDA, all loops, prefix caching on; and the Triton path with CUDA graphs (decode
+    steps captured, their plan made on the device; prefill through piecewise graphs) gives exactly its eager
+    tokens. Three rows of different lengths (a padding row in the bucket of 4; tiles complete at different
+    steps, inside captured steps), then the first prompt (98 tokens) again: a prefix hit of its first block."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    prompts = [KVARN_PROMPTS[0] + KVARN_PROMPTS[1], *KVARN_PROMPTS[1:], KVARN_PROMPTS[0] + KVARN_PROMPTS[1]]
     completions = {}
-    for attention in ("torch", "triton"):
+    for attention, eager in (("torch", True), ("triton", True), ("triton", False)):
         with Engine(tiny_checkpoint, device="cuda", dtype=dtype, kv_cache_dtype="kvarn_k4v2_g64",
                     block_size=64, kv_sink_tokens=16, kv_tail_tokens=32, attention=attention,
-                    enforce_eager=True, max_num_batched_tokens=40, verbose=False) as engine:
-            completions[attention] = [o.outputs[0] for o in engine.generate(KVARN_PROMPTS, params,
-                                                                             use_tqdm=False)]
+                    enforce_eager=eager, max_num_batched_tokens=40, max_num_seqs=4, verbose=False) as engine:
+            assert engine.uses_cuda_graphs == (not eager)
+            first = engine.generate(prompts[:3], params, use_tqdm=False)
+            again = engine.generate(prompts[3:], params, use_tqdm=False)
+            assert again[0].num_cached_tokens >= 64
+            completions[attention, eager] = [o.outputs[0] for o in first + again]
+    graphs, eager = completions["triton", False], completions["triton", True]
+    assert [c.token_ids for c in graphs] == [c.token_ids for c in eager]
     reached = [first_divergence(got.token_ids, want)
-               for got, want in zip(completions["triton"], completions["torch"])]
-    assert sum(reached) >= len(KVARN_PROMPTS) * 20, reached
-
-
-def test_kvarn_triton_on_cuda_needs_enforce_eager(tiny_checkpoint):
-    """Fail-closed: CUDA graphs over a KVarN pool are not built yet. The config is checked on its own, so
-    this runs without a GPU too."""
-    from engine_config import EngineConfig
-    from model.config import OuroConfig
-
-    config = OuroConfig.from_file(tiny_checkpoint / "config.json")
-    options = dict(attention="triton", block_size=64, kv_cache_dtype="kvarn_k4v2_g64")
-    with pytest.raises(ValueError, match="enforce_eager=True"):
-        EngineConfig(tiny_checkpoint, config, torch.device("cuda"), torch.bfloat16, **options)
-    EngineConfig(tiny_checkpoint, config, torch.device("cuda"), torch.bfloat16, enforce_eager=True, **options)
+               for got, want in zip(eager, completions["torch", True])]
+    assert sum(reached) >= len(prompts) * 20, reached
 
 
 def test_kvarn_preempted_requests_recompute_the_same_tokens(tiny_checkpoint):
