@@ -5,6 +5,7 @@ skipping tiles whose block is negative. Under the Triton interpreter on CPU (con
 
 import math
 
+import pytest
 import torch
 
 from attention.base import AttentionMetadata, side_table_tensor
@@ -19,38 +20,51 @@ FMT = KVFormat("kvarn_k4v2_g16", 4, 2, 16, "kvarn")  # a 16-token tile, to stay 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
 
 
-def pool_tensors(num_blocks: int) -> list[torch.Tensor]:
-    g, d = FMT.group, HEAD_DIM
-    return [torch.randint(0, 256, (num_blocks, KV_HEADS, g, d * FMT.key_bits // 8), dtype=torch.uint8),
-            torch.randint(0, 256, (num_blocks, KV_HEADS, g, d * FMT.value_bits // 8), dtype=torch.uint8),
-            torch.full((num_blocks, KV_HEADS, 2 * d + g), float("nan"), dtype=torch.float16),
-            torch.full((num_blocks, KV_HEADS, d + 2 * g), float("nan"), dtype=torch.float16)]
+def pool_tensors(num_blocks: int, fmt: KVFormat = FMT, kv_heads: int = KV_HEADS,
+                 head_dim: int = HEAD_DIM) -> list[torch.Tensor]:
+    g, d = fmt.group, head_dim
+    return [torch.randint(0, 256, (num_blocks, kv_heads, g, d * fmt.key_bits // 8), dtype=torch.uint8),
+            torch.randint(0, 256, (num_blocks, kv_heads, g, d * fmt.value_bits // 8), dtype=torch.uint8),
+            torch.full((num_blocks, kv_heads, 2 * d + g), float("nan"), dtype=torch.float16),
+            torch.full((num_blocks, kv_heads, d + 2 * g), float("nan"), dtype=torch.float16)]
 
 
-def test_pack_rotates_in_the_kernel_and_skips_negative_blocks():
-    """Unrotated rows with rotation=H pack as the same rows rotated by the caller (to fp32 rounding: the two
-    rotations sum in different orders, so a code on a rounding boundary may move one step); a tile whose
-    block is -1 writes nothing."""
+def check_rotating_pack(fmt: KVFormat, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Unrotated rows with rotation=H pack as the same rows rotated by the caller (to rounding: the two
+    rotations sum in different orders, so a code on a rounding boundary may move one step and a scale one
+    fp16 step); a tile whose block is -1 writes nothing."""
     g = torch.Generator().manual_seed(0)
-    src_k = torch.randn(3 * FMT.group, KV_HEADS, HEAD_DIM, generator=g) * torch.exp(torch.randn(HEAD_DIM,
-                                                                                                generator=g))
-    src_v = torch.randn(3 * FMT.group, KV_HEADS, HEAD_DIM, generator=g)
-    rows = torch.arange(3 * FMT.group).view(3, FMT.group)
+    shape = (3 * fmt.group, kv_heads, head_dim)
+    src_k = (torch.randn(shape, generator=g) * torch.exp(torch.randn(head_dim, generator=g))).to(dtype)
+    src_v = torch.randn(shape, generator=g).to(dtype)
+    rows = torch.arange(3 * fmt.group).view(3, fmt.group)
     blocks = torch.tensor([2, -1, 0], dtype=torch.int32)
-    rotation = kvarn.hadamard(HEAD_DIM)
-    untouched = pool_tensors(3)
+    untouched = pool_tensors(3, fmt, kv_heads, head_dim)
     by_caller, by_kernel = ([t.clone().to(DEVICE) for t in untouched] for _ in range(2))
     args = (rows.to(DEVICE), blocks.to(DEVICE))
-    pack_tiles(rotate(src_k.to(DEVICE)), rotate(src_v.to(DEVICE)), *args, *by_caller, 4, 2)
-    pack_tiles(src_k.to(DEVICE), src_v.to(DEVICE), *args, *by_kernel, 4, 2, rotation=rotation.to(DEVICE))
+    bits = (fmt.key_bits, fmt.value_bits)
+    pack_tiles(rotate(src_k.to(DEVICE)), rotate(src_v.to(DEVICE)), *args, *by_caller, *bits)
+    pack_tiles(src_k.to(DEVICE), src_v.to(DEVICE), *args, *by_kernel, *bits,
+               rotation=kvarn.hadamard(head_dim, device=DEVICE))
     for index, (want, got, before) in enumerate(zip(by_caller, by_kernel, untouched)):
         got, want = got.cpu(), want.cpu()
-        if got.is_floating_point():  # the scales (fp16): one step apart at most
+        if got.is_floating_point():  # the scales (fp16)
             assert got[1].isnan().all(), "the skipped tile's block was written"
             torch.testing.assert_close(got[[0, 2]].float(), want[[0, 2]].float(), rtol=2e-3, atol=0)
         else:
             assert torch.equal(got[1], before[1]), "the skipped tile's block was written"
             assert float((got[[0, 2]] == want[[0, 2]]).float().mean()) >= 0.99, index
+
+
+def test_pack_rotates_in_the_kernel_and_skips_negative_blocks():
+    check_rotating_pack(FMT, KV_HEADS, HEAD_DIM, torch.float32)
+
+
+@pytest.mark.gpu
+def test_pack_rotates_in_the_kernel_at_ouro_shape():
+    """Ouro-1.4B's attention shape (16 kv heads, head_dim 128) in a 64-token tile, bf16 rows: the fp32 dot
+    of a [64, 128] tile by the [128, 128] rotation compiles and agrees."""
+    check_rotating_pack(KVFormat("kvarn_k4v2_g64", 4, 2, 64, "kvarn"), 16, 128, torch.bfloat16)
 
 
 def decode_step(pool: KVarNPool, lengths: list[int], width: int) -> tuple[AttentionMetadata, list]:
