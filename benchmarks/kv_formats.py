@@ -11,10 +11,11 @@ packed tiles, their fp16 scales and the side pool's rows.
 Outputs: the tiny model (fp32) drives its loops itself with one PackedSequence per sequence as the attention
 (cache/packed_sequence.py: K/V packed into tiles and read back through the codec, sink and tail rows in
 high precision). The reference is the same loop with the dense format, whose greedy tokens must equal the
-engine's. Each format is teacher-forced on the reference tokens, token by token, so every position's
-next-token distribution has the same context: token-level KL(reference || format), mean and p99 per position
-bucket, and the greedy agreement up to the first divergence (the first position whose argmax differs is
-where free-running greedy output would first differ). Task accuracy: the addition task with a few-shot
+engine's. Each format is teacher-forced on the reference tokens (in one call, which reads what token by
+token would), so every position's next-token distribution has the same context: token-level
+KL(reference || format), mean and p99 per position bucket, and the greedy agreement up to the first
+divergence (the first position whose argmax differs is where free-running greedy output would first
+differ). Task accuracy: the addition task with a few-shot
 prefix long enough for the prompt to fill tiles, free-running greedy under each format. With --model (say
 the Ouro-1.4B-shape random checkpoint, on CUDA in bf16) the prompts are random tokens and there is no task.
 """
@@ -117,14 +118,13 @@ def greedy(decoder: LoopedDecoder, prompt: list[int], new_tokens: int, store: Pa
 
 def teacher_forced(decoder: LoopedDecoder, prompt: list[int], tokens: list[int],
                    store: PackedSequence) -> list[torch.Tensor]:
-    """Log-probabilities before each of `tokens`, feeding the given tokens (not the format's own)."""
-    logits = decoder.logits(prompt, 0, store)[-1]
-    out = []
-    for i, token in enumerate(tokens):
-        out.append(torch.log_softmax(logits, -1))
-        if i + 1 < len(tokens):
-            logits = decoder.logits([token], len(prompt) + i, store)[-1]
-    return out
+    """Log-probabilities before each of `tokens`, feeding the given tokens (not the format's own), in one
+    forward of prompt + tokens[:-1]. The same as feeding them one at a time: which positions a query reads in
+    high precision depends on positions only (attention/packed_attention.py: high_precision), so a sequence
+    read in one call or token by token reads the same values; one call packs and decodes each tile once
+    instead of at every token."""
+    logits = decoder.logits(prompt + tokens[:-1], 0, store)[len(prompt) - 1:]
+    return list(torch.log_softmax(logits, -1))
 
 
 def kl_rows(reference: list[list[torch.Tensor]], tokens: list[list[int]],
@@ -199,7 +199,10 @@ def main() -> None:
         if args.dtype in ("float32", "fp32"):  # exact there; in half precision the kernels round otherwise
             assert same == checked, "the benchmark's loop does not reproduce the engine"
         ref_tokens = [tokens for tokens, _ in reference]
-        ref_logprobs = [logprobs for _, logprobs in reference]
+        # The reference's log-probabilities the way the formats' are taken (one teacher-forced call), so that
+        # a KL measures the format, not a difference in how the rows were batched.
+        ref_logprobs = [teacher_forced(decoder, p, t, new_store(model, dense, 0, 0))
+                        for p, t in zip(prompts, ref_tokens)]
         stop = set(engine.config.eos_token_ids) | set(tokenizer.encode("\n"))
         accuracy_items = items[args.shots + args.prompts:args.shots + args.prompts + args.accuracy_items]
 
