@@ -6,8 +6,8 @@
 #   of BASE vs this tree in ABBA order; ab: that comparison, then latency
 #   throughput: the KV-format gpu tests, throughput (with its step timeline), then prefill MFU
 #   piecewise: the piecewise-graph, engine and async gpu tests, mixed steps piecewise vs eager, throughput
-#   kvarn: the KV-format and KVarN-kernel gpu tests (the Triton KVarN engine path), then eager TPOT of bf16
-#          against kvarn_k4v2_g64 at 16 x 2K
+#   kvarn: the KV-format and KVarN-kernel gpu tests (the Triton KVarN engine path), the KVarN kernels' timing,
+#          then TPOT (CUDA graphs) of bf16 against kvarn_k4v2_g64 at 1 and 16 x 2K
 #   c: the paired eval of CUDA graphs against eager (ABBA timing, token identity; docs/paired_eval.md);
 #      EARLY=1 runs benchmarks/early_exit.py first, EVAL_LIMIT (default 500) bounds the eval
 #   check: every gpu test (with their durations), then BASE vs this tree with decode_ab --profile
@@ -89,10 +89,13 @@ elif [ "$PART" = piecewise ]; then
   step 230 python -m benchmarks.throughput --preset ouro-1.4b --async-scheduling on off --out "$OUT/throughput.json"
 elif [ "$PART" = kvarn ]; then
   timeout "${TEST_LIMIT:-240}" python -m pytest -q -m gpu tests/test_kv_cache_dtype.py tests/test_kvarn_kernels.py \
-    ${TESTS:-} --timeout 150 -rfE --durations=10 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+    tests/test_kvarn_graph_step.py ${TESTS:-} --timeout 150 -rfE --durations=10 2>&1 | tee "$OUT/gpu_tests.log" \
+    | tail -n 15
+  step 90 python -m benchmarks.kvarn_kernels --out "$OUT/kvarn_kernels.json"
   wait
-  step 300 python -m benchmarks.latency --preset ouro-1.4b --modes eager --block-size 64 \
-    --kv-cache-dtypes auto kvarn_k4v2_g64 --prompts 2048 --batches 16 --decode-steps 16 --out "$OUT/latency-kvarn.json"
+  step 300 python -m benchmarks.latency --preset ouro-1.4b --modes graph --block-size 64 \
+    --kv-cache-dtypes auto kvarn_k4v2_g64 --prompts 2048 --batches 1 16 --decode-steps 16 \
+    --out "$OUT/latency-kvarn.json"
 elif [ "$PART" = c ]; then
   wait
   [ -n "${EARLY:-}" ] && step 120 python -m benchmarks.early_exit --preset ouro-1.4b --out "$OUT/early_exit.json"
