@@ -5,7 +5,7 @@ Decode attention over a packed history (attention/kernels/kvarn_decode.py) and t
 
     python -m benchmarks.kvarn_kernels --out benchmarks/results/kvarn_kernels.json [--reps 50]
 
-Decode: rows x context 16 x 8192 and 64 x 2048, per format (kvarn_k4v2_g64, kvarn_k4v4_g64,
+Decode: rows x context 16 x 8192, 64 x 2048 and 1 x 2048, per format (kvarn_k4v2_g64, kvarn_k4v4_g64,
 kvarn_k5v5_g64) and per high-precision window (sink, tail), each row's tiles in shuffled blocks of a pool
 that holds exactly them. Each call (the split kernel and, with several splits, the merge) is timed with CUDA
 events after a write of 256 MiB that evicts the L2, median over --reps; its bytes are what it must read once
@@ -30,7 +30,7 @@ from cache.kv_format import high_precision_rows, parse_kv_cache_dtype
 HEADS, KV_HEADS, HEAD_DIM = 16, 16, 128  # Ouro-1.4B (model/tiny.py: the ouro-1.4b preset)
 SIDE_DTYPE = torch.bfloat16
 FORMATS = ["kvarn_k4v2_g64", "kvarn_k4v4_g64", "kvarn_k5v5_g64"]
-SHAPES = [(16, 8192), (64, 2048)]  # rows x context
+SHAPES = [(16, 8192), (64, 2048), (1, 2048)]  # rows x context
 WINDOWS = [(0, 0), (64, 64)]  # (sink, tail) high-precision positions
 NUM_WARPS = [4, 8]
 PACK_TILES = [16, 64, 1024]
