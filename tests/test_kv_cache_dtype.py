@@ -293,7 +293,8 @@ def test_kvarn_triton_engine_on_cuda_gives_the_reference_path_tokens(tiny_checkp
     """The same comparison on CUDA, all loops, prefix caching on; and the Triton path with CUDA graphs (decode
     steps captured, their plan made on the device; prefill through piecewise graphs) gives exactly its eager
     tokens. Three rows of different lengths (a padding row in the bucket of 4; tiles complete at different
-    steps, inside captured steps), then the first prompt (98 tokens) again: a prefix hit of its first block."""
+    steps, inside captured steps), then the first prompt (98 tokens) again: a prefix hit of its first
+    block."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
     prompts = [KVARN_PROMPTS[0] + KVARN_PROMPTS[1], *KVARN_PROMPTS[1:], KVARN_PROMPTS[0] + KVARN_PROMPTS[1]]
     completions = {}
