@@ -17,15 +17,16 @@ DIRECT_LAUNCH = not INTERPRETED and hasattr(triton, "knobs")
 
 
 class CompiledLaunch:
-    """One kernel at one grid. The caller rebuilds it whenever the argument layouts change."""
+    """One kernel at one grid. The caller rebuilds it whenever the argument layouts change. Options beyond
+    num_warps and num_stages (enable_fp_fusion, say) go to the first, compiling call."""
 
     __slots__ = ("compiled", "direct", "fn", "grid", "options")
 
     def __init__(self, fn, grid: tuple[int, int, int], num_warps: int, num_stages: int,
-                 direct: bool = True) -> None:
+                 direct: bool = True, **options) -> None:
         self.fn = fn
         self.grid = grid
-        self.options = {"num_warps": num_warps, "num_stages": num_stages}
+        self.options = {"num_warps": num_warps, "num_stages": num_stages, **options}
         self.direct = direct and DIRECT_LAUNCH
         self.compiled = None
 
@@ -41,3 +42,40 @@ class CompiledLaunch:
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
                      compiled.launch_metadata(grid, stream, *args), knobs.launch_enter_hook,
                      knobs.launch_exit_hook, *args)
+
+
+def specialization(args: tuple) -> tuple:
+    """What Triton specializes a kernel on, of each argument: a tensor's dtype, device and 16-byte alignment,
+    an int's value (Triton keys on == 1 and divisibility by 16; the exact value is a superset), None, a
+    bool; floats are passed as they are and not specialized on."""
+    key = []
+    for arg in args:
+        if hasattr(arg, "data_ptr"):
+            key.append((arg.dtype, arg.device, arg.data_ptr() & 15))
+        elif isinstance(arg, float):
+            key.append(float)
+        else:
+            key.append(arg)
+        # (a float's value is left out on purpose: an eps changes nothing the kernel was compiled for)
+    return tuple(key)
+
+
+class LaunchCache:
+    """A kernel's CompiledLaunch per grid and specialization: after the first call of each, launches skip
+    Triton's per-call JIT dispatch (tens of µs of host time each, which an eager Ouro step pays about 400
+    times for the elementwise kernels alone)."""
+
+    def __init__(self, fn, num_stages: int = 1, **options) -> None:
+        self.fn, self.num_stages, self.options = fn, num_stages, options
+        self.launches: dict[tuple, CompiledLaunch] = {}
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, num_warps: int, stream: int) -> None:
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        key = (grid, num_warps, specialization(args))
+        launch = self.launches.get(key)
+        if launch is None:
+            if len(self.launches) > 4096:  # a bound: shapes are few, but nothing else would limit them
+                self.launches.clear()
+            launch = self.launches[key] = CompiledLaunch(self.fn, grid, num_warps, self.num_stages,
+                                                         **self.options)
+        launch(stream, args)

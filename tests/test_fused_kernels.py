@@ -172,3 +172,33 @@ def test_kernels_match_torch_at_ouro_shapes(dtype, rows):
     expected_q, expected_k, _ = torch_rope_qkv(qkv, cos, sin, heads, heads, head_dim)
     assert_matches_torch(q, expected_q, "rope")
     assert_matches_torch(k, expected_k, "rope")
+
+
+def test_the_launch_cache_keys_on_what_triton_specializes_on():
+    """A cached compiled variant is reused only for arguments Triton would compile the same: a tensor's
+    dtype, device and 16-byte alignment, each int's value; a float's value does not count."""
+    from attention.launch import specialization
+
+    x = torch.zeros(64)
+    base = specialization((x, 16, 1e-6, True, None))
+    assert specialization((torch.ones(64), 16, 1e-5, True, None)) == base
+    for other in ((x[1:], 16, 1e-6, True, None), (x.half(), 16, 1e-6, True, None),
+                  (x, 17, 1e-6, True, None), (x, 16, 1e-6, False, None), (x, 16, 1e-6, True, x)):
+        assert specialization(other) != base
+
+
+@pytest.mark.gpu
+def test_cached_launches_give_the_jit_launch_results():
+    """The fused kernels' direct launches (after each shape's first call) give what the first, JIT-dispatched
+    call gave, on a second shape and a misaligned view too."""
+    for rows in (3, 8):
+        x = torch.randn(rows + 1, 256, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(256, device="cuda", dtype=torch.bfloat16)
+        for view in (x[:rows], x[1:]):  # x[1:] starts 512 bytes in: aligned; a column offset is not
+            first = rmsnorm(view, weight, EPS)
+            assert torch.equal(rmsnorm(view, weight, EPS), first)
+        gate_up = torch.randn(rows, 2 * 300, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(silu_mul(gate_up), silu_mul(gate_up.clone()))
+        unaligned = torch.randn(rows, 2 * 300 + 1, device="cuda", dtype=torch.bfloat16)[:, 1:]
+        aligned = silu_mul(unaligned.contiguous())  # another variant (16-byte aligned rows), compiled first
+        assert torch.equal(silu_mul(unaligned), aligned) and torch.equal(silu_mul(unaligned), aligned)

@@ -17,6 +17,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from attention.launch import LaunchCache
+from attention.workspace import current_stream
+
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):
@@ -152,16 +155,21 @@ def _norm_warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
+# Each launches its compiled variant directly after the first call of a shape (attention/launch.py).
+_NORM = LaunchCache(rmsnorm_kernel, enable_fp_fusion=False)
+_SILU_MUL = LaunchCache(silu_mul_kernel, enable_fp_fusion=False)
+_ROPE_QKV = LaunchCache(rope_qkv_kernel, enable_fp_fusion=False)
+
+
 def _launch_norm(x, residual, weight, next_weight, out, normed, eps) -> None:
     rows, hidden = x.shape
     _rows(x, hidden, "x")
     block = triton.next_power_of_2(hidden)
-    rmsnorm_kernel[(rows,)](
-        x, residual, weight, next_weight, out, normed,
-        x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
-        0 if normed is None else normed.stride(0), eps,
-        hidden, block, residual is not None, next_weight is not None, PRECISE,
-        num_warps=_norm_warps(block), enable_fp_fusion=False)
+    args = (x, residual, weight, next_weight, out, normed,
+            x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+            0 if normed is None else normed.stride(0), eps,
+            hidden, block, residual is not None, next_weight is not None, PRECISE)
+    _NORM((rows,), args, _norm_warps(block), current_stream(x.device))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -198,9 +206,9 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     _rows(gate_up, 2 * size, "gate_up")
     out = gate_up.new_empty(rows, size) if out is None else out
     block = min(SILU_BLOCK, triton.next_power_of_2(size))
-    silu_mul_kernel[(rows, triton.cdiv(size, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), size, block, PRECISE,
-        num_warps=4, enable_fp_fusion=False)
+    _SILU_MUL((rows, triton.cdiv(size, block)),
+              (gate_up, out, gate_up.stride(0), out.stride(0), size, block, PRECISE), 4,
+              current_stream(gate_up.device))
     return out
 
 
@@ -220,10 +228,9 @@ def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads:
         out = (qkv.new_empty(rows, num_heads, head_dim), qkv.new_empty(rows, num_kv_heads, head_dim))
     q, k = out
     store = key_cache is not None
-    rope_qkv_kernel[(rows, 2)](
-        qkv, cos, sin, q, k, key_cache, value_cache, slot_mapping,
-        qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k.stride(0),
-        num_heads, num_kv_heads, head_dim, triton.next_power_of_2(max(num_heads, num_kv_heads)), store,
-        num_warps=4, enable_fp_fusion=False)
+    args = (qkv, cos, sin, q, k, key_cache, value_cache, slot_mapping,
+            qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k.stride(0),
+            num_heads, num_kv_heads, head_dim, triton.next_power_of_2(max(num_heads, num_kv_heads)), store)
+    _ROPE_QKV((rows, 2), args, 4, current_stream(qkv.device))
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(rows, num_kv_heads, head_dim)
     return q, k, v
