@@ -18,6 +18,13 @@ rotated basis (q_r = q H; the caller rotates the output back with H^T). With TWO
 q=, rotation=)`, as the engine runs it) the side rows are the model's own, unrotated: they score with q, and
 only the packed tiles' share of the output is rotated back.
 
+The decode kernel is ALU-bound (a few instructions per code against half a byte or less read per code),
+so it never builds a [G, D] code tile: each thread reads whole words of a bit plane and takes their
+codes apart in place, lane by lane (the comment above MAGIC), with no int-to-float conversion and no
+exchange of tiles between threads; each warp keeps its own online softmax over its rows of every tile, and
+the side rows keep one of their own, read after the packed tiles. The states merge once, at the end of
+the program.
+
 Partial state for several splits is decode.py's: fp32 acc [P, D], then max [P], then sum [P], merged by its
 `decode_merge_kernel`; scores are in base 2 (q is pre-scaled by scale * log2 e).
 """
@@ -36,6 +43,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 PLANE_WIDTHS = {2: (2, 0), 4: (4, 0), 5: (4, 1), 8: (4, 4)}
 
 
+# _unpack_plane and _unpack_codes: a tile's codes as a plain [G, D] tensor (the prefill kernel's form).
 @triton.jit
 def _unpack_plane(row_ptr, offs_g, ROW_BYTES: tl.constexpr, FIRST_BYTE: tl.constexpr, WIDTH: tl.constexpr,
                   G: tl.constexpr, D: tl.constexpr):
@@ -60,80 +68,254 @@ def _unpack_codes(tile_ptr, offs_g, LOW_BITS: tl.constexpr, HIGH_BITS: tl.conste
     return codes.to(tl.float32)
 
 
+# Decode's lane-split form of a packed tile. A column is 8 codes of one token row, channels 8c .. 8c + 7:
+# one element of a bit plane (a uint32 word of 4-bit codes, uint16 of 2-bit, uint8 of 1-bit), so each
+# plane's row is D / 8 columns and one code tensor per plane serves all widths. The tile's rows are cut
+# into SLOTS slots of HALVES * 8 rows (SLOTS = 4, one per warp at num_warps 4, from G = 64 on; HALVES = 2
+# from G = 16 on; a tile of more rows is taken 64 at a time); a thread holds one column of 8 rows of its
+# slot (row (slot * HALVES + half) * 8 + r). So every per-tile tensor is [SLOTS, HALVES, D / 8, 8], warps
+# x (2 x 16 lanes) x registers at head_dim 128: the key dot reduces over the columns (across 16 lanes), the
+# value sum over the rows (in registers, the halves' shares merged at the end), and no tile is ever
+# rearranged. Each slot keeps its own running max, sum and output, so a tile needs no exchange between
+# warps. The last dim indexes a thread's 8 rows in the code and per-row tensors, the 8 codes of its column
+# (lane k: channel 8c + k) in per-channel ones; _lanes and _stack go between it and 8 separate tensors.
+MAGIC = tl.constexpr(0x4B000000)  # the bits of 2^23: or'ing an integer below 2^23 into them adds it
+
+
 @triton.jit
-def _attend_tile(q, q_side, m_i, l_i, acc, acc_side, t0, end, sink, side_from, block, side_block, kv_head,
-                 key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, side_k_ptr, side_v_ptr,
-                 KV_HEADS: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                 K_LOW_BITS: tl.constexpr, K_HIGH_BITS: tl.constexpr, V_LOW_BITS: tl.constexpr,
-                 V_HIGH_BITS: tl.constexpr, MIXED: tl.constexpr):
-    """Tile t0 .. t0 + G - 1 into the running (max, sum, acc, acc_side): packed positions score with q (the
-    rotated query) into acc, side rows with q_side (the query in the side rows' basis) into acc_side. Without
-    MIXED every position of the tile is in range and packed (no masks, no side pool); with MIXED some are
-    side rows or out of range."""
-    offs_g = tl.arange(0, G)
-    offs_d = tl.arange(0, D)
-    positions = t0 + offs_g
+def _lanes(x, SLOTS: tl.constexpr, HALVES: tl.constexpr, COLS: tl.constexpr):
+    """x [SLOTS, HALVES, COLS, 8] as its 8 slices x[..., 0], ..., x[..., 7] (the last dim is in registers:
+    splitting it moves no data)."""
+    x = tl.reshape(x, [SLOTS, HALVES, COLS, 2, 2, 2])  # lane k = 4 * i + 2 * j + l at [..., i, j, l]
+    even, odd = tl.split(x)
+    even_0, even_1 = tl.split(even)
+    odd_0, odd_1 = tl.split(odd)
+    x0, x4 = tl.split(even_0)
+    x2, x6 = tl.split(even_1)
+    x1, x5 = tl.split(odd_0)
+    x3, x7 = tl.split(odd_1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _stack(x0, x1, x2, x3, x4, x5, x6, x7, SLOTS: tl.constexpr, HALVES: tl.constexpr, COLS: tl.constexpr):
+    """_lanes' inverse: 8 tensors [SLOTS, HALVES, COLS] as one [SLOTS, HALVES, COLS, 8], x_k at [..., k]."""
+    x = tl.join(tl.join(tl.join(x0, x4), tl.join(x2, x6)), tl.join(tl.join(x1, x5), tl.join(x3, x7)))
+    return tl.reshape(x, [SLOTS, HALVES, COLS, 8])
+
+
+@triton.jit
+def _lane_units(WIDTH: tl.constexpr, FACTOR: tl.constexpr):
+    """[8] fp32: FACTOR * 2^-(the bit _lane_code leaves lane k's code at), what undoes its shift (exact: a
+    power of two, built from its bits)."""
+    k = tl.arange(0, 8)
+    shift = tl.where(WIDTH * k >= 16, WIDTH * k - 12, WIDTH * k)
+    return ((127 - shift) << 23).to(tl.float32, bitcast=True) * FACTOR
+
+
+@triton.jit
+def _lane_code(column, high_part, magic, k: tl.constexpr, WIDTH: tl.constexpr):
+    """Code k of each column (uint32 holding 8 WIDTH-bit codes, code k at bit WIDTH * k) as fp32, times
+    2^(the bit it is read at; _lane_units undoes it): its bits masked in place and or'ed into the mantissa
+    of 2^23 (magic, the bits of 2^23), minus 2^23. Exact, one LOP3 and one FADD, no int-to-float conversion
+    (a quarter-rate instruction on Hopper). A code must sit below bit 23: 4-bit lanes 4..7 are read from
+    high_part = column >> 12 (one shift per column), at bits 4 .. 16 (not 0: ptxas would turn that mask
+    into a second shift)."""
+    if WIDTH * k >= 16:
+        bits = high_part & (((1 << WIDTH) - 1) << (WIDTH * k - 12))
+    else:
+        bits = column & (((1 << WIDTH) - 1) << (WIDTH * k))
+    return (bits | magic).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _column(ptrs, ROW_BYTES: tl.constexpr, FIRST_BYTE: tl.constexpr, WIDTH: tl.constexpr):
+    """The columns at ptrs (uint8 pointers to their first bytes) as uint32: one load of a (8 * WIDTH)-bit
+    element where the plane's rows hold whole ones, else WIDTH bytes put together (5-bit codes at
+    head_dim < 32, whose 4-bit plane rows are not whole words)."""
+    if (ROW_BYTES % WIDTH == 0) and (FIRST_BYTE % WIDTH == 0):
+        if WIDTH == 4:
+            elem = tl.uint32
+        elif WIDTH == 2:
+            elem = tl.uint16
+        else:
+            elem = tl.uint8
+        column = tl.load(ptrs.to(tl.pointer_type(elem))).to(tl.uint32)
+    else:
+        column = tl.load(ptrs).to(tl.uint32)
+        for byte in tl.static_range(1, WIDTH):
+            column |= tl.load(ptrs + byte).to(tl.uint32) << (8 * byte)
+    return column
+
+
+@triton.jit
+def _plane_columns(tile_ptr, rows, offs_c, ROW_BYTES: tl.constexpr, FIRST_BYTE: tl.constexpr,
+                   WIDTH: tl.constexpr):
+    """One bit plane of a tile: the column (8 codes, uint32) of each thread's 8 rows, row by row, 8 tensors
+    [SLOTS, HALVES, COLS]. rows [SLOTS, HALVES, 1]: the first of a thread's rows; offs_c [1, 1, COLS]. A
+    column is WIDTH bytes of its row's plane."""
+    ptrs = tile_ptr + FIRST_BYTE + rows * ROW_BYTES + offs_c * WIDTH
+    return (_column(ptrs, ROW_BYTES, FIRST_BYTE, WIDTH),
+            _column(ptrs + ROW_BYTES, ROW_BYTES, FIRST_BYTE, WIDTH),
+            _column(ptrs + 2 * ROW_BYTES, ROW_BYTES, FIRST_BYTE, WIDTH),
+            _column(ptrs + 3 * ROW_BYTES, ROW_BYTES, FIRST_BYTE, WIDTH),
+            _column(ptrs + 4 * ROW_BYTES, ROW_BYTES, FIRST_BYTE, WIDTH),
+            _column(ptrs + 5 * ROW_BYTES, ROW_BYTES, FIRST_BYTE, WIDTH),
+            _column(ptrs + 6 * ROW_BYTES, ROW_BYTES, FIRST_BYTE, WIDTH),
+            _column(ptrs + 7 * ROW_BYTES, ROW_BYTES, FIRST_BYTE, WIDTH))
+
+
+@triton.jit
+def _row_score(part, column, lanes, magic, WIDTH: tl.constexpr):
+    """part + sum_k lanes[k] code_k over one row's column: 8 FFMAs on the codes as _lane_code makes them."""
+    high_part = column >> 12
+    for k in tl.static_range(8):
+        part += lanes[k] * _lane_code(column, high_part, magic, k, WIDTH)
+    return part
+
+
+@triton.jit
+def _plane_scores(parts, columns, folded, magic, WIDTH: tl.constexpr, SLOTS: tl.constexpr,
+                  HALVES: tl.constexpr, COLS: tl.constexpr):
+    """parts (8 rows) + each row's share of sum_j folded_j code_ij over its column. columns: a plane's 8
+    rows (_plane_columns); folded [SLOTS, HALVES, COLS, 8]: lanes in the last dim, with _lane_units."""
+    lanes = _lanes(folded, SLOTS, HALVES, COLS)
+    return (_row_score(parts[0], columns[0], lanes, magic, WIDTH),
+            _row_score(parts[1], columns[1], lanes, magic, WIDTH),
+            _row_score(parts[2], columns[2], lanes, magic, WIDTH),
+            _row_score(parts[3], columns[3], lanes, magic, WIDTH),
+            _row_score(parts[4], columns[4], lanes, magic, WIDTH),
+            _row_score(parts[5], columns[5], lanes, magic, WIDTH),
+            _row_score(parts[6], columns[6], lanes, magic, WIDTH),
+            _row_score(parts[7], columns[7], lanes, magic, WIDTH))
+
+
+@triton.jit
+def _lane_sum(columns, high_parts, weights, magic, k: tl.constexpr, WIDTH: tl.constexpr):
+    """sum_r weights[r] code_k of row r's column, lane k over a thread's 8 rows: an FFMA chain."""
+    total = weights[0] * _lane_code(columns[0], high_parts[0], magic, k, WIDTH)
+    for r in tl.static_range(1, 8):
+        total += weights[r] * _lane_code(columns[r], high_parts[r], magic, k, WIDTH)
+    return total
+
+
+@triton.jit
+def _plane_values(columns, weighted, magic, WIDTH: tl.constexpr, SLOTS: tl.constexpr, HALVES: tl.constexpr,
+                  COLS: tl.constexpr):
+    """sum_i weighted_i code_ij over each thread's 8 rows, per lane: [SLOTS, HALVES, COLS, 8] (lanes in the
+    last dim, each times its _lane_code shift). columns: a plane's 8 rows; weighted [.., 8]: rows."""
+    weights = _lanes(weighted, SLOTS, HALVES, COLS)
+    high_parts = (columns[0] >> 12, columns[1] >> 12, columns[2] >> 12, columns[3] >> 12,
+                  columns[4] >> 12, columns[5] >> 12, columns[6] >> 12, columns[7] >> 12)
+    return _stack(_lane_sum(columns, high_parts, weights, magic, 0, WIDTH),
+                  _lane_sum(columns, high_parts, weights, magic, 1, WIDTH),
+                  _lane_sum(columns, high_parts, weights, magic, 2, WIDTH),
+                  _lane_sum(columns, high_parts, weights, magic, 3, WIDTH),
+                  _lane_sum(columns, high_parts, weights, magic, 4, WIDTH),
+                  _lane_sum(columns, high_parts, weights, magic, 5, WIDTH),
+                  _lane_sum(columns, high_parts, weights, magic, 6, WIDTH),
+                  _lane_sum(columns, high_parts, weights, magic, 7, WIDTH),
+                  SLOTS, HALVES, COLS)
+
+
+@triton.jit
+def _attend_packed(q, magic, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block,
+                   kv_head, key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr,
+                   KV_HEADS: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                   K_LOW_BITS: tl.constexpr, K_HIGH_BITS: tl.constexpr, V_LOW_BITS: tl.constexpr,
+                   V_HIGH_BITS: tl.constexpr, SLOTS: tl.constexpr, HALVES: tl.constexpr,
+                   MASKED: tl.constexpr):
+    """The packed positions of tile t0 .. t0 + G - 1 into each slot's running max [SLOTS, D / 8], sum
+    [SLOTS, HALVES, D / 8] (both copies across the columns) and output [SLOTS, HALVES, D / 8, 8] (sum and
+    output: each half's share): all of them, or with MASKED those in range and not side rows. q [SLOTS,
+    HALVES, D / 8, 8]: the rotated query, lanes in the last dim. A tile of more than SLOTS * HALVES * 8 rows
+    is taken that many rows at a time (G = 128: two parts), a slot's rows from each."""
+    COLS: tl.constexpr = D // 8
+    SHAPE: tl.constexpr = [SLOTS, HALVES, COLS, 8]
+    PART_ROWS: tl.constexpr = SLOTS * HALVES * 8
+    lane = tl.arange(0, 8)[None, None, None, :]
+    offs_c = tl.arange(0, COLS)[None, None, :]
+    channel_of = tl.broadcast_to(offs_c[:, :, :, None] * 8 + lane, SHAPE)  # a column's channels
     slot = block * KV_HEADS + kv_head
     key_scales = key_scales_ptr + slot * (2 * D + G)
     value_scales = value_scales_ptr + slot * (D + 2 * G)
     key_tile = key_codes_ptr + slot * (G * D * (K_LOW_BITS + K_HIGH_BITS) // 8)
     value_tile = value_codes_ptr + slot * (G * D * (V_LOW_BITS + V_HIGH_BITS) // 8)
-    if MIXED:
-        inside = positions < end
-        high_precision = (positions < sink) | (positions >= side_from)
-        packed = inside & ~high_precision
-        from_side = inside & high_precision
-        # A packed position lies below L - L % G, in a full tile, which has its block; a tile without one
-        # (the unfilled tile) may have none, and its packed loads are skipped.
-        any_packed = tl.maximum(t0, sink) < tl.minimum(tl.minimum(t0 + G, end), side_from)
-        s = tl.full([G], float("-inf"), tl.float32)
-        if any_packed:
-            channel_scale = tl.load(key_scales + offs_d).to(tl.float32)
-            channel_zero = tl.load(key_scales + D + offs_d).to(tl.float32)
-            token_scale = tl.load(key_scales + 2 * D + offs_g).to(tl.float32)
-            codes = _unpack_codes(key_tile, offs_g, K_LOW_BITS, K_HIGH_BITS, G, D)
-            folded = q * channel_scale
-            scores = token_scale * (tl.sum(codes * folded[None, :], 1) + tl.sum(q * channel_zero, 0))
-            s = tl.where(packed, scores, s)
-        side_rows = ((side_block * G + offs_g) * KV_HEADS + kv_head) * D
-        side_ptrs = side_rows[:, None] + offs_d[None, :]
-        k_side = tl.load(side_k_ptr + side_ptrs, mask=from_side[:, None], other=0.0).to(tl.float32)
-        s = tl.where(from_side, tl.sum(k_side * q_side[None, :], 1), s)
-        # Every tile in a split's range holds a position below the context length: m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)
-        v_side = tl.load(side_v_ptr + side_ptrs, mask=from_side[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha
-        acc_side = acc_side * alpha + tl.sum(p[:, None] * v_side, 0)
-        if any_packed:
-            p_packed = tl.where(packed, p, 0.0)
-            channel_scale = tl.load(value_scales + offs_d).to(tl.float32)
-            token_scale = tl.load(value_scales + D + offs_g).to(tl.float32)
-            token_zero = tl.load(value_scales + D + G + offs_g).to(tl.float32)
-            codes = _unpack_codes(value_tile, offs_g, V_LOW_BITS, V_HIGH_BITS, G, D)
-            weighted = p_packed * token_scale
-            acc += channel_scale * (tl.sum(weighted[:, None] * codes, 0) + tl.sum(p_packed * token_zero, 0))
-    else:
-        channel_scale = tl.load(key_scales + offs_d).to(tl.float32)
-        channel_zero = tl.load(key_scales + D + offs_d).to(tl.float32)
-        token_scale = tl.load(key_scales + 2 * D + offs_g).to(tl.float32)
-        key_codes = _unpack_codes(key_tile, offs_g, K_LOW_BITS, K_HIGH_BITS, G, D)
-        v_channel_scale = tl.load(value_scales + offs_d).to(tl.float32)
-        v_token_scale = tl.load(value_scales + D + offs_g).to(tl.float32)
-        v_token_zero = tl.load(value_scales + D + G + offs_g).to(tl.float32)
-        value_codes = _unpack_codes(value_tile, offs_g, V_LOW_BITS, V_HIGH_BITS, G, D)
-        folded = q * channel_scale
-        s = token_scale * (tl.sum(key_codes * folded[None, :], 1) + tl.sum(q * channel_zero, 0))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new)
+    K_ROW: tl.constexpr = D * (K_LOW_BITS + K_HIGH_BITS) // 8
+    V_ROW: tl.constexpr = D * (V_LOW_BITS + V_HIGH_BITS) // 8
+
+    # score_i = r_i (sum_j (q_j s_j) code_ij + q . z): q . z enters as each column's share in every row.
+    channel_scale = tl.load(key_scales + channel_of).to(tl.float32)
+    zero_part = tl.sum(q * tl.load(key_scales + D + channel_of).to(tl.float32), 3)
+    folded = q * channel_scale  # times each plane's _lane_units, exact (the high plane's 2^K_LOW_BITS too)
+    folded_low = folded * _lane_units(K_LOW_BITS, 1.0)[None, None, None, :]
+    folded_high = folded * _lane_units(K_HIGH_BITS, 1 << K_LOW_BITS)[None, None, None, :]
+    # out_j = c_j (sum_i (p_i t_i) code_ij + sum_i p_i u_i), each half over its own rows.
+    v_channel_scale = tl.load(value_scales + channel_of).to(tl.float32)
+    for part in tl.static_range(G // PART_ROWS):
+        rows = (part * PART_ROWS
+                + (tl.arange(0, SLOTS)[:, None, None] * HALVES + tl.arange(0, HALVES)[None, :, None]) * 8)
+        row_of = tl.broadcast_to(rows[:, :, :, None] + lane, SHAPE)  # a thread's rows, copies per column
+        token_scale = tl.load(key_scales + 2 * D + row_of).to(tl.float32)
+        parts = (zero_part, zero_part, zero_part, zero_part, zero_part, zero_part, zero_part, zero_part)
+        columns = _plane_columns(key_tile, rows, offs_c, K_ROW, 0, K_LOW_BITS)
+        parts = _plane_scores(parts, columns, folded_low, magic, K_LOW_BITS, SLOTS, HALVES, COLS)
+        if K_HIGH_BITS > 0:
+            columns = _plane_columns(key_tile, rows, offs_c, K_ROW, D * K_LOW_BITS // 8, K_HIGH_BITS)
+            parts = _plane_scores(parts, columns, folded_high, magic, K_HIGH_BITS, SLOTS, HALVES, COLS)
+        scores = _stack(parts[0], parts[1], parts[2], parts[3], parts[4], parts[5], parts[6], parts[7], SLOTS,
+                        HALVES, COLS)
+        s = tl.sum(scores, 2, keep_dims=True) * token_scale  # each row's score, copies across its columns
+        if MASKED:
+            positions = t0 + row_of
+            s = tl.where((positions < end) & (positions >= sink) & (positions < side_from), s, float("-inf"))
+        m_new = tl.maximum(m_slot, tl.max(tl.max(s, 3), 1))  # the columns hold copies: no max across them
+        if MASKED:  # a slot may have no packed position yet: keep exp2's arguments finite
+            m_new_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+        else:
+            m_new_ref = m_new
+        alpha = tl.exp2(m_slot - m_new_ref)[:, None, :]
+        p = tl.exp2(s - m_new_ref[:, None, :, None])
+        l_slot = l_slot * alpha + tl.sum(p, 3)
+        m_slot = m_new
+
+        v_token_scale = tl.load(value_scales + D + row_of).to(tl.float32)
+        v_token_zero = tl.load(value_scales + D + G + row_of).to(tl.float32)
         weighted = p * v_token_scale
-        tile_out = tl.sum(weighted[:, None] * value_codes, 0) + tl.sum(p * v_token_zero, 0)
-        acc = acc * alpha + v_channel_scale * tile_out
-        acc_side = acc_side * alpha
-    l_i = l_i * alpha + tl.sum(p, 0)
-    return m_new, l_i, acc, acc_side
+        zero_term = tl.sum(p * v_token_zero, 3)[:, :, :, None]
+        columns = _plane_columns(value_tile, rows, offs_c, V_ROW, 0, V_LOW_BITS)
+        tile_out = (_plane_values(columns, weighted, magic, V_LOW_BITS, SLOTS, HALVES, COLS)
+                    * _lane_units(V_LOW_BITS, 1.0)[None, None, None, :] + zero_term)
+        if V_HIGH_BITS > 0:
+            columns = _plane_columns(value_tile, rows, offs_c, V_ROW, D * V_LOW_BITS // 8, V_HIGH_BITS)
+            tile_out += (_plane_values(columns, weighted, magic, V_HIGH_BITS, SLOTS, HALVES, COLS)
+                         * _lane_units(V_HIGH_BITS, 1 << V_LOW_BITS)[None, None, None, :])
+        acc_slot = acc_slot * alpha[:, :, :, None] + v_channel_scale * tile_out
+    return m_slot, l_slot, acc_slot
+
+
+@triton.jit
+def _attend_side(q_side, m_side, l_side, acc_side, c0, lo, hi, side_block, kv_head, side_k_ptr, side_v_ptr,
+                 KV_HEADS: tl.constexpr, D: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr):
+    """Positions c0 .. c0 + ROWS - 1 (of one tile, in side block side_block) that lie in [lo, hi), side
+    rows, into their own running (max, sum, acc_side), scored with q_side (the query in the side rows'
+    basis)."""
+    offs_g = c0 % G + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, D)
+    positions = c0 + tl.arange(0, ROWS)
+    from_side = (positions >= lo) & (positions < hi)
+    side_rows = ((side_block * G + offs_g) * KV_HEADS + kv_head) * D
+    side_ptrs = side_rows[:, None] + offs_d[None, :]
+    k_side = tl.load(side_k_ptr + side_ptrs, mask=from_side[:, None], other=0.0).to(tl.float32)
+    s = tl.where(from_side, tl.sum(k_side * q_side[None, :], 1), float("-inf"))
+    m_new = tl.maximum(m_side, tl.max(s, 0))
+    m_new_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_side - m_new_ref)
+    p = tl.exp2(s - m_new_ref)
+    v_side = tl.load(side_v_ptr + side_ptrs, mask=from_side[:, None], other=0.0).to(tl.float32)
+    acc_side = acc_side * alpha + tl.sum(p[:, None] * v_side, 0)
+    l_side = l_side * alpha + tl.sum(p, 0)
+    return m_new, l_side, acc_side
 
 
 # The table strides (the step's longest tables) change per step: one compiled kernel for every value.
@@ -163,16 +345,30 @@ def kvarn_decode_split_kernel(
         start, end = split_bounds(split, num_splits, context_len, TILE)
         side_from = context_len - tl.maximum(tail, context_len % TILE)  # the newest rows, high precision
 
+        HALVES: tl.constexpr = 2 if TILE >= 16 else 1
+        SLOTS: tl.constexpr = min(TILE // (8 * HALVES), 4)  # one per warp at num_warps 4 (the default)
+        COLS: tl.constexpr = HEAD_DIM // 8
+        SIDE_ROWS: tl.constexpr = 16 if TILE >= 16 else TILE
         offs_d = tl.arange(0, HEAD_DIM)
-        q_offset = row.to(tl.int64) * stride_qn + head * stride_qh + offs_d
-        q = tl.load(q_ptr + q_offset).to(tl.float32) * (scale * LOG2E)
+        q_offset = row.to(tl.int64) * stride_qn + head * stride_qh
+        channel_of = tl.broadcast_to(tl.arange(0, COLS)[None, None, :, None] * 8
+                                     + tl.arange(0, 8)[None, None, None, :], [SLOTS, HALVES, COLS, 8])
+        q = tl.load(q_ptr + q_offset + channel_of).to(tl.float32) * (scale * LOG2E)
         if TWO_BASES:
-            q_side = tl.load(q_side_ptr + q_offset).to(tl.float32) * (scale * LOG2E)
+            q_side = tl.load(q_side_ptr + q_offset + offs_d).to(tl.float32) * (scale * LOG2E)
         else:
-            q_side = q
-        m_i = tl.full([], float("-inf"), tl.float32)
-        l_i = tl.zeros([], tl.float32)
-        acc = tl.zeros([HEAD_DIM], tl.float32)
+            q_side = tl.load(q_ptr + q_offset + offs_d).to(tl.float32) * (scale * LOG2E)
+        # The bits of 2^23 for _lane_code, in a register: ptxas cannot fold a value that depends on the
+        # (never negative) context length, so each LOP3 keeps its immediate for a lane's mask instead of
+        # rematerializing eight masks per tile.
+        magic = MAGIC + tl.minimum(context_len, 0).to(tl.uint32)
+        # An online softmax per slot over its packed positions (_attend_packed) and one over the side rows
+        # (_attend_side), each with its own max, merged at the end.
+        m_slot = tl.full([SLOTS, COLS], float("-inf"), tl.float32)
+        l_slot = tl.zeros([SLOTS, HALVES, COLS], tl.float32)
+        acc_slot = tl.zeros([SLOTS, HALVES, COLS, 8], tl.float32)
+        m_side = tl.full([], float("-inf"), tl.float32)
+        l_side = tl.zeros([], tl.float32)
         acc_side = tl.zeros([HEAD_DIM], tl.float32)
         blocks = block_tables_ptr + row.to(tl.int64) * stride_bt
         side_blocks = side_tables_ptr + row.to(tl.int64) * stride_st
@@ -181,17 +377,46 @@ def kvarn_decode_split_kernel(
             # A missing block (-1) is never dereferenced; clamping keeps even its address in the pool.
             block = tl.maximum(tl.load(blocks + tile), 0).to(tl.int64)
             if (t0 < sink) | (t0 + TILE > side_from):
-                side_block = tl.maximum(tl.load(side_blocks + tile), 0).to(tl.int64)
-                m_i, l_i, acc, acc_side = _attend_tile(
-                    q, q_side, m_i, l_i, acc, acc_side, t0, end, sink, side_from, block, side_block, kv_head,
-                    key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, side_k_ptr, side_v_ptr,
-                    KV_HEADS, HEAD_DIM, TILE, K_LOW_BITS, K_HIGH_BITS, V_LOW_BITS, V_HIGH_BITS, True)
+                # A packed position lies below L - L % G, in a full tile, which has its block; a tile
+                # without one (the unfilled tile) may have none, and its packed loads are skipped.
+                if tl.maximum(t0, sink) < tl.minimum(tl.minimum(t0 + TILE, end), side_from):
+                    m_slot, l_slot, acc_slot = _attend_packed(
+                        q, magic, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block, kv_head,
+                        key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, KV_HEADS,
+                        HEAD_DIM, TILE, K_LOW_BITS, K_HIGH_BITS, V_LOW_BITS, V_HIGH_BITS, SLOTS, HALVES, True)
             else:
-                m_i, l_i, acc, acc_side = _attend_tile(
-                    q, q_side, m_i, l_i, acc, acc_side, t0, end, sink, side_from, block, block, kv_head,
-                    key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, side_k_ptr, side_v_ptr,
-                    KV_HEADS, HEAD_DIM, TILE, K_LOW_BITS, K_HIGH_BITS, V_LOW_BITS, V_HIGH_BITS, False)
+                m_slot, l_slot, acc_slot = _attend_packed(
+                    q, magic, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block, kv_head,
+                    key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, KV_HEADS, HEAD_DIM,
+                    TILE, K_LOW_BITS, K_HIGH_BITS, V_LOW_BITS, V_HIGH_BITS, SLOTS, HALVES, False)
+        # The side rows (the first `sink` positions and those from side_from on) in loops of their own,
+        # after the packed tiles, so that nothing of theirs stays live through the packed path; in chunks
+        # of SIDE_ROWS aligned positions, each within one tile (a whole tile of side rows at a time would
+        # hold more registers than the packed path).
+        for window in tl.static_range(2):
+            if window == 0:
+                lo = start
+                hi = tl.minimum(sink, end)
+            else:  # from side_from on, but not twice where the two overlap
+                lo = tl.maximum(tl.maximum(side_from, sink), start)
+                hi = end
+            for c0 in range(lo - lo % SIDE_ROWS, hi, SIDE_ROWS):
+                side_block = tl.maximum(tl.load(side_blocks + c0 // TILE), 0).to(tl.int64)
+                m_side, l_side, acc_side = _attend_side(
+                    q_side, m_side, l_side, acc_side, c0, lo, hi, side_block, kv_head, side_k_ptr, side_v_ptr,
+                    KV_HEADS, HEAD_DIM, TILE, SIDE_ROWS)
 
+        # The merge: one max over the slots and the side rows (an empty split keeps -inf, and zeros).
+        # m_slot's and l_slot's columns hold copies; acc_slot holds each half's share, in lanes.
+        m_slot = tl.max(m_slot, 1)
+        m_i = tl.maximum(tl.max(m_slot, 0), m_side)
+        m_ref = tl.where(m_i > float("-inf"), m_i, 0.0)
+        slot_weight = tl.exp2(m_slot - m_ref)
+        side_weight = tl.exp2(m_side - m_ref)
+        l_i = tl.sum(tl.max(tl.sum(l_slot, 1), 1) * slot_weight, 0) + l_side * side_weight
+        acc = tl.sum(tl.sum(acc_slot * slot_weight[:, None, None, None], 1), 0)
+        acc = tl.reshape(acc, [HEAD_DIM])  # channel 8c + k from [c, k]
+        acc_side = acc_side * side_weight
         if not TWO_BASES:
             acc += acc_side
         if num_splits == 1:
