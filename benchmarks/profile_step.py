@@ -35,10 +35,13 @@ def main() -> None:
     parser.add_argument("--gaps", type=int, default=0, help="also list the N longest device idle gaps")
     parser.add_argument("--mixed", type=int, default=0, help="prompts added before the profiled steps")
     parser.add_argument("--async-scheduling", default="on", choices=["on", "off"])
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, bf16, fp8_e4m3 or a KVarN preset")
+    parser.add_argument("--block-size", type=int, default=16, help="64 for the KVarN g64 presets")
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
     with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=args.batch + args.mixed,
-                exit_policy=args.policy, kv_sharing=args.kv_sharing,
+                exit_policy=args.policy, kv_sharing=args.kv_sharing, kv_cache_dtype=args.kv_cache_dtype,
+                block_size=args.block_size,
                 max_model_len=args.prompt + 4 * args.steps + 8, enable_prefix_caching=False,
                 # None: on where it applies (not under early:Q)
                 async_scheduling=None if args.async_scheduling == "on" else False,
