@@ -32,6 +32,7 @@ import torch
 from attention.base import AttentionMetadata, side_table_tensor
 from attention.kernels.kvarn_decode import kvarn_decode
 from attention.kernels.kvarn_prefill import kvarn_prefill
+from attention.kernels.rotate import rotate_rows
 
 PREFILL_BLOCK_M = 16  # queries per program (tl.dot needs 16)
 
@@ -181,10 +182,10 @@ def kvarn_forward(step: KVarNStep, meta: AttentionMetadata, pool, slot: int, q: 
 def _decode(step: KVarNStep, pool, slot: int, query: torch.Tensor, scale: float, split_cap: int,
             split_min_keys: int) -> torch.Tensor:
     """The decode rows' attention (query fp32 [R, heads, D], unrotated): the unrotated output, fp32."""
-    fmt, rotation = pool.fmt, pool.rotation
-    return kvarn_decode(query @ rotation, pool.key_codes[slot], pool.value_codes[slot], pool.key_scales[slot],
-                        pool.value_scales[slot], pool.side_keys[slot], pool.side_values[slot],
-                        step.block_tables, step.decode_side_tables, step.context_lens, fmt.key_bits,
-                        fmt.value_bits, pool.sink, pool.tail, scale, split_cap, split_min_keys,
+    fmt, rotation, query = pool.fmt, pool.rotation, query.contiguous()
+    return kvarn_decode(rotate_rows(query, rotation), pool.key_codes[slot], pool.value_codes[slot],
+                        pool.key_scales[slot], pool.value_scales[slot], pool.side_keys[slot],
+                        pool.side_values[slot], step.block_tables, step.decode_side_tables, step.context_lens,
+                        fmt.key_bits, fmt.value_bits, pool.sink, pool.tail, scale, split_cap, split_min_keys,
                         step.max_context_len, q=query, rotation=rotation)
 

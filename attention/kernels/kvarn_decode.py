@@ -37,6 +37,7 @@ import triton.language as tl
 
 from attention.kernels.decode import (decode_merge_kernel, host_split_count, split_bounds, split_cap,
                                       split_count)
+from attention.kernels.rotate import rotate_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # (low plane width, high plane width or 0) per code width: the codec's bit planes (kvarn.PLANES).
@@ -516,4 +517,4 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
                                                split_min_keys, cap)
     if not two_bases:
         return out
-    return out_side + out @ rotation.T  # H is symmetric; .T says which way it turns
+    return rotate_rows(out, rotation.T, base=out_side)  # H is symmetric; .T says which way it turns
