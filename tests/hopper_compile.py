@@ -20,6 +20,7 @@ from attention.kernels.kv_store import kv_store_kernel
 from attention.kernels.kvarn_decode import PLANE_WIDTHS, kvarn_decode_split_kernel
 from attention.kernels.kvarn_prefill import kvarn_prefill_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
+from attention.kernels.rotate import rotate_rows_kernel
 from cache.copy_forward_kernel import copy_forward_kernel
 
 OURO = {"HEADS": 16, "KV_HEADS": 16, "HEAD_DIM": 128}
@@ -86,15 +87,19 @@ def variants() -> list[tuple]:
         for masked in (False, True):
             out.append((copy_forward_kernel, dtype, {"LOOPS": 4, "LAYERS": 24, "ROW": 2048, "BLOCK": 2048,
                                                      "MASKED": masked}, 4, None, None))
-    # The KVarN kernels at k4v2 (one plane each; the two-plane unpack is shared code, compiled by the GPU
-    # tests of tests/test_kvarn_kernels.py): the slowest variants to compile.
-    for key_bits, value_bits in ((4, 2),):
+    # The KVarN kernels: decode at k4v2 and k5v5 (one plane, and a 4-bit plus a 1-bit plane, which the
+    # decode kernel takes apart differently), prefill at k4v2: the slowest variants to compile.
+    for key_bits, value_bits in ((4, 2), (5, 5)):
         (k_low, k_high), (v_low, v_high) = PLANE_WIDTHS[key_bits], PLANE_WIDTHS[value_bits]
         planes = {"K_LOW_BITS": k_low, "K_HIGH_BITS": k_high, "V_LOW_BITS": v_low, "V_HIGH_BITS": v_high}
         kvarn = {**OURO, "TILE": 64, **planes}
         out.append((kvarn_decode_split_kernel, "bf16", {**kvarn, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16,
                                                         "TWO_BASES": True}, 4, None, KVARN_POINTERS))
-        out.append((kvarn_prefill_kernel, "bf16", {**kvarn, "BLOCK_M": 16}, 4, None, KVARN_POINTERS))
+        if key_bits == 4:
+            out.append((kvarn_prefill_kernel, "bf16", {**kvarn, "BLOCK_M": 16}, 4, None, KVARN_POINTERS))
+    for base in (False, True):  # KVarN's rotations of the decode query and of its output back
+        out.append((rotate_rows_kernel, "fp32", {"D": 128, "BLOCK_R": 16, "BASE": base}, 4, None,
+                    {"matrix_ptr": "*fp32"}))
     return out
 
 
