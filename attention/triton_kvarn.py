@@ -39,7 +39,8 @@ PREFILL_BLOCK_M = 16  # queries per program (tl.dot needs 16)
 
 @dataclasses.dataclass(slots=True)
 class KVarNStep:
-    """A step's host decisions over a KVarN pool, the same for every (loop, layer) call."""
+    """A step's decisions over a KVarN pool (made on the host, or on the device under capture), the same
+    for every (loop, layer) call."""
 
     side_rows: torch.Tensor | None = None  # [M] int64: side block * G + offset of each new row kept there
     side_tokens: torch.Tensor | None = None  # [M] int64: the step token each comes from (None: token i)
