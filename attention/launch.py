@@ -56,7 +56,6 @@ def specialization(args: tuple) -> tuple:
             key.append(float)
         else:
             key.append(arg)
-        # (a float's value is left out on purpose: an eps changes nothing the kernel was compiled for)
     return tuple(key)
 
 

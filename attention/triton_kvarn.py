@@ -29,7 +29,7 @@ import dataclasses
 
 import torch
 
-from attention.base import AttentionMetadata, side_table_tensor
+from attention.base import AttentionMetadata
 from attention.kernels.kvarn_decode import kvarn_decode
 from attention.kernels.kvarn_prefill import kvarn_prefill
 from attention.kernels.rotate import rotate_rows
@@ -58,8 +58,11 @@ class KVarNStep:
 
 
 def prepare_kvarn_step(meta: AttentionMetadata, block_size: int, to_device) -> KVarNStep:
-    """to_device(host tensor) -> device tensor (pinned and non-blocking on CUDA)."""
-    g, step = block_size, KVarNStep()
+    """to_device(host tensor) -> device tensor (pinned and non-blocking on CUDA). meta.side_tables (the
+    runner uploads it with the step) is what the kernels read; its host lists plan the step."""
+    if meta.side_tables is None:
+        raise ValueError("a KVarN step needs the side tables on the device (meta.side_tables)")
+    g, step = block_size, KVarNStep(side_tables=meta.side_tables)
     starts, tables = meta.query_starts_cpu, meta.side_tables_cpu
     side_rows, side_tokens, side_packed, chunk_rows, chunk_packed = [], [], [], [], []
     decode, prefill, work = [], [], []
@@ -87,9 +90,11 @@ def prepare_kvarn_step(meta: AttentionMetadata, block_size: int, to_device) -> K
         else:
             prefill.append(row)
             work += [(row, m0) for m0 in range(0, num_new, PREFILL_BLOCK_M)]
+    every_row_decodes = bool(decode) and len(decode) == len(tables)  # row i is token i: side_tokens unneeded
     if side_rows:
         step.side_rows = to_device(torch.tensor(side_rows, dtype=torch.int64))
-        step.side_tokens = to_device(torch.tensor(side_tokens, dtype=torch.int64))
+        if not every_row_decodes:
+            step.side_tokens = to_device(torch.tensor(side_tokens, dtype=torch.int64))
 
     def blocks_of(entries: list[tuple[int, int]]) -> torch.Tensor:  # (row, tile) -> pool block, on the device
         rows, tiles = to_device(torch.tensor(entries, dtype=torch.int64)).unbind(1)
@@ -102,16 +107,13 @@ def prepare_kvarn_step(meta: AttentionMetadata, block_size: int, to_device) -> K
     if chunk_packed:
         step.chunk_packed = (to_device(torch.tensor([list(r) for r in chunk_rows], dtype=torch.int64)),
                              blocks_of(chunk_packed))
-    step.side_tables = (meta.side_tables if meta.side_tables is not None
-                        else to_device(side_table_tensor(tables)))
     if prefill:
         step.prefill_work = to_device(torch.tensor(work, dtype=torch.int32))
         step.prefill_tokens = to_device(torch.tensor([t for row in prefill for t in range(starts[row],
                                                                                            starts[row + 1])],
                                                      dtype=torch.int64))
-    if decode and len(decode) == len(tables):  # a decode step: row i is token i
+    if every_row_decodes:
         step.every_row_decodes = True
-        step.side_tokens = None
         step.block_tables, step.decode_side_tables = meta.block_tables, step.side_tables
         step.context_lens = meta.context_lens
         step.max_context_len = max(meta.context_lens_cpu, default=0)

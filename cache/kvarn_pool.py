@@ -138,23 +138,20 @@ class KVarNPool:
         """Pack tiles of side rows into pool blocks: tile f is side rows rows[f] (int64 [F, G], side block * G
         + offset, a whole side block in order), block blocks[f] (int32 [F]; a negative one: skipped). The pack
         kernel rotates the rows itself, as the codec does, so nothing rotated is materialized."""
-        from cache.kvarn_pack_kernel import pack_tiles  # triton: only this path needs it
-
         shape = (-1, self.kv_heads, self.head_dim)
-        pack_tiles(self.side_keys[slot].view(shape), self.side_values[slot].view(shape), rows, blocks,
-                   self.key_codes[slot], self.value_codes[slot], self.key_scales[slot],
-                   self.value_scales[slot], self.fmt.key_bits, self.fmt.value_bits, self.iterations,
-                   rotation=self.rotation)
+        side_k, side_v = self.side_keys[slot].view(shape), self.side_values[slot].view(shape)
+        self.pack_rows(slot, side_k, side_v, rows, blocks, rotated=False)
 
-    def pack_rows(self, slot: int, rotated_k: torch.Tensor, rotated_v: torch.Tensor, rows: torch.Tensor,
-                  blocks: torch.Tensor) -> None:
-        """Pack tiles of rotated rows (rotated_k, rotated_v [n, kv_heads, D]; tile f is rows[f], int64 [F, G])
-        into pool blocks `blocks` (int32 [F]) with the Triton pack kernel (cache/kvarn_pack_kernel.py)."""
+    def pack_rows(self, slot: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, blocks: torch.Tensor,
+                  rotated: bool = True) -> None:
+        """Pack tiles of rows (k, v [n, kv_heads, D]; tile f is rows[f], int64 [F, G]) into pool blocks
+        `blocks` (int32 [F]) with the Triton pack kernel (cache/kvarn_pack_kernel.py): rows rotated already,
+        or (rotated=False) rotated by the kernel."""
         from cache.kvarn_pack_kernel import pack_tiles  # triton: only this path needs it
 
-        pack_tiles(rotated_k, rotated_v, rows, blocks, self.key_codes[slot], self.value_codes[slot],
-                   self.key_scales[slot], self.value_scales[slot], self.fmt.key_bits, self.fmt.value_bits,
-                   self.iterations)
+        pack_tiles(k, v, rows, blocks, self.key_codes[slot], self.value_codes[slot], self.key_scales[slot],
+                   self.value_scales[slot], self.fmt.key_bits, self.fmt.value_bits, self.iterations,
+                   rotation=None if rotated else self.rotation)
 
     def write_side(self, slot: int, side_table: list[int], start: int, k: torch.Tensor,
                    v: torch.Tensor) -> None:
