@@ -98,8 +98,8 @@ def variants() -> list[tuple]:
         if key_bits == 4:
             out.append((kvarn_prefill_kernel, "bf16", {**kvarn, "BLOCK_M": 16}, 4, None, KVARN_POINTERS))
     for base in (False, True):  # KVarN's rotations of the decode query and of its output back
-        out.append((rotate_rows_kernel, "fp32", {"D": 128, "BLOCK_R": 16, "BASE": base}, 4, None,
-                    {"matrix_ptr": "*fp32"}))
+        out.append((rotate_rows_kernel, "fp32", {"D": 128, "BLOCK_R": 16, "BLOCK_K": 16, "BASE": base}, 4,
+                    None, {"matrix_ptr": "*fp32"}))
     return out
 
 

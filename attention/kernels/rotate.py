@@ -4,8 +4,9 @@ decode query (q H) and of the packed share of its output back (out_side + out_r 
 Why a kernel of its own: these products are tiny ([rows x heads, 128] x [128, 128]) and come twice per
 (loop, layer) call. cuBLAS runs them in fp32 as one thread block (an ffma kernel of 32 x 128 tiles), 53 µs a
 call on an H200 at batch 1, more than the KVarN decode kernel itself (benchmarks/results/
-latency-kvarn-2026-12-02-97c5a60.md). Here a program takes BLOCK_R rows against the whole matrix, so batch 1
-(16 rows) is one program and a step of 64 rows 64; the dot is plain fp32 ("ieee", no TF32 rounding).
+latency-kvarn-2026-12-02-97c5a60.md). Here a program takes BLOCK_R rows against the whole matrix, BLOCK_K of
+its rows at a time, so batch 1 (16 rows) is one program and a step of 64 rows 64; the dot is plain fp32
+("ieee", no TF32 rounding).
 """
 
 from __future__ import annotations
@@ -15,21 +16,26 @@ import triton
 import triton.language as tl
 
 BLOCK_R = 16  # rows per program (tl.dot's smallest M)
+BLOCK_K = 16  # the matrix's rows per step
 
 
 # The row count changes with the batch: one compiled kernel for every value.
 @triton.jit(do_not_specialize=["rows"])
 def rotate_rows_kernel(x_ptr, base_ptr, matrix_ptr, out_ptr, rows, stride_mk, stride_mn,
-                       D: tl.constexpr, BLOCK_R: tl.constexpr, BASE: tl.constexpr):
+                       D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BASE: tl.constexpr):
     """Grid (cdiv(rows, BLOCK_R),). out[r] = x[r] @ M (+ base[r] with BASE), for contiguous [rows, D] x, base
     and out; M [D, D] at strides (stride_mk, stride_mn)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, D)
     mask = offs_r[:, None] < rows
     offsets = offs_r[:, None].to(tl.int64) * D + offs_d[None, :]
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    matrix = tl.load(matrix_ptr + offs_d[:, None] * stride_mk + offs_d[None, :] * stride_mn)
-    y = tl.dot(x, matrix, input_precision="ieee")
+    # K in slices of BLOCK_K: the whole [D, D] matrix as one dot operand spilled (9.5 KB a thread on sm_90).
+    y = tl.zeros([BLOCK_R, D], tl.float32)
+    for k0 in tl.range(0, D, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_r[:, None].to(tl.int64) * D + offs_k[None, :], mask=mask, other=0.0)
+        matrix = tl.load(matrix_ptr + offs_k[:, None] * stride_mk + offs_d[None, :] * stride_mn)
+        y += tl.dot(x.to(tl.float32), matrix, input_precision="ieee")
     if BASE:
         y += tl.load(base_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -49,5 +55,5 @@ def rotate_rows(x: torch.Tensor, matrix: torch.Tensor, base: torch.Tensor | None
     if rows:
         rotate_rows_kernel[(triton.cdiv(rows, BLOCK_R),)](
             x, base if base is not None else x, matrix, out, rows, matrix.stride(0), matrix.stride(1), d,
-            BLOCK_R, base is not None, num_warps=4)
+            BLOCK_R, BLOCK_K, base is not None, num_warps=4)
     return out
