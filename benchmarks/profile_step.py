@@ -10,6 +10,8 @@ with the decode rows (eager steps); --async-scheduling on|off picks the scheduli
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -37,11 +39,14 @@ def main() -> None:
     parser.add_argument("--async-scheduling", default="on", choices=["on", "off"])
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, bf16, fp8_e4m3 or a KVarN preset")
     parser.add_argument("--block-size", type=int, default=16, help="64 for the KVarN g64 presets")
+    parser.add_argument("--enforce-eager", action="store_true", help="eager steps (no CUDA graphs)")
+    parser.add_argument("--python-profile", action="store_true",
+                        help="cProfile the timed steps instead (Python functions by own host time)")
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
     with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=args.batch + args.mixed,
                 exit_policy=args.policy, kv_sharing=args.kv_sharing, kv_cache_dtype=args.kv_cache_dtype,
-                block_size=args.block_size,
+                block_size=args.block_size, enforce_eager=args.enforce_eager,
                 max_model_len=args.prompt + 4 * args.steps + 8, enable_prefix_caching=False,
                 # None: on where it applies (not under early:Q)
                 async_scheduling=None if args.async_scheduling == "on" else False,
@@ -56,6 +61,9 @@ def main() -> None:
         for _ in range(args.mixed):
             engine.add_request(list(range(5, 5 + args.prompt)), params)
         torch.cuda.synchronize()
+        if args.python_profile:
+            print_python_profile(engine, args.steps, args.top)
+            return
         start = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
@@ -73,6 +81,22 @@ def main() -> None:
                   f"{event.key[:90]}")
     if args.gaps:
         print_gaps(prof, args.steps, args.gaps)
+
+
+def print_python_profile(engine: Engine, steps: int, top: int) -> None:
+    """Host time of the steps by Python function (own time, then cumulative), from cProfile: where an eager
+    step's launches spend the host's time."""
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    print(f"{(time.perf_counter() - start) * 1e3 / steps:.3f} ms per step (under cProfile)")
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
 
 
 def print_gaps(prof, steps: int, count: int) -> None:
