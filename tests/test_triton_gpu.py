@@ -63,9 +63,10 @@ def test_fused_merge_is_deterministic_and_returns_every_ticket():
     assert not entry.tickets.any()
 
 
-def capture_decode(backend, case, slot: int = 1) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def capture_decode(backend, case, slot: int = 1) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
     """One decode call captured as the runner does it: capture_begin, a warm-up run outside the capture
-    (it compiles the kernel and makes the graph's tickets), then the capture."""
+    (it compiles the kernel and makes the graph's tickets), then the capture. Returns the graph, its output
+    buffer and the captured plan."""
     backend.capture_begin(max_rows=case.meta.num_rows)
     try:
         run(backend, case, slot)
@@ -74,9 +75,10 @@ def capture_decode(backend, case, slot: int = 1) -> tuple[torch.cuda.CUDAGraph, 
         with torch.cuda.graph(graph):
             backend.prepare(case.meta)
             out = backend.forward(case.q, case.k, case.v, slot)
+        plan = backend._plan
     finally:
         backend.capture_end()
-    return graph, out
+    return graph, out, plan
 
 
 def kernels_launched(replay) -> list[str]:
@@ -97,12 +99,12 @@ def test_graph_captured_decode_is_one_launch_bitwise_equal_to_eager(dtype):
     backend = bound("triton", case)
     real_contexts = case.meta.context_lens.clone()
     case.meta.context_lens.fill_(1)
-    graph, graph_out = capture_decode(backend, case)
-    graph_splits = backend._plan.decode.grid[0]
+    graph, graph_out, plan = capture_decode(backend, case)
     case.meta.context_lens.copy_(real_contexts)
     assert kernels_launched(graph.replay) == ["decode_split_kernel"]
     eager = run(backend, case)
-    assert graph_splits > backend._plan.decode.grid[0]
+    assert plan.decode.grid[0] > backend._plan.decode.grid[0]
+    assert plan.tickets.data_ptr() == backend._graph_tickets[-1].data_ptr()
     assert torch.equal(graph_out, eager)
     assert_matches(eager, expected)
     assert not backend._graph_tickets[-1].any()
@@ -111,8 +113,8 @@ def test_graph_captured_decode_is_one_launch_bitwise_equal_to_eager(dtype):
 def test_graph_replays_are_deterministic_and_return_every_ticket():
     case = decode_case(torch.bfloat16)
     backend = bound("triton", case)
-    backend.split_min_keys = 64  # up to split_cap splits per row, several merge rounds' worth of tickets
-    graph, out = capture_decode(backend, case)
+    backend.split_min_keys, backend.split_cap = 64, 32  # up to 32 splits a row: two merge rounds
+    graph, out, _ = capture_decode(backend, case)
     graph.replay()
     first = out.clone()
     for _ in range(20):
@@ -132,7 +134,7 @@ def test_short_rows_in_small_splits_match_reference_and_graph_equals_eager(dtype
     backend.short_context, backend.short_split_keys = 1024, 64
     eager = run(backend, case)
     assert backend._plan.decode.grid[0] == backend.split_cap
-    graph, graph_out = capture_decode(backend, case)
+    graph, graph_out, _ = capture_decode(backend, case)
     graph.replay()
     assert torch.equal(graph_out, eager)
     assert_matches(eager, expected)
@@ -146,8 +148,7 @@ def test_pdl_launches_change_no_bit():
     for pdl in (False, True):
         backend = bound("triton", case)
         backend.pdl = pdl and pdl_supported(case.q.device)
-        run(backend, case)
-        outputs.append(run(backend, case))  # the second call launches the compiled kernels directly
+        outputs.append(run(backend, case))
         plan = backend._plan
         for launch in (plan.store, plan.prefill, plan.decode):
             assert launch.compiled is None or launch.compiled.metadata.launch_pdl == backend.pdl
