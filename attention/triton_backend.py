@@ -55,7 +55,9 @@ EAGER_WORKSPACE = Workspace()
 class SplitRule:
     """How many splits a decode row's context is cut into, from its own length only (the device twin is
     attention/kernels/decode.py's row_split_count): every short_split_keys keys for a row of at most
-    short_context keys, every split_min_keys keys for a longer one, at least 1 and at most split_cap."""
+    short_context keys, every split_min_keys keys for a longer one, at least 1 and at most split_cap. A split
+    is a whole number of decode key tiles (split_bounds), so keys per split below the tile leave splits
+    empty."""
 
     split_min_keys: int
     split_cap: int

@@ -45,9 +45,10 @@ SHAPES = [(1, 512), (64, 512), (1, 2048), (16, 2048), (64, 2048), (16, 8192)]
 TARGETS = {(64, 2048): 0.85, (16, 8192): 0.85}  # fraction of copy bandwidth
 LATENCY_TARGETS_US = {(1, 512): 6.0}  # graph mode, per call
 # The sweep's launch-wide tunables (key tile, warps, stages) and short classes (short_context,
-# short_split_keys); short_context 0 is the long rule alone.
+# short_split_keys); short_context 0 is the long rule alone. Splits are whole key tiles, so a class is tried
+# only with tiles no longer than its splits.
 SWEEP_TILES = [(128, 4, 2), (128, 8, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 2, 2)]
-SWEEP_SHORT = [(0, 64), (512, 32), (512, 64), (1024, 64), (2048, 64), (2048, 128)]
+SWEEP_SHORT = [(0, 64), (512, 64), (1024, 64), (1024, 128), (2048, 128), (2048, 256)]
 HOST_TARGET_US = 20.0
 HEADS, HEAD_DIM, BLOCK_SIZE = 16, 128, 16
 DTYPE = torch.bfloat16
@@ -203,7 +204,7 @@ def sweep(steps: dict, copy_gbps: float) -> list[dict]:
 
     configs = [{"decode_block_n": n, "decode_num_warps": w, "decode_num_stages": stages,
                 "short_context": short, "short_split_keys": keys}
-               for n, w, stages in SWEEP_TILES for short, keys in SWEEP_SHORT]
+               for n, w, stages in SWEEP_TILES for short, keys in SWEEP_SHORT if short == 0 or keys >= n]
     best = min(configs, key=measure)
     for keys in (256, 1024):
         measure({**best, "split_min_keys": keys})
