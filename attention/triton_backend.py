@@ -1,20 +1,24 @@
 """The Triton backend, host side: per-step launch plans, the split rule, workspace use and launches.
 
 A decode step costs one launch per (loop, layer) call: the decode kernel stores the new K/V, attends
-over its split and merges the splits in the same launch. A step with prefill rows first stores every
-new token's K/V (kv_store), then runs the prefill kernel on rows with several new tokens and the decode
-kernel on rows with one. An instance selected with packed_prefill sends prefill rows that have no
-cached prefix to the packed kernel instead. Under CUDA-graph capture (decode steps only), decode is the
-split kernel plus a merge kernel over a partial buffer that this instance owns. Kernels are in
-attention/kernels/.
+over its split and merges the splits in the same launch, through a ticket per (row, head). A step with
+prefill rows first stores every new token's K/V (kv_store), then runs the prefill kernel on rows with
+several new tokens and the decode kernel on rows with one. An instance selected with packed_prefill sends
+prefill rows that have no cached prefix to the packed kernel instead. Under CUDA-graph capture (decode steps
+only) the decode launch is the same, over a partial buffer and tickets that this instance owns: the tickets
+are made before the capture (by the warm-up run that precedes it) and the kernel leaves them at zero.
+Kernels are in attention/kernels/. Where the GPU and Triton allow it (attention/pdl.py) every kernel is
+launched with Programmatic Dependent Launch.
 
-Split rule. A row of context c gets min(cap, max(1, ceil(c / split_min_keys))) splits, each a
-multiple of the key tile; the grid is rows x heads x splits programs. cap = 2 * SMs / kv_heads, rounded
-down to a power of two, so one long row alone gives about two programs per SM; with many rows, rows and
-heads fill the SMs by themselves and split_min_keys (512) keeps each program streaming enough keys that
-merge traffic stays small. Rows are deliberately left out of the count: it depends on the row's own
+Split rule (SplitRule). A row of context c gets min(cap, max(1, ceil(c / keys))) splits, each a multiple of
+the key tile, where keys is short_split_keys for a row of at most short_context keys and split_min_keys
+for a longer one; the grid is rows x heads x splits programs. cap = 2 * SMs / kv_heads, rounded down to a
+power of two, so one long row alone gives about two programs per SM; with many rows, rows and heads fill the
+SMs by themselves and split_min_keys (512) keeps each program streaming enough keys that merge traffic
+stays small. A short row is latency-bound instead: smaller splits put more SMs on its few keys, each
+program with fewer tiles in a row. Rows are deliberately left out of the count: it depends on the row's own
 context only, so a row's output is the same bits in any batch and in eager and graph mode alike (the
-graph's grid simply has room for the longest context its block table can hold).
+graph's grid simply has room for every context its block table can hold).
 
 A KVarN pool (bind_packed) takes attention/triton_kvarn.py's path instead: the KVarN pack, prefill and
 decode kernels, with its step plan made on the device under CUDA-graph capture (decode steps only).
@@ -33,10 +37,10 @@ import triton
 
 from attention.launch import INTERPRETED, CompiledLaunch
 from attention.base import AttentionBackend, AttentionMetadata, Capabilities, register
-from attention.kernels.decode import (decode_merge_kernel, decode_split_kernel, host_split_count,
-                                      split_cap)
+from attention.kernels.decode import decode_split_kernel, host_split_count, split_cap
 from attention.kernels.kv_store import kv_store_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
+from attention.pdl import pdl_supported
 from attention.triton_kvarn import KVarNStep, kvarn_forward, prepare_kvarn_graph_step, prepare_kvarn_step
 from attention.workspace import Workspace, current_stream
 
@@ -47,6 +51,39 @@ PACKED_PREFILL_TOLERANCE = 2e-2
 EAGER_WORKSPACE = Workspace()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SplitRule:
+    """How many splits a decode row's context is cut into, from its own length only (the device twin is
+    attention/kernels/decode.py's row_split_count): every short_split_keys keys for a row of at most
+    short_context keys, every split_min_keys keys for a longer one, at least 1 and at most split_cap. A split
+    is a whole number of decode key tiles (split_bounds), so keys per split below the tile leave splits
+    empty."""
+
+    split_min_keys: int
+    split_cap: int
+    short_context: int = 0
+    short_split_keys: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("split_min_keys", "split_cap", "short_split_keys"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.short_context < 0:
+            raise ValueError(f"short_context must be at least 0, got {self.short_context}")
+
+    def count(self, context_len: int) -> int:
+        keys = self.short_split_keys if context_len <= self.short_context else self.split_min_keys
+        return host_split_count(context_len, keys, self.split_cap)
+
+    def grid_count(self, longest: int) -> int:
+        """The most splits of any context up to `longest` (each class's count grows with the context)."""
+        return max(self.count(min(longest, self.short_context)), self.count(longest))
+
+    def constexprs(self) -> tuple[int, int, int, int]:
+        """The decode kernel's SHORT_CONTEXT, SHORT_SPLIT_KEYS, SPLIT_MIN_KEYS, SPLIT_CAP."""
+        return self.short_context, self.short_split_keys, self.split_min_keys, self.split_cap
+
+
 @dataclasses.dataclass(slots=True)
 class _Step:
     """Host facts of one step, from `prepare`."""
@@ -54,6 +91,7 @@ class _Step:
     meta: AttentionMetadata
     num_tokens: int
     decode_rows: int
+    rule: SplitRule
     grid_splits: int
     row_map: torch.Tensor | None  # [decode rows, 2] (batch row, token); None when row r is token r
     prefill_work: torch.Tensor | None  # [items, 2] (row, first query) for the per-row prefill kernel
@@ -82,8 +120,6 @@ class _Plan:
     partials: torch.Tensor | None = None  # graph mode: this instance's; eager: from the workspace
     tickets: torch.Tensor | None = None
     workspace_size: tuple[int, int] | None = None  # eager multi-split decode: (partials, tickets)
-    merge: CompiledLaunch | None = None
-    merge_args: tuple = ()
 
 
 @register
@@ -106,6 +142,7 @@ class TritonBackend(AttentionBackend):
         self._kvarn_step: KVarNStep | None = None
         # Captured graphs keep pointing at these, so they live as long as the instance.
         self._graph_buffers: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+        self._graph_tickets: list[torch.Tensor] = []
 
     def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
              kv_scales: torch.Tensor | None = None) -> None:
@@ -143,6 +180,10 @@ class TritonBackend(AttentionBackend):
         narrow = 2 if key_cache.element_size() == 4 else 1
         self.split_cap = split_cap(device, self.kv_heads)
         self.split_min_keys = 512
+        # The short class (SplitRule): off until benchmarks/attention.py's sweep picks it on an H200.
+        self.short_context = 0
+        self.short_split_keys = 64
+        self.pdl = pdl_supported(device)
         # Decode key tiles of 32 KB for K and V (128 keys x 128 dims in bf16), fastest on an H200 with the
         # tensor-core loop (benchmarks/decode_variants.py); 64 keys for fp8 pools and head_dim 256.
         wide = self.head_dim <= 128 and key_cache.element_size() != 1
@@ -203,7 +244,8 @@ class TritonBackend(AttentionBackend):
             longest = meta.block_tables.shape[1] * self.block_size  # any context the table can hold
         else:
             longest = max((context_lens[row] for row in decode), default=0)
-        grid_splits = host_split_count(longest, self.split_min_keys, self.split_cap)
+        rule = SplitRule(self.split_min_keys, self.split_cap, self.short_context, self.short_split_keys)
+        grid_splits = rule.grid_count(longest)
 
         row_map = None
         if decode and len(decode) != meta.num_rows:
@@ -226,7 +268,7 @@ class TritonBackend(AttentionBackend):
                 first = len(pairs)
                 pairs.extend((token, first) for token in range(starts[row], starts[row + 1]))
             packed = self._int_tensor(pairs)
-        self._step = _Step(meta, starts[-1], len(decode), grid_splits, row_map, prefill_work, packed,
+        self._step = _Step(meta, starts[-1], len(decode), rule, grid_splits, row_map, prefill_work, packed,
                            self._capturing)
         self._plan = None
 
@@ -270,8 +312,6 @@ class TritonBackend(AttentionBackend):
                         + (partials, tickets) + plan.decode_shared
                         + (slot // plan.shared_layers if plan.shared_layers else 0,)
                         + plan.decode_tail)
-            if plan.merge is not None:
-                plan.merge(stream, (out,) + plan.merge_args)
         return out
 
     def _build_plan(self, key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _Plan:
@@ -295,26 +335,29 @@ class TritonBackend(AttentionBackend):
             out = torch.empty((num_tokens, heads, head_dim), dtype=q.dtype, device=q.device)
         plan = _Plan(key, out, capturing and self._in_capture())
         direct = not capturing
+        pdl = self._pdl_options()
         dot_fp32 = q.dtype == torch.float32 or (INTERPRETED and q.dtype == torch.bfloat16)
         if step.prefill_work is not None or step.packed is not None:
-            plan.store = CompiledLaunch(kv_store_kernel, (num_tokens, 1, 1), 4, 1, direct)
+            plan.store = CompiledLaunch(kv_store_kernel, (num_tokens, 1, 1), 4, 1, direct, **pdl)
             plan.store_args = (meta.slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                               self.kv_heads, head_dim, triton.next_power_of_2(self.kv_heads), self.quantized)
+                               self.kv_heads, head_dim, triton.next_power_of_2(self.kv_heads), self.quantized,
+                               self.pdl)
         if step.prefill_work is not None:
             plan.prefill = CompiledLaunch(prefill_paged_kernel, (step.prefill_work.shape[0], heads, 1),
-                                   self.prefill_num_warps, self.prefill_num_stages, direct)
+                                          self.prefill_num_warps, self.prefill_num_stages, direct, **pdl)
             plan.prefill_args = (meta.block_tables, meta.query_start_loc, meta.context_lens,
                                  step.prefill_work, self.scale, q.stride(0), q.stride(1),
                                  meta.block_tables.stride(0), heads, self.kv_heads, head_dim, self.block_size,
-                                 self.prefill_block_m, self.prefill_block_n, dot_fp32, self.quantized)
+                                 self.prefill_block_m, self.prefill_block_n, dot_fp32, self.quantized,
+                                 self.pdl)
         if step.packed is not None:
             num_packed = step.packed.shape[0]
             bm = self.prefill_block_m
             plan.packed = CompiledLaunch(prefill_packed_kernel, (triton.cdiv(num_packed, bm), heads, 1),
-                                  self.prefill_num_warps, self.prefill_num_stages, direct)
+                                         self.prefill_num_warps, self.prefill_num_stages, direct, **pdl)
             plan.packed_args = (step.packed, num_packed, self.scale, q.stride(0), q.stride(1), k.stride(0),
                                 k.stride(1), v.stride(0), v.stride(1), heads, self.kv_heads, head_dim, bm,
-                                self.prefill_block_n, dot_fp32)
+                                self.prefill_block_n, dot_fp32, self.pdl)
         if step.decode_rows:
             self._plan_decode(plan, step, q, k, v, heads)
         return plan
@@ -322,13 +365,12 @@ class TritonBackend(AttentionBackend):
     def _plan_decode(self, plan: _Plan, step: _Step, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      heads: int) -> None:
         meta, splits, rows = step.meta, step.grid_splits, step.decode_rows
-        fused = not step.capturing
         # fp8 keys and values widen to fp16 for the dots where the model is half precision; the interpreter
         # multiplies half-precision dots in fp32 (its bf16 dot is wrong).
         fp16_dot = self.quantized and q.dtype != torch.float32
         dot_fp32 = q.dtype == torch.float32 or (INTERPRETED and (q.dtype == torch.bfloat16 or fp16_dot))
         plan.decode = CompiledLaunch(decode_split_kernel, (splits, heads, rows), self.decode_num_warps,
-                              self.decode_num_stages, fused)
+                                     self.decode_num_stages, not step.capturing, **self._pdl_options())
         row_map = step.row_map if step.row_map is not None else self._dummy_i32
         plan.decode_mid = (meta.block_tables, meta.context_lens, meta.slot_mapping, row_map)
         shared = meta.shared_kv
@@ -343,19 +385,20 @@ class TritonBackend(AttentionBackend):
         plan.decode_tail = (self._key_slots[0].numel(), self.scale, q.stride(0), q.stride(1), k.stride(0),
                             k.stride(1), v.stride(0), v.stride(1), meta.block_tables.stride(0), gen_stride,
                             heads, self.kv_heads, self.head_dim, self.block_size, self.decode_block_n,
-                            self.split_min_keys, self.split_cap, step.row_map is not None, fused,
-                            shared is not None, loops, layers, self.quantized, dot_fp32, fp16_dot)
+                            *step.rule.constexprs(), step.row_map is not None, shared is not None, loops,
+                            layers, self.quantized, dot_fp32, fp16_dot, self.pdl)
         plan.partials, plan.tickets = self._dummy_f32, self._dummy_i32
         if splits == 1:
             return
         partials = rows * heads * splits * (self.head_dim + 2)
-        if fused:
+        if not step.capturing:
             plan.workspace_size = (partials, rows * heads)
             return
         plan.partials = self._graph_buffer("partials", partials, torch.float32)
-        plan.merge = CompiledLaunch(decode_merge_kernel, (heads, rows, 1), 4, 1, False)
-        plan.merge_args = (meta.context_lens, plan.partials, splits, heads, self.head_dim,
-                           self.split_min_keys, self.split_cap)
+        plan.tickets = self._graph_ticket_buffer(rows * heads)
+
+    def _pdl_options(self) -> dict:
+        return {"launch_pdl": True} if self.pdl else {}
 
     def _graph_buffer(self, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer for graph mode. Inside a capture it comes from the graph's pool and is kept: graphs
@@ -367,6 +410,19 @@ class TritonBackend(AttentionBackend):
         if not buffers or buffers[-1].numel() < numel:
             buffers.append(torch.empty(numel, dtype=dtype, device=self._device))
         return buffers[-1][:numel]
+
+    def _graph_ticket_buffer(self, numel: int) -> torch.Tensor:
+        """Graph mode's split tickets: zeros made outside any capture, by the warm-up run before it (a zeroing
+        op inside the capture would be one more launch per replay), and kept, since captured graphs point at
+        them; the decode kernel leaves every ticket at zero. One buffer serves every graph, as replays run one
+        at a time."""
+        if self._graph_tickets and self._graph_tickets[-1].numel() >= numel:
+            return self._graph_tickets[-1][:numel]
+        if self._in_capture():
+            raise RuntimeError(f"the decode kernel's graph-mode tickets ({numel}) must be made before "
+                               "CUDA-graph capture: run the step once outside the capture first")
+        self._graph_tickets.append(torch.zeros(numel, dtype=torch.int32, device=self._device))
+        return self._graph_tickets[-1]
 
     def _in_capture(self) -> bool:
         return self._device.type == "cuda" and torch.cuda.is_current_stream_capturing()

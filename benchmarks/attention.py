@@ -1,14 +1,21 @@
 """Decode attention on CUDA: the Triton backend per call, in µs and GB/s, held against the device-to-device
 copy bandwidth measured in the same run, with torch SDPA over the gathered pages beside it (the gather
-itself untimed); and the host
-µs per eager call, held against a bare Triton launch measured in the same run.
+itself untimed); and the host µs per eager call, held against a bare Triton launch measured in the same run.
 
     python -m benchmarks.attention --out benchmarks/results/attention.json [--no-sweep]
 
 Device times come from CUDA-graph replays of many calls that walk through several KV slots, so neither
-host launch cost nor L2 reuse flatters the small shapes. Shapes are rows x context, bf16, 16 heads x 128
-(Ouro), pages of 16 tokens in shuffled order. --kv-cache-dtype fp8_e4m3 times an fp8 pool (half the KV
-bytes; SDPA then reads the pages widened to bf16, so its column is the bf16 reference).
+host launch cost nor L2 reuse flatters the small shapes. "eager" is the eager plan (grid sized to the
+step's longest row, the workspace's buffers), "graph mode" the plan a captured decode step replays (grid
+sized to the block table, as wide as 8K keys here, and the backend's own buffers); both are one launch per
+call. Shapes are rows x context, bf16, 16 heads x 128 (Ouro), pages of 16 tokens in shuffled order.
+--kv-cache-dtype fp8_e4m3 times an fp8 pool (half the KV bytes; SDPA then reads the pages widened to bf16,
+so its column is the bf16 reference).
+
+The sweep times graph mode over the decode tunables that one launch shares (key tile, warps, pipeline
+stages) crossed with the split rule's short class (SplitRule: rows of at most short_context keys in splits
+of short_split_keys), then the long class's keys per split and PDL off at the best of those, and prints
+each configuration's time per shape next to the best time any configuration reached on that shape.
 """
 
 from __future__ import annotations
@@ -32,12 +39,25 @@ from attention import fp8
 from attention.base import AttentionMetadata, select
 from attention.torch_backend import gather_context
 
-SHAPES = [(1, 512), (1, 8192), (16, 2048), (64, 2048), (16, 8192)]
+# 64 x 512: many short rows, where the short split class multiplies the programs of a batch that already
+# fills the GPU.
+SHAPES = [(1, 512), (64, 512), (1, 2048), (16, 2048), (64, 2048), (16, 8192)]
 TARGETS = {(64, 2048): 0.85, (16, 8192): 0.85}  # fraction of copy bandwidth
+LATENCY_TARGETS_US = {(1, 512): 6.0}  # graph mode, per call
+# The sweep's launch-wide tunables (key tile, warps, stages) and short classes (short_context,
+# short_split_keys); short_context 0 is the long rule alone. Splits are whole key tiles, so a class is tried
+# only with tiles no longer than its splits.
+SWEEP_TILES = [(128, 4, 2), (128, 8, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (64, 2, 2)]
+SWEEP_SHORT = [(0, 64), (512, 64), (1024, 64), (1024, 128), (2048, 128), (2048, 256)]
 HOST_TARGET_US = 20.0
 HEADS, HEAD_DIM, BLOCK_SIZE = 16, 128, 16
 DTYPE = torch.bfloat16
 CALLS_PER_GRAPH = 24
+# Block tables as wide as an engine's for 8K-token sequences: graph mode sizes its grid to the table, so
+# every row gets split_cap programs per head, as in a captured engine step.
+TABLE_KEYS = 8192
+TUNABLES = ("split_min_keys", "split_cap", "short_context", "short_split_keys", "decode_block_n",
+            "decode_num_warps", "decode_num_stages", "pdl")
 SLOT_BYTES_FLOOR = 256 << 20  # walk at least this many KV bytes per graph: several times the L2
 
 
@@ -54,6 +74,8 @@ class DecodeStep:
         self.value_cache = torch.randn(shape, device="cuda", dtype=DTYPE).to(cache_dtype)
         self.kv_scales = torch.ones(slots, 2, HEADS, device="cuda") if quantized else None
         tables = torch.randperm(num_blocks, device="cuda")[:rows * pages].view(rows, pages).int()
+        spare = max(0, TABLE_KEYS // BLOCK_SIZE - pages)  # columns past the context, never read
+        tables = torch.cat([tables, tables[:, :1].expand(rows, spare)], 1).contiguous()
         last = context - 1
         self.meta = AttentionMetadata(
             query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device="cuda"),
@@ -162,29 +184,31 @@ def engine_like_host_us(step: DecodeStep, backend, x, y, steps: int = 30,
 
 
 def sweep(steps: dict, copy_gbps: float) -> list[dict]:
-    """Key tile, warps and pipeline stages (Triton pipelines the tensor-core loop's loads) at the default
-    split rule, then the split rule's keys per split at the best tiles (best: the least geometric mean of time
-    over the copy-rate floor). Each entry: shape, tunables, µs and fraction of copy BW."""
+    """Graph-mode µs per shape for each configuration (module docstring); each entry: shape, tunables, µs and
+    fraction of copy BW, or the error of a configuration that does not compile or fit."""
     results = []
 
     def measure(tunables: dict) -> float:
+        """The configuration's geometric mean over the shapes of time over the copy-rate floor."""
         total = 0.0
         for (rows, context), step in steps.items():
             try:
-                us = triton_us(step, **tunables)
+                us = triton_us(step, graph_mode=True, **tunables)
             except (OutOfResources, CompilationError, RuntimeError) as error:  # a config may not fit
                 results.append({"rows": rows, "context": context, **tunables, "error": repr(error)[:200]})
                 return math.inf
             fraction = step.bytes / us / 1e3 / copy_gbps
             results.append({"rows": rows, "context": context, **tunables, "us": us, "of_copy_bw": fraction})
-            total += math.log(us / (step.bytes / copy_gbps / 1e3))  # time over the copy-rate floor
-        return total
+            total += math.log(us / (step.bytes / copy_gbps / 1e3))
+        return total / len(steps)
 
-    tiles = [{"decode_block_n": n, "decode_num_warps": w, "decode_num_stages": stages}
-             for n in (32, 64, 128) for w in (4, 8) for stages in (2, 3)]
-    best = min(tiles, key=measure)
-    for keys in (128, 256, 1024, 2048):
+    configs = [{"decode_block_n": n, "decode_num_warps": w, "decode_num_stages": stages,
+                "short_context": short, "short_split_keys": keys}
+               for n, w, stages in SWEEP_TILES for short, keys in SWEEP_SHORT if short == 0 or keys >= n]
+    best = min(configs, key=measure)
+    for keys in (256, 1024):
         measure({**best, "split_min_keys": keys})
+    measure({**best, "pdl": False})
     return results
 
 
@@ -214,11 +238,11 @@ def main() -> None:
                          "sdpa_of_copy_bw": (step.bytes if element == DTYPE.itemsize else
                                              2 * step.kv_bytes + 2 * step.q.numel() * DTYPE.itemsize)
                          / sdpa / 1e3 / copy_gbps,
-                         "target_of_copy_bw": TARGETS.get((rows, context))})
+                         "target_of_copy_bw": TARGETS.get((rows, context)),
+                         "target_graph_mode_us": LATENCY_TARGETS_US.get((rows, context))})
     host = host_costs()
     defaults = steps[shapes[0]].backend()
-    tunables = {name: getattr(defaults, name) for name in ("split_min_keys", "split_cap", "decode_block_n",
-                                                           "decode_num_warps", "decode_num_stages")}
+    tunables = {name: getattr(defaults, name) for name in TUNABLES}
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "commit": common_commit(),
               "copy_gbps": copy_gbps, "kv_cache_dtype": args.kv_cache_dtype, "rows": rows_out,
@@ -235,17 +259,18 @@ def print_table(result: dict) -> None:
     print(f"{result['device']}, torch {result['torch']}, triton {result['triton']}, "
           f"kv_cache_dtype {result.get('kv_cache_dtype', 'auto')}; "
           f"device-to-device copy {copy:.0f} GB/s (the floor's rate); tunables {result['tunables']}\n")
-    print("| rows x context | triton µs | GB/s | of copy BW | target | graph-mode µs | SDPA µs "
+    print("| rows x context | eager µs | GB/s | of copy BW | target | graph-mode µs | target | SDPA µs "
           "| SDPA of copy BW |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
-        target = r["target_of_copy_bw"]
-        met = target is not None and r["triton_of_copy_bw"] >= target
-        verdict = "" if target is None else f"{target:.2f} {'met' if met else 'MISSED'}"
+        target, latency = r["target_of_copy_bw"], r.get("target_graph_mode_us")
+        bandwidth = "" if target is None else \
+            f"{target:.2f} {'met' if r['triton_of_copy_bw'] >= target else 'MISSED'}"
+        graph = "" if latency is None else \
+            f"<= {latency:.1f} {'met' if r['triton_graph_mode_us'] <= latency else 'MISSED'}"
         print(f"| {r['rows']} x {r['context']} | {r['triton_us']:.1f} | {r['triton_gbps']:.0f} | "
-              f"{r['triton_of_copy_bw']:.2f} | {verdict} | {r['triton_graph_mode_us']:.1f} | "
-              f"{r['sdpa_us']:.1f} | "
-              f"{r['sdpa_of_copy_bw']:.2f} |")
+              f"{r['triton_of_copy_bw']:.2f} | {bandwidth} | {r['triton_graph_mode_us']:.1f} | {graph} | "
+              f"{r['sdpa_us']:.1f} | {r['sdpa_of_copy_bw']:.2f} |")
     h = result["host"]
     print(f"\n| host cost | µs | ratio to a bare Triton launch ({h['bare_triton_launch_us']:.1f} µs) |")
     print("|---|---|---|")
@@ -258,15 +283,35 @@ def print_table(result: dict) -> None:
     verdict = "met" if h["in_step_forward_us"] <= result["host_target_us"] else "MISSED"
     print(f"\nhost target: <= {result['host_target_us']:.0f} µs per eager call: {verdict}")
     if "sweep" in result:
-        ok = [s for s in result["sweep"] if "us" in s]
-        failed = len(result["sweep"]) - len(ok)
-        print(f"\nsweep: {len(ok)} measurements, {failed} failed configs; best per shape:")
-        for rows, context in sorted({(s["rows"], s["context"]) for s in ok}):
-            mine = [s for s in ok if (s["rows"], s["context"]) == (rows, context)]
-            if mine:
-                best = min(mine, key=lambda s: s["us"])
-                tunables = {k: v for k, v in best.items() if k.startswith(("decode_", "split_"))}
-                print(f"  {rows} x {context}: {best['us']:.1f} µs ({best['of_copy_bw']:.2f}) with {tunables}")
+        print_sweep(result["sweep"])
+
+
+def print_sweep(sweep: list[dict], top: int = 12) -> None:
+    """Graph-mode µs of each configuration per shape, the best first (by the geometric mean of its time over
+    the best time on each shape), then the best time any configuration reached per shape."""
+    ok = [s for s in sweep if "us" in s]
+    shapes = sorted({(s["rows"], s["context"]) for s in ok})
+    best = {shape: min(s["us"] for s in ok if (s["rows"], s["context"]) == shape) for shape in shapes}
+    configs: dict[tuple, dict] = {}
+    for s in ok:
+        config = tuple((k, v) for k, v in s.items() if k in TUNABLES)
+        configs.setdefault(config, {})[s["rows"], s["context"]] = s["us"]
+    complete = {c: times for c, times in configs.items() if len(times) == len(shapes)}
+
+    def regret(times: dict) -> float:
+        return math.exp(sum(math.log(times[shape] / best[shape]) for shape in shapes) / len(shapes))
+
+    print(f"\nsweep, graph mode: {len(ok)} measurements, {len(sweep) - len(ok)} failed; µs per call, "
+          f"best {top} configurations by geometric-mean time over the per-shape best (unset: the default):")
+    header = list(TUNABLES) + [f"{rows} x {context}" for rows, context in shapes] + ["over best"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * (len(TUNABLES) + len(shapes) + 1))
+    for config, times in sorted(complete.items(), key=lambda item: regret(item[1]))[:top]:
+        values = dict(config)
+        cells = [str(values.get(name, "")) for name in TUNABLES] + [f"{times[shape]:.1f}" for shape in shapes]
+        print("| " + " | ".join(cells) + f" | {regret(times):.3f} |")
+    cells = ["best per shape"] + [""] * (len(TUNABLES) - 1) + [f"{best[shape]:.1f}" for shape in shapes]
+    print("| " + " | ".join(cells) + " | 1.000 |")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ fp8 pool, half the bytes, took the same time; the tensor-core loop reads bf16 at
 
     python -m benchmarks.decode_variants --out X.json
 
-    current   the backend's decode_split_kernel + merge (graph mode)
+    current   the backend's decode_split_kernel (graph mode: one launch, the ticket merge in it)
     acc2d     an elementwise fp32 loop with a [BLOCK_N, D] accumulator: no cross-warp reduction of p @ V per
               tile, one reduction at the end (faster than the tensor-core loop for fp8 pools on the H200)
 
@@ -12,9 +12,9 @@ The first run (decode_variants-2026-12-01-db3b2fd) also timed "dot16", scores an
 the query padded to 16 rows; that loop became the backend's (attention/kernels/decode.py), so "current" now
 measures it and the harness no longer carries a copy.
 
-Each variant writes the same partials as the backend's graph-mode split kernel and is merged by the same
-merge kernel; it reads every context position from the pool (the new-token store is left out), so a row needs
-two or more splits (context > 512) for its output to be checked.
+Each variant writes the backend's partial layout and is merged by decode_merge_kernel (the backend's merge
+arithmetic, as a launch of its own); it reads every context position from the pool (the new-token store is
+left out), so a row needs two or more splits (context > 512) for its output to be checked.
 """
 
 from __future__ import annotations

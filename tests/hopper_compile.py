@@ -1,4 +1,7 @@
-"""Compiles every Triton kernel variant the backend launches for Hopper (sm_90), without a GPU.
+"""Compiles every Triton kernel variant the backend launches for Hopper (sm_90), without a GPU, and checks
+in the PTX of each Programmatic Dependent Launch variant that a program reads only step inputs before
+`griddepcontrol.wait`, writes nothing to global memory before it, and reaches it on every path
+(tests/pdl_ptx.py).
 
 The interpreter accepts code that the compiler rejects (a non-constexpr global, a type that changes
 across a branch), so CPU-only CI runs this as a script in a process without TRITON_INTERPRET:
@@ -22,6 +25,7 @@ from attention.kernels.kvarn_prefill import kvarn_prefill_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
 from attention.kernels.rotate import rotate_rows_kernel
 from cache.copy_forward_kernel import copy_forward_kernel
+from tests.pdl_ptx import pre_wait_violations
 
 OURO = {"HEADS": 16, "KV_HEADS": 16, "HEAD_DIM": 128}
 INDEX_POINTERS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "rows_ptr": "*i32",
@@ -31,6 +35,14 @@ INDEX_POINTERS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "rows_
                   "mask_ptr": "*i1", "scales_ptr": "*fp32"}
 CACHE_POINTERS = ("key_cache_ptr", "value_cache_ptr")
 WIDE_INTS = {"plane_elems"}  # a pool plane can exceed 2^31 elements: the launcher passes it as i64
+# What each PDL kernel may read before the wait: step inputs that no kernel of the step writes.
+PDL_EARLY_READS = {
+    "decode_split_kernel": {"block_tables_ptr", "context_lens_ptr", "rows_ptr", "gen_tables_ptr",
+                            "prompt_lens_ptr"},
+    "kv_store_kernel": {"slot_mapping_ptr", "scales_ptr"},
+    "prefill_paged_kernel": {"work_ptr", "query_start_loc_ptr", "context_lens_ptr", "scales_ptr"},
+    "prefill_packed_kernel": {"packed_ptr"},
+}
 
 
 # The KVarN kernels' pointers (attention/triton_kvarn.py launches them with fp32 queries and outputs).
@@ -41,9 +53,9 @@ KVARN_POINTERS = {"key_codes_ptr": "*u8", "value_codes_ptr": "*u8", "key_scales_
 
 
 def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int,
-                       cache_dtype: str | None = None, pointers: dict[str, str] | None = None) -> None:
+                       cache_dtype: str | None = None, pointers: dict[str, str] | None = None) -> list[str]:
     """cache_dtype: the KV pool's element type where it is not `dtype` (fp8e4nv: an fp8 pool). pointers:
-    pointee types by argument name, over the defaults."""
+    pointee types by argument name, over the defaults. Returns what is wrong with a PDL variant's order."""
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -56,34 +68,39 @@ def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int,
             signature[name] = "fp32" if name == "scale" else "i64" if name in WIDE_INTS else "i32"
     source = ASTSource(fn, signature, constexprs, attrs)
     options = {"num_warps": num_warps, "num_stages": 2}
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    if not constexprs.get("PDL"):
+        return []
+    params = [name for name in fn.arg_names if name not in constexprs]
+    problems = pre_wait_violations(kernel.asm["ptx"], params, PDL_EARLY_READS[fn.__name__])
+    return [f"{fn.__name__} {constexprs}: {problem}" for problem in problems]
 
 
 def variants() -> list[tuple]:
-    """(kernel, dtype, constexprs, num_warps, cache dtype, pointer types) of every variant."""
+    """(kernel, dtype, constexprs, num_warps, cache dtype, pointer types) of every variant. On Hopper the
+    backend launches its kernels with PDL, so those are the variants compiled (and their order checked)."""
     out = []
     for dtype, tile in (("bf16", 64), ("fp32", 32)):
         for quantized in (False, True) if dtype == "bf16" else (False,):  # True: an fp8 pool
             cache = "fp8e4nv" if quantized else None
             decode_tile = 128 if dtype == "bf16" and not quantized else tile  # the backend's decode_block_n
-            # graph mode (not FUSED_MERGE) runs decode steps only, so never with a row map
-            for row_map, fused in ((False, False), (False, True), (True, True)):
+            for row_map in (False, True):
                 for shared in (False, True):
                     out.append((decode_split_kernel, dtype, {
-                        **OURO, "BLOCK_SIZE": 16, "BLOCK_N": decode_tile, "SPLIT_MIN_KEYS": 512,
-                        "SPLIT_CAP": 16, "ROW_MAP": row_map, "FUSED_MERGE": fused, "SHARED": shared,
-                        "LOOPS": 4 if shared else 1, "NUM_LAYERS": 24 if shared else 1,
-                        "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32", "FP16_DOT": quantized}, 4, cache,
-                        None))
-            prefill = {**OURO, "BLOCK_M": tile, "BLOCK_N": tile, "DOT_FP32": dtype == "fp32"}
+                        **OURO, "BLOCK_SIZE": 16, "BLOCK_N": decode_tile, "SHORT_CONTEXT": 1024,
+                        "SHORT_SPLIT_KEYS": 64, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16, "ROW_MAP": row_map,
+                        "SHARED": shared, "LOOPS": 4 if shared else 1, "NUM_LAYERS": 24 if shared else 1,
+                        "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32", "FP16_DOT": quantized,
+                        "PDL": True}, 4, cache, None))
+            prefill = {**OURO, "BLOCK_M": tile, "BLOCK_N": tile, "DOT_FP32": dtype == "fp32", "PDL": True}
             out.append((prefill_paged_kernel, dtype, {**prefill, "BLOCK_SIZE": 16, "QUANTIZED": quantized}, 8,
                         cache, None))
             out.append((kv_store_kernel, dtype, {"KV_HEADS": 16, "HEAD_DIM": 128, "BLOCK_H": 16,
-                                                 "QUANTIZED": quantized}, 4, cache, None))
+                                                 "QUANTIZED": quantized, "PDL": True}, 4, cache, None))
         out.append((decode_merge_kernel, dtype, {"HEADS": 16, "HEAD_DIM": 128, "SPLIT_MIN_KEYS": 512,
                                                  "SPLIT_CAP": 16}, 4, None, None))
         out.append((prefill_packed_kernel, dtype, {**OURO, "BLOCK_M": tile, "BLOCK_N": tile,
-                                                   "DOT_FP32": dtype == "fp32"}, 8, None, None))
+                                                   "DOT_FP32": dtype == "fp32", "PDL": True}, 8, None, None))
         for masked in (False, True):
             out.append((copy_forward_kernel, dtype, {"LOOPS": 4, "LAYERS": 24, "ROW": 2048, "BLOCK": 2048,
                                                      "MASKED": masked}, 4, None, None))
@@ -103,17 +120,21 @@ def variants() -> list[tuple]:
     return out
 
 
-def compile_variant(index: int) -> None:
+def compile_variant(index: int) -> list[str]:
     """Variant `index` of variants() (kernels do not pickle: each worker process builds the list)."""
-    compile_for_hopper(*variants()[index])
+    return compile_for_hopper(*variants()[index])
 
 
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
     # Each compile is one CPU thread's work: two processes halve the wall time on CI's two cores.
     with ProcessPoolExecutor(max_workers=2) as pool:
-        list(pool.map(compile_variant, range(len(variants()))))
-    print("all kernel variants compile for sm_90")
+        problems = [p for found in pool.map(compile_variant, range(len(variants()))) for p in found]
+    if problems:
+        raise SystemExit("PDL order:\n" + "\n".join(problems))
+    checked = sum(1 for variant in variants() if variant[2].get("PDL"))
+    print(f"all kernel variants compile for sm_90; {checked} PDL variants wait before reading activations "
+          "or writing")
 
 
 if __name__ == "__main__":

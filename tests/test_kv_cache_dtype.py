@@ -88,6 +88,19 @@ def test_fp8_triton_decode_rows_in_bf16_match_the_reference_backend():
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 
 
+def test_fp8_triton_graph_mode_decode_is_bitwise_equal_to_eager():
+    """Graph mode (capture_begin: the grid sized to the block table, the instance's partials and tickets)
+    gives the eager bits for an fp8 pool too."""
+    case, scales = fp8_case(torch.bfloat16, query_lens=[1, 1, 1], context_lens=[3, 17, 40])
+    backend = bind("triton", case, scales)
+    eager = run(backend, case, SLOT)
+    backend.capture_begin(max_rows=3)
+    graph = run(backend, case, SLOT)
+    assert backend._plan.decode.grid[0] > 5
+    backend.capture_end()
+    assert torch.equal(graph, eager)
+
+
 def test_backends_refuse_an_fp8_pool_without_scales_and_scales_without_fp8():
     from attention.base import select
 

@@ -1,10 +1,12 @@
 """The Triton backend on CUDA at Ouro's shapes (16 heads x 128, pages of 16 tokens), with the tuned
-defaults: split rule, direct launches, the fused ticket merge, CUDA graphs and 64-bit offsets."""
+defaults: split rule, direct launches, the ticket merge in the decode launch (eager and CUDA graphs),
+Programmatic Dependent Launch where the GPU has it, and 64-bit offsets."""
 
 import pytest
 import torch
 
 from attention.launch import DIRECT_LAUNCH
+from attention.pdl import pdl_supported
 from attention.workspace import Workspace, current_stream
 from tests.paged_cases import assert_matches, bound, make_case, reference, run
 
@@ -61,31 +63,97 @@ def test_fused_merge_is_deterministic_and_returns_every_ticket():
     assert not entry.tickets.any()
 
 
+def capture_decode(backend, case, slot: int = 1) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
+    """One decode call captured as the runner does it: capture_begin, a warm-up run outside the capture
+    (it compiles the kernel and makes the graph's tickets), then the capture. Returns the graph, its output
+    buffer and the captured plan."""
+    backend.capture_begin(max_rows=case.meta.num_rows)
+    try:
+        run(backend, case, slot)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            backend.prepare(case.meta)
+            out = backend.forward(case.q, case.k, case.v, slot)
+        plan = backend._plan
+    finally:
+        backend.capture_end()
+    return graph, out, plan
+
+
+def kernels_launched(replay) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        replay()
+        torch.cuda.synchronize()
+    return [event.name for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_graph_captured_decode_is_bitwise_equal_to_eager(dtype):
+def test_graph_captured_decode_is_one_launch_bitwise_equal_to_eager(dtype):
     """Captured with dummy contexts of 1 and a table wider than any row needs; replayed on the real
     contexts. The graph's grid has room for every context the table holds, the per-row split counts
-    are the eager ones, so the bits are too."""
+    are the eager ones, so the bits are too; the replay is the decode kernel alone (its ticket merge
+    included) and leaves the graph's tickets at zero."""
     case = decode_case(dtype, spare_columns=200)
     expected, _ = reference(case)
     backend = bound("triton", case)
     real_contexts = case.meta.context_lens.clone()
     case.meta.context_lens.fill_(1)
-    backend.capture_begin(max_rows=len(DECODE_CONTEXTS))
-    run(backend, case)  # warm-up outside capture: compiles both kernels
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.prepare(case.meta)
-        graph_out = backend.forward(case.q, case.k, case.v, 1)
-    graph_splits = backend._plan.decode.grid[0]
-    backend.capture_end()
+    graph, graph_out, plan = capture_decode(backend, case)
     case.meta.context_lens.copy_(real_contexts)
-    graph.replay()
+    assert kernels_launched(graph.replay) == ["decode_split_kernel"]
     eager = run(backend, case)
-    assert graph_splits > backend._plan.decode.grid[0]
+    assert plan.decode.grid[0] > backend._plan.decode.grid[0]
+    assert plan.tickets.data_ptr() == backend._graph_tickets[-1].data_ptr()
     assert torch.equal(graph_out, eager)
     assert_matches(eager, expected)
+    assert not backend._graph_tickets[-1].any()
+
+
+def test_graph_replays_are_deterministic_and_return_every_ticket():
+    case = decode_case(torch.bfloat16)
+    backend = bound("triton", case)
+    backend.split_min_keys, backend.split_cap = 64, 32  # up to 32 splits a row: two merge rounds
+    graph, out, _ = capture_decode(backend, case)
+    graph.replay()
+    first = out.clone()
+    for _ in range(20):
+        graph.replay()
+        assert torch.equal(out, first)
+    torch.cuda.synchronize()
+    assert not backend._graph_tickets[-1].any()
+    assert torch.equal(first, run(backend, case))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_short_rows_in_small_splits_match_reference_and_graph_equals_eager(dtype):
+    """The short class (rows of at most 1024 keys in 64-key splits) beside long rows in one launch."""
+    case = decode_case(dtype, context_lens=[1, 63, 64, 65, 512, 1024, 1025, 4100], spare_columns=100)
+    expected, _ = reference(case)
+    backend = bound("triton", case)
+    backend.short_context, backend.short_split_keys = 1024, 64
+    eager = run(backend, case)
+    assert backend._plan.decode.grid[0] == backend.split_cap
+    graph, graph_out, _ = capture_decode(backend, case)
+    graph.replay()
+    assert torch.equal(graph_out, eager)
+    assert_matches(eager, expected)
+
+
+def test_pdl_launches_change_no_bit():
+    """Where the GPU has Programmatic Dependent Launch the decode step's kernels use it (a mixed step: the
+    kv_store, prefill and decode kernels), and give the bits of launches without it."""
+    case = make_case([1, 300, 1, 64, 1, 17], [2048, 1000, 33, 64, 4100, 17], dtype=torch.bfloat16, **OURO)
+    outputs = []
+    for pdl in (False, True):
+        backend = bound("triton", case)
+        backend.pdl = pdl and pdl_supported(case.q.device)
+        outputs.append(run(backend, case))
+        plan = backend._plan
+        if DIRECT_LAUNCH:  # the compiled kernels are at hand
+            assert [launch.compiled.metadata.launch_pdl for launch in (plan.store, plan.prefill, plan.decode)
+                    ] == [backend.pdl] * 3
+    assert torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,9 +1,11 @@
-"""Split-KV flash-decoding over pages: one query per row, its context cut into splits.
+"""Split-KV flash-decoding over pages: one query per row, its context cut into splits, in one launch.
 
-`decode_split_kernel` also stores the row's new K/V (the last context position) and, in eager mode,
-merges the splits in the same launch: the last split of a (row, head) to take its ticket merges all of
-them in index order. Under CUDA-graph capture `decode_merge_kernel` does that merge as a second launch,
-with the same `_merge_splits` arithmetic, so the two paths are bitwise equal.
+`decode_split_kernel` also stores the row's new K/V (the last context position) and merges the splits in
+the same launch: the last split of a (row, head) to take its ticket merges all of them (`_merge_splits`) and
+puts the ticket back to 0. Eager and CUDA-graph decode run this one kernel; only the grid (in graph mode it
+has room for the longest context the block table holds) and the buffers differ, and neither changes a bit of
+a row's result. `decode_merge_kernel` is the same merge as a launch of its own, for the KVarN decode kernel
+(attention/kernels/kvarn_decode.py).
 
 Partial state, fp32, for P = rows * heads * grid_splits parts: acc [P, D], then max [P], then sum [P].
 Scores are kept in base 2 (q is pre-scaled by scale * log2 e).
@@ -16,6 +18,10 @@ Cached keys go through tensor cores (tl.dot), the query padded to 16 rows; DOT_F
 inputs, and bf16 under the interpreter, as the prefill kernels do). With QUANTIZED (an fp8 pool,
 attention/fp8.py) the slot's key scale of the kv head folds into the score scale and its value scale into the
 output, and the raw fp8 keys and values widen to fp16 for the dots (FP16_DOT; the query is cast to fp16).
+
+With PDL (attention/pdl.py) a program reads the step's metadata (context lengths, block tables, row map:
+inputs copied before the step's first kernel) and asks L2 for its first key tile's past K/V before it waits
+for the previous kernel; q, the new k/v, the cache store, the partials and the ticket all come after the wait.
 """
 
 import torch
@@ -24,10 +30,13 @@ import triton.language as tl
 
 from attention.kernels.kv_store import encode_kv
 from attention.kernels.prefill import _dot
+from attention.pdl import launch_dependents, wait_for_previous
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # SM count assumed off CUDA (the interpreter), an H100/H200's.
 CPU_SM_COUNT = 132
+# Splits whose partial state the merge loads at once: one trip to L2 per 16 splits instead of one per split.
+MERGE_LANES = tl.constexpr(16)
 
 
 def host_split_count(context_len: int, split_min_keys: int, split_cap: int) -> int:
@@ -45,10 +54,20 @@ def split_cap(device: torch.device, kv_heads: int) -> int:
 
 
 @triton.jit
-def split_count(context_len, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr):
-    """Splits for one row: one per SPLIT_MIN_KEYS keys, at least 1, at most SPLIT_CAP. A function of
+def split_count(context_len, keys_per_split, SPLIT_CAP: tl.constexpr):
+    """Splits for one row: one per keys_per_split keys, at least 1, at most SPLIT_CAP. A function of
     the row's own length only, so a row's result never depends on its batch or on eager vs graph."""
-    return tl.minimum(tl.maximum(tl.cdiv(context_len, SPLIT_MIN_KEYS), 1), SPLIT_CAP)
+    return tl.minimum(tl.maximum(tl.cdiv(context_len, keys_per_split), 1), SPLIT_CAP)
+
+
+@triton.jit
+def row_split_count(context_len, SHORT_CONTEXT: tl.constexpr, SHORT_SPLIT_KEYS: tl.constexpr,
+                    SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr):
+    """split_count with two length classes (the host twin is attention/triton_backend.py's SplitRule): a
+    row of at most SHORT_CONTEXT keys is cut every SHORT_SPLIT_KEYS keys, a longer one every
+    SPLIT_MIN_KEYS."""
+    keys_per_split = tl.where(context_len <= SHORT_CONTEXT, SHORT_SPLIT_KEYS, SPLIT_MIN_KEYS)
+    return split_count(context_len, keys_per_split, SPLIT_CAP)
 
 
 @triton.jit
@@ -88,25 +107,79 @@ def _key_rows(table, gen_table, first, positions, end, prompt_len, loop, plane_e
 
 
 @triton.jit
+def _prefetch_l2(key_cache_ptr, value_cache_ptr, rows, mask_n, HEAD_DIM: tl.constexpr):
+    """Asks L2 for the 128-byte lines of the K and V rows at `rows` where mask_n (PTX prefetch.global.L2: a
+    hint that loads nothing into registers, so it costs none while the program waits)."""
+    LINE: tl.constexpr = 1024 // key_cache_ptr.dtype.element_ty.primitive_bitwidth  # elements per line
+    LINES: tl.constexpr = max(HEAD_DIM // LINE, 1)
+    lines = rows[:, None] + (tl.arange(0, LINES) * LINE)[None, :]
+    wanted = (mask_n[:, None] & (tl.arange(0, LINES) < LINES)[None, :]).to(tl.int32)
+    _prefetch_lines(key_cache_ptr + lines, wanted)
+    _prefetch_lines(value_cache_ptr + lines, wanted)
+
+
+@triton.jit
+def _prefetch_lines(ptrs, wanted):
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; }", "=r,l,r",
+                              [ptrs, wanted], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _merge_splits(partials_ptr, out_ptr, first, num_splits, num_partials, HEAD_DIM: tl.constexpr):
-    """Combines splits first .. first + num_splits - 1 in index order into out_ptr[:HEAD_DIM].
-    Loads bypass L1 (.cg): other programs wrote these parts during this launch."""
+    """Combines splits first .. first + num_splits - 1 into out_ptr[:HEAD_DIM], MERGE_LANES of them a round,
+    each round's states loaded at once and reduced in a fixed order: the bits depend on num_splits and the
+    parts only, never on the grid or on which split arrived last. Loads bypass L1 (.cg): other programs wrote
+    these parts during this launch."""
+    lanes = tl.arange(0, MERGE_LANES)
     offs_d = tl.arange(0, HEAD_DIM)
-    m_ptr = partials_ptr + num_partials * HEAD_DIM + first
-    l_ptr = partials_ptr + num_partials * (HEAD_DIM + 1) + first
-    m_max = tl.load(m_ptr, cache_modifier=".cg")
-    for s in range(1, num_splits):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + s, cache_modifier=".cg"))
-    # An all-empty row keeps m_max = -inf; shifting by 0 instead avoids exp2(-inf - -inf) = NaN.
-    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_sum = tl.zeros([], tl.float32)
+    m_run = tl.full([], float("-inf"), tl.float32)
+    l_run = tl.zeros([], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s in range(num_splits):
-        w = tl.exp2(tl.load(m_ptr + s, cache_modifier=".cg") - m_ref)
-        l_sum = l_sum + tl.load(l_ptr + s, cache_modifier=".cg") * w
-        acc = acc + tl.load(partials_ptr + (first + s) * HEAD_DIM + offs_d, cache_modifier=".cg") * w
-    out = acc / tl.where(l_sum > 0, l_sum, 1.0)
+    for s0 in range(0, num_splits, MERGE_LANES):
+        present = s0 + lanes < num_splits
+        part = first + s0 + lanes
+        m = tl.load(partials_ptr + num_partials * HEAD_DIM + part, mask=present, other=float("-inf"),
+                    cache_modifier=".cg")
+        l_part = tl.load(partials_ptr + num_partials * (HEAD_DIM + 1) + part, mask=present, other=0.0,
+                         cache_modifier=".cg")
+        acc_part = tl.load(partials_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=present[:, None],
+                           other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        # An all-empty row keeps m = -inf; shifting by 0 instead avoids exp2(-inf - -inf) = NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_ref)
+        w = tl.exp2(m - m_ref)
+        l_run = l_run * alpha + tl.sum(l_part * w, 0)
+        acc = acc * alpha + tl.sum(acc_part * w[:, None], 0)
+        m_run = m_new
+    out = acc / tl.where(l_run > 0, l_run, 1.0)
     tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _finish_split(acc, m_i, l_i, out_row, partials_ptr, tickets_ptr, split, num_splits, r, head,
+                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A split's state out: the row's output where it is the only split, else its partial state, then its
+    ticket; the last split to take the (row, head)'s ticket merges every split and puts the ticket back to
+    0."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    if num_splits == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)
+        tl.store(out_row + offs_d, out.to(out_row.dtype.element_ty))
+    else:
+        grid_splits = tl.num_programs(0)
+        num_partials = grid_splits * HEADS * tl.num_programs(2)
+        first = (r * HEADS + head) * grid_splits
+        part = first + split
+        tl.store(partials_ptr + part * HEAD_DIM + offs_d, acc)
+        tl.store(partials_ptr + num_partials * HEAD_DIM + part, m_i)
+        tl.store(partials_ptr + num_partials * (HEAD_DIM + 1) + part, l_i)
+        # All threads' stores are done before one thread releases them with the ticket.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets_ptr + r * HEADS + head, 1, sem="acq_rel")
+        if ticket == num_splits - 1:
+            _merge_splits(partials_ptr, out_row, first, num_splits, num_partials, HEAD_DIM)
+            tl.store(tickets_ptr + r * HEADS + head, 0)
 
 
 # One compiled kernel serves every loop's calls and every step: the loop and the block tables' row strides
@@ -119,17 +192,17 @@ def decode_split_kernel(
     gen_tables_ptr, prompt_lens_ptr, loop, plane_elems,
     scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, stride_gt,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr,
-    ROW_MAP: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SHORT_CONTEXT: tl.constexpr, SHORT_SPLIT_KEYS: tl.constexpr,
+    SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr, ROW_MAP: tl.constexpr,
     SHARED: tl.constexpr, LOOPS: tl.constexpr, NUM_LAYERS: tl.constexpr, QUANTIZED: tl.constexpr,
-    DOT_FP32: tl.constexpr, FP16_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (grid_splits, HEADS, decode rows). Program (s, h, r) attends query head h of decode row r
     over split s of its context. With ROW_MAP, rows_ptr holds (batch row, token) pairs; without it
     decode row r is batch row r and token r. The new token goes where the slot mapping says; with SHARED a
     generated token (slot -1) goes to its generated page. gen_tables_ptr, prompt_lens_ptr, loop and
     plane_elems are read only with SHARED; scales_ptr (the slot's key then value scales) only with
-    QUANTIZED."""
+    QUANTIZED; tickets_ptr (one per (row, head), zero between launches) only with several splits."""
     split = tl.program_id(0)
     head = tl.program_id(1)
     r = tl.program_id(2)
@@ -140,14 +213,29 @@ def decode_split_kernel(
         row = r
         token = r.to(tl.int64)
     context_len = tl.load(context_lens_ptr + row)
-    num_splits = split_count(context_len, SPLIT_MIN_KEYS, SPLIT_CAP)
+    num_splits = row_split_count(context_len, SHORT_CONTEXT, SHORT_SPLIT_KEYS, SPLIT_MIN_KEYS, SPLIT_CAP)
+    GROUP: tl.constexpr = HEADS // KV_HEADS
+    kv_head = head // GROUP
+    # A program past its row's splits gets an empty range here: it prefetches nothing.
+    start, end = split_bounds(split, num_splits, context_len, BLOCK_N)
+    last = context_len - 1  # the new token: read from k/v, not from the cache
+    cached_end = tl.minimum(end, last)
+    table = block_tables_ptr + row.to(tl.int64) * stride_bt
+    gen_table = gen_tables_ptr
+    prompt_len = 0
+    if SHARED:
+        gen_table = gen_tables_ptr + row.to(tl.int64) * stride_gt
+        prompt_len = tl.load(prompt_lens_ptr + row)
+    tile = tl.arange(0, BLOCK_N)
+    if PDL:  # past K/V only (positions below the new token's): no kernel of this step writes them
+        first_tile = start + tile
+        _prefetch_l2(key_cache_ptr, value_cache_ptr,
+                     _key_rows(table, gen_table, start, first_tile, cached_end, prompt_len, loop, plane_elems,
+                               kv_head, BLOCK_N, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS),
+                     first_tile < cached_end, HEAD_DIM)
+    wait_for_previous(PDL)
+    launch_dependents(PDL)
     if split < num_splits:
-        GROUP: tl.constexpr = HEADS // KV_HEADS
-        kv_head = head // GROUP
-        start, end = split_bounds(split, num_splits, context_len, BLOCK_N)
-        last = context_len - 1  # the new token: read from k/v, not from the cache
-        cached_end = tl.minimum(end, last)
-
         offs_d = tl.arange(0, HEAD_DIM)
         q_raw = tl.load(q_ptr + token * stride_qn + head * stride_qh + offs_d)
         qk_scale = scale * LOG2E
@@ -157,12 +245,6 @@ def decode_split_kernel(
             v_scale = tl.load(scales_ptr + KV_HEADS + kv_head)
             qk_scale = qk_scale * k_scale
         q = q_raw.to(tl.float32) * qk_scale  # for the new token's score, in fp32
-        table = block_tables_ptr + row.to(tl.int64) * stride_bt
-        gen_table = gen_tables_ptr
-        prompt_len = 0
-        if SHARED:
-            gen_table = gen_tables_ptr + row.to(tl.int64) * stride_gt
-            prompt_len = tl.load(prompt_lens_ptr + row)
         # The cached keys on tensor cores: the query is row 0 of a 16-row tile (tl.dot's least M; the other
         # rows are zero and their state is dropped after the loop), its scores scaled in fp32 after the dot,
         # and P rounded to the dot's dtype before P @ V, as the prefill kernels do. That keeps the loop at
@@ -174,7 +256,6 @@ def decode_split_kernel(
         m_i = tl.full([16], float("-inf"), tl.float32)
         l_i = tl.zeros([16], tl.float32)
         acc = tl.zeros([16, HEAD_DIM], tl.float32)
-        tile = tl.arange(0, BLOCK_N)
         for n0 in range(start, cached_end, BLOCK_N):
             positions = n0 + tile
             mask_n = positions < cached_end
@@ -222,24 +303,8 @@ def decode_split_kernel(
         if QUANTIZED:
             acc = acc * v_scale
         out_row = out_ptr + token * (HEADS * HEAD_DIM) + head * HEAD_DIM
-        if num_splits == 1:
-            out = acc / tl.where(l_i > 0, l_i, 1.0)
-            tl.store(out_row + offs_d, out.to(out_ptr.dtype.element_ty))
-        else:
-            grid_splits = tl.num_programs(0)
-            num_partials = grid_splits * HEADS * tl.num_programs(2)
-            first = (r * HEADS + head) * grid_splits
-            part = first + split
-            tl.store(partials_ptr + part * HEAD_DIM + offs_d, acc)
-            tl.store(partials_ptr + num_partials * HEAD_DIM + part, m_i)
-            tl.store(partials_ptr + num_partials * (HEAD_DIM + 1) + part, l_i)
-            if FUSED_MERGE:
-                # All threads' stores are done before one thread releases them with the ticket.
-                tl.debug_barrier()
-                ticket = tl.atomic_add(tickets_ptr + r * HEADS + head, 1, sem="acq_rel")
-                if ticket == num_splits - 1:
-                    _merge_splits(partials_ptr, out_row, first, num_splits, num_partials, HEAD_DIM)
-                    tl.store(tickets_ptr + r * HEADS + head, 0)
+        _finish_split(acc, m_i, l_i, out_row, partials_ptr, tickets_ptr, split, num_splits, r, head, HEADS,
+                      HEAD_DIM)
 
 
 @triton.jit
@@ -247,8 +312,9 @@ def decode_merge_kernel(
     out_ptr, context_lens_ptr, partials_ptr, grid_splits,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr,
 ):
-    """Grid (HEADS, rows): the graph-safe merge of what `decode_split_kernel` left with FUSED_MERGE off.
-    Pure decode only (row r is token r). Rows with one split were finished by the split kernel."""
+    """Grid (HEADS, rows): the merge of partial states that a split kernel left without merging them (the
+    KVarN decode kernel). Pure decode only (row r is token r). Rows with one split were finished by the
+    split kernel."""
     head = tl.program_id(0)
     r = tl.program_id(1)
     num_splits = split_count(tl.load(context_lens_ptr + r), SPLIT_MIN_KEYS, SPLIT_CAP)

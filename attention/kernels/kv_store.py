@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from attention.pdl import launch_dependents, wait_for_previous
+
 FP8_MAX = tl.constexpr(448.0)
 
 
@@ -37,24 +39,28 @@ def kv_store_kernel(
     k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, scales_ptr, slot_mapping_ptr,
     stride_kn, stride_kh, stride_vn, stride_vh,
     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, QUANTIZED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per new token: all its kv heads. The cache plane is [blocks, block_size, kv_heads, D]
     contiguous, so `slot * kv_heads * D` addresses the token; it is 64-bit because a large pool exceeds
     2^31 elements. A slot of -1 (a generated token under kv_sharing="last", in no per-loop plane) is
     skipped: the decode kernel stores it. With QUANTIZED, scales_ptr holds the slot's fp8 key scales then
-    value scales, one per kv head."""
+    value scales, one per kv head. With PDL (attention/pdl.py) the slot mapping and the scales, which no
+    kernel of the step writes, are read before the wait for the previous kernel; k and v after it."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     mask = (offs_h < KV_HEADS)[:, None] & (tl.zeros([BLOCK_H, 1], tl.int64) + slot >= 0)
     dst = slot * (KV_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-    k = tl.load(k_ptr + token * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(v_ptr + token * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     k_scale, v_scale = 1.0, 1.0
     if QUANTIZED:
         k_scale = tl.load(scales_ptr + offs_h, mask=offs_h < KV_HEADS, other=1.0)[:, None]
         v_scale = tl.load(scales_ptr + KV_HEADS + offs_h, mask=offs_h < KV_HEADS, other=1.0)[:, None]
+    wait_for_previous(PDL)
+    launch_dependents(PDL)
+    k = tl.load(k_ptr + token * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     tl.store(key_cache_ptr + dst, encode_kv(k, k_scale, QUANTIZED, key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, encode_kv(v, v_scale, QUANTIZED, value_cache_ptr.dtype.element_ty),
              mask=mask)

@@ -8,10 +8,16 @@ reads K/V straight from the k/v inputs.
 With QUANTIZED (an fp8 pool, attention/fp8.py) the paged kernel widens the stored fp8 K/V to q's dtype (exact:
 every e4m3 value is a bf16 and an fp16 value), folds the slot's key scale into the score scale and applies
 the value scale to the output.
+
+With PDL (attention/pdl.py) a program reads its work item and the step's metadata (copied before the step's
+first kernel) before it waits for the previous kernel, and everything else after: the chunk's K/V, stored by
+the kv_store kernel just before, and q.
 """
 
 import triton
 import triton.language as tl
+
+from attention.pdl import launch_dependents, wait_for_previous
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -83,6 +89,7 @@ def prefill_paged_kernel(
     scale, stride_qn, stride_qh, stride_bt,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, QUANTIZED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (work items, HEADS). Work item i = (row, m0): queries m0 .. m0 + BLOCK_M - 1 of the row's
     chunk, which sit at context positions prefix + m0 ... (prefix = context_len - query_len)."""
@@ -96,12 +103,14 @@ def prefill_paged_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     mask_m = offs_m < query_len
     tokens = (token0 + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + tokens[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None], other=0.0)
     query_pos = prefix + offs_m
     qk_scale = scale * LOG2E
     if QUANTIZED:
         qk_scale = qk_scale * tl.load(scales_ptr + kv_head)
+    wait_for_previous(PDL)
+    launch_dependents(PDL)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -143,7 +152,7 @@ def prefill_packed_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, packed_ptr,
     num_packed, scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (cdiv(num_packed, BLOCK_M), HEADS). packed_ptr holds, for packed index p, the pair
     (token index into q/k/v, packed index where p's row starts). Rows have no cached prefix, so key j
@@ -157,6 +166,9 @@ def prefill_packed_kernel(
     mask_m = offs_m < num_packed
     tokens = tl.load(packed_ptr + 2 * offs_m, mask=mask_m, other=0).to(tl.int64)
     row_start = tl.load(packed_ptr + 2 * offs_m + 1, mask=mask_m, other=-1)
+    key_start = tl.load(packed_ptr + 2 * tile * BLOCK_M + 1)
+    wait_for_previous(PDL)
+    launch_dependents(PDL)
     q = tl.load(q_ptr + tokens[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
                 mask=mask_m[:, None], other=0.0)
     qk_scale = scale * LOG2E
@@ -164,7 +176,6 @@ def prefill_packed_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    key_start = tl.load(packed_ptr + 2 * tile * BLOCK_M + 1)
     key_end = tl.minimum(num_packed, (tile + 1) * BLOCK_M)
     for n0 in range(key_start, key_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
