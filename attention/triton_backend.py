@@ -180,16 +180,20 @@ class TritonBackend(AttentionBackend):
         narrow = 2 if key_cache.element_size() == 4 else 1
         self.split_cap = split_cap(device, self.kv_heads)
         self.split_min_keys = 512
-        # The short class (SplitRule): off until benchmarks/attention.py's sweep picks it on an H200.
-        self.short_context = 0
-        self.short_split_keys = 64
+        # The short class (SplitRule): rows of up to 1K keys split every 128 keys. On an H200 with 3 stages
+        # (benchmarks/results/attention-2026-12-02-c918a8a.md, graph mode, µs a call against 512-key
+        # splits and 2 stages): 1 x 512 7.2 (12.4), 1 x 2K 15.2 (16.5), 16 x 2K 71.4 (73.8), 64 x 2K 251.5
+        # (258.9), 16 x 8K 250.1 (255.7); only 64 x 512 pays, 97.6 (77.5), its 64 x 16 x 4 programs each
+        # merging. A longer short class helps 1 x 2K and costs 64 x 2K more (the sweep's table).
+        self.short_context = 1024
+        self.short_split_keys = 128
         self.pdl = pdl_supported(device)
         # Decode key tiles of 32 KB for K and V (128 keys x 128 dims in bf16), fastest on an H200 with the
         # tensor-core loop (benchmarks/decode_variants.py); 64 keys for fp8 pools and head_dim 256.
         wide = self.head_dim <= 128 and key_cache.element_size() != 1
         self.decode_block_n = (128 if wide else 64) // narrow
         self.decode_num_warps = 4
-        self.decode_num_stages = 2
+        self.decode_num_stages = 3
         # Prefill: query tiles of 128 against key tiles of 64, 4 warps, 3 stages, the fastest at head_dim
         # 128 in bf16 on an H200 (346-351 TFLOP/s against 232-234 for 64 x 64 with 8 warps and 2 stages;
         # benchmarks/prefill.py --sweep); head_dim 256 keeps smaller tiles and 8 warps.

@@ -37,7 +37,7 @@ def bind(name, case, scales):
     if name == "triton":  # small tiles and many splits, as tests/test_triton_kernels.py runs them
         backend.prefill_block_m = backend.prefill_block_n = 16
         backend.decode_block_n = 16
-        backend.split_min_keys = 8
+        backend.split_min_keys, backend.short_context = 8, 0
     return backend
 
 

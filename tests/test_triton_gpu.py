@@ -44,7 +44,7 @@ def test_many_small_splits_match_reference(dtype):
     case = decode_case(dtype)
     expected, _ = reference(case)
     backend = bound("triton", case)
-    backend.split_min_keys = 64
+    backend.split_min_keys, backend.short_context = 64, 0
     assert_matches(run(backend, case), expected)
     assert backend._plan.decode.grid[0] == backend.split_cap
 
@@ -53,7 +53,7 @@ def test_fused_merge_is_deterministic_and_returns_every_ticket():
     case = decode_case(torch.bfloat16)
     backend = bound("triton", case)
     backend.workspace = Workspace()
-    backend.split_min_keys = 64
+    backend.split_min_keys, backend.short_context = 64, 0
     first = run(backend, case)
     for _ in range(20):
         assert torch.equal(run(backend, case), first)

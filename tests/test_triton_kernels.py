@@ -29,7 +29,7 @@ def triton_backend(case, splits: str = "many", requirements=None):
     if splits == "one":
         backend.split_cap = 1
     else:
-        backend.split_min_keys = 8
+        backend.split_min_keys, backend.short_context = 8, 0  # the long rule: splits of 8 keys
     return backend
 
 
@@ -75,7 +75,7 @@ def test_empty_splits_give_no_nan():
     case = make_case([1], [17], device=DEVICE)
     expected, _ = reference(case)
     backend = triton_backend(case)
-    backend.decode_block_n, backend.split_min_keys = 16, 2
+    backend.decode_block_n, backend.split_min_keys, backend.short_context = 16, 2, 0
     assert_matches(run(backend, case), expected, case)
 
 
@@ -128,7 +128,7 @@ def test_merge_over_more_splits_than_one_round_matches_reference_in_both_modes()
     case = make_case([1, 1], [300, 20], device=DEVICE)
     expected, _ = reference(case)
     backend = triton_backend(case)
-    backend.split_min_keys = 16
+    backend.split_min_keys, backend.short_context = 16, 0
     eager = run(backend, case)
     assert backend._plan.decode.grid[0] == 19
     graph, plan = graph_mode_run(backend, case)

@@ -52,7 +52,7 @@ def test_keys_are_device_and_stream():
 def _multi_split_backend(case):
     backend = bound("triton", case)
     backend.workspace = Workspace()
-    backend.decode_block_n, backend.split_min_keys = 16, 8
+    backend.decode_block_n, backend.split_min_keys, backend.short_context = 16, 8, 0
     return backend
 
 
