@@ -1,14 +1,16 @@
-"""Compiles every Triton kernel variant the backend launches for Hopper (sm_90), without a GPU.
+"""Compiles every Triton kernel variant the backend launches for Hopper (sm_90), without a GPU, and checks
+each PDL variant's PTX: only weights are read before its griddepcontrol.wait (tests/ptx_order.py).
 
 The interpreter accepts code that the compiler rejects (a non-constexpr global, a type that changes
 across a branch), so CPU-only CI runs this as a script in a process without TRITON_INTERPRET:
 
-    TRITON_INTERPRET=0 python -m tests.hopper_compile
+    TRITON_INTERPRET=0 python -m tests.hopper_compile [--pdl-only]
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import triton
@@ -22,6 +24,11 @@ from attention.kernels.kvarn_prefill import kvarn_prefill_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
 from attention.kernels.rotate import rotate_rows_kernel
 from cache.copy_forward_kernel import copy_forward_kernel
+from model.kernels.fused import rmsnorm_kernel, rope_qkv_kernel, silu_mul_kernel
+from model.kernels.gemv import skinny_gemm_kernel
+from model.kernels.gemv_epilogues import (skinny_gemm_add_norms_kernel, skinny_gemm_rope_kernel,
+                                          skinny_gemm_silu_mul_kernel)
+from tests.ptx_order import pdl_order_violations
 
 OURO = {"HEADS": 16, "KV_HEADS": 16, "HEAD_DIM": 128}
 INDEX_POINTERS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "rows_ptr": "*i32",
@@ -31,6 +38,9 @@ INDEX_POINTERS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "rows_
                   "mask_ptr": "*i1", "scales_ptr": "*fp32"}
 CACHE_POINTERS = ("key_cache_ptr", "value_cache_ptr")
 WIDE_INTS = {"plane_elems"}  # a pool plane can exceed 2^31 elements: the launcher passes it as i64
+FLOATS = {"scale", "eps"}
+# What a PDL kernel may read before its wait: weights, which no kernel of a step writes.
+READ_BEFORE_WAIT = {"w_ptr", "weight_ptr", "next_weight_ptr"}
 
 
 # The KVarN kernels' pointers (attention/triton_kvarn.py launches them with fp32 queries and outputs).
@@ -43,7 +53,7 @@ KVARN_POINTERS = {"key_codes_ptr": "*u8", "value_codes_ptr": "*u8", "key_scales_
 def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int,
                        cache_dtype: str | None = None, pointers: dict[str, str] | None = None) -> None:
     """cache_dtype: the KV pool's element type where it is not `dtype` (fp8e4nv: an fp8 pool). pointers:
-    pointee types by argument name, over the defaults."""
+    pointee types by argument name, over the defaults. A variant with PDL on has its PTX checked."""
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -53,15 +63,55 @@ def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int,
             signature[name] = {**INDEX_POINTERS, **(pointers or {})}.get(name, "*" + pointee)
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "fp32" if name == "scale" else "i64" if name in WIDE_INTS else "i32"
+            signature[name] = "fp32" if name in FLOATS else "i64" if name in WIDE_INTS else "i32"
     source = ASTSource(fn, signature, constexprs, attrs)
     options = {"num_warps": num_warps, "num_stages": 2}
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    if constexprs.get("PDL"):
+        params = [name for name in fn.arg_names if name not in constexprs]
+        pointer_params = {i: name for i, name in enumerate(params) if name.endswith("_ptr")}
+        violations = pdl_order_violations(compiled.asm["ptx"], pointer_params, READ_BEFORE_WAIT)
+        assert not violations, f"{fn.__name__} {constexprs}: " + "; ".join(violations[:5])
+
+
+GEMV_POINTERS = {"partials_ptr": "*fp32", "tickets_ptr": "*i32"}
+
+
+def gemv_variants() -> list[tuple]:
+    """The model's kernels, PDL on: the skinny GEMM and its epilogue variants at Ouro-1.4B's tuned bf16
+    configs (one row: the FMA path; 4-16 rows: the dot path, split and not) and one fp32 config, and the
+    fused elementwise kernels; one PDL-off variant."""
+    fma = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT": False, "USE_DOT": False, "DOT_FP32": False,
+           "NUM_STAGES": 3}
+    dot = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": True, "USE_DOT": True, "DOT_FP32": False,
+           "NUM_STAGES": 4}
+    fp32 = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT": True, "USE_DOT": True, "DOT_FP32": True,
+            "NUM_STAGES": 3}
+    out = []
+    for dtype, config in (("bf16", fma), ("bf16", dot), ("bf16", {**dot, "SPLIT": False}), ("fp32", fp32)):
+        gemm = {**config, "EVEN_K": True, "EVEN_N": True, "PDL": True}
+        norms = {**gemm, "HIDDEN": 2048, "NORM_BLOCK": 2048, "PRECISE": True}
+        rope = {**gemm, "HALF": 64, "PRECISE": True}
+        out += [(skinny_gemm_kernel, dtype, gemm, 4, None, GEMV_POINTERS),
+                (skinny_gemm_rope_kernel, dtype, rope, 4, None, GEMV_POINTERS),
+                (skinny_gemm_silu_mul_kernel, dtype, {**gemm, "PRECISE": True}, 4, None, GEMV_POINTERS),
+                (skinny_gemm_add_norms_kernel, dtype, norms, 4, None, GEMV_POINTERS)]
+    uneven = {**dot, "EVEN_K": False, "EVEN_N": False, "PDL": False}
+    out.append((skinny_gemm_kernel, "bf16", uneven, 4, None, GEMV_POINTERS))
+    for add_residual, next_norm in ((False, False), (True, True)):
+        norm = {"N": 2048, "BLOCK": 2048, "ADD_RESIDUAL": add_residual, "NEXT_NORM": next_norm,
+                "PRECISE": True, "PDL": True}
+        out.append((rmsnorm_kernel, "bf16", norm, 8, None, None))
+    out.append((silu_mul_kernel, "bf16", {"SIZE": 5632, "BLOCK": 1024, "PRECISE": True, "PDL": True}, 4, None,
+                None))
+    out.append((rope_qkv_kernel, "bf16", {**OURO, "BLOCK_H": 16, "STORE_KV": False, "PRECISE": True,
+                                          "PDL": True}, 4, None, None))
+    return out
 
 
 def variants() -> list[tuple]:
     """(kernel, dtype, constexprs, num_warps, cache dtype, pointer types) of every variant."""
-    out = []
+    out = gemv_variants()
     for dtype, tile in (("bf16", 64), ("fp32", 32)):
         for quantized in (False, True) if dtype == "bf16" else (False,):  # True: an fp8 pool
             cache = "fp8e4nv" if quantized else None
@@ -103,17 +153,22 @@ def variants() -> list[tuple]:
     return out
 
 
-def compile_variant(index: int) -> None:
-    """Variant `index` of variants() (kernels do not pickle: each worker process builds the list)."""
-    compile_for_hopper(*variants()[index])
+def compile_variant(index: int, pdl_only: bool = False) -> None:
+    """Variant `index` of variants(), or of the model's PDL variants (kernels do not pickle: each worker
+    process builds the list)."""
+    listed = [v for v in gemv_variants() if v[2].get("PDL")] if pdl_only else variants()
+    compile_for_hopper(*listed[index])
 
 
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+    pdl_only = "--pdl-only" in sys.argv[1:]
+    count = len([v for v in gemv_variants() if v[2].get("PDL")] if pdl_only else variants())
     # Each compile is one CPU thread's work: two processes halve the wall time on CI's two cores.
     with ProcessPoolExecutor(max_workers=2) as pool:
-        list(pool.map(compile_variant, range(len(variants()))))
-    print("all kernel variants compile for sm_90")
+        list(pool.map(compile_variant, range(count), [pdl_only] * count))
+    print("the model's PDL variants read only weights before the wait" if pdl_only
+          else "all kernel variants compile for sm_90")
 
 
 if __name__ == "__main__":
