@@ -16,11 +16,15 @@ What is promised, as bits:
 import pytest
 import torch
 
+from engine import Engine, SamplingParams
+from model.config import OuroConfig
 from model.kernels import gemv
-from model.kernels.fused import add_rmsnorm_rmsnorm, rope_qkv, silu_mul
+from model.kernels.fused import add_rmsnorm_rmsnorm, rmsnorm, rope_qkv, silu_mul
 from model.kernels.gemv import GemvConfig, skinny_linear
 from model.kernels.gemv_epilogues import gate_up_silu, linear_add_norms, qkv_rope
-from model.ouro import Rotary
+from model.ouro import OuroLayer, Rotary
+from model.tiny import PRESETS, hf_config, write_checkpoint
+from tests.numerics import assert_within_noise
 from tests.test_fused_kernels import assert_matches_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -155,3 +159,114 @@ def test_mismatched_operands_are_refused_by_name():
         qkv_rope(x, w, cos, sin, HEADS, KV_HEADS, HEAD_DIM)  # 96 rows are not (3 + 2) x 16
     with pytest.raises(ValueError, match="gate_up"):
         gate_up_silu(x, w[:95])
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: Ouro-1.4B's shapes (hidden 2048, 16 heads x 128, intermediate 5632)
+
+
+def eager_then_graph(fn) -> tuple[torch.Tensor, ...]:
+    """fn()'s outputs eagerly; fn captured in a CUDA graph and replayed must give the same bits."""
+    eager = fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(eager, static))
+    return eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_epilogue_variants_match_the_unfused_composition_at_ouro_shapes(dtype, m):
+    """rope and silu-mul bitwise equal to the plain kernel then the elementwise kernel, the W rows in their
+    own order; add_norms within the norm tolerance; eager equals graph replay; every ticket back at 0."""
+    hidden, heads, head_dim, intermediate = 2048, 16, 128, 5632
+    gemv.reserve_workspace("cuda")
+    g = torch.Generator().manual_seed(m)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g)).to("cuda", dtype)
+
+    x, w_qkv = randn(m, hidden), randn(3 * heads * head_dim, hidden, scale=0.02)
+    cos, sin = (t.cuda() for t in Rotary(head_dim, 1e6)(torch.randint(0, 60000, (m,), generator=g), dtype))
+    q, k, v = eager_then_graph(lambda: qkv_rope(x, w_qkv, cos, sin, heads, heads, head_dim))
+    expected = rope_qkv(skinny_linear(x, w_qkv), cos, sin, heads, heads, head_dim)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), expected))
+    w_gate_up = randn(2 * intermediate, hidden, scale=0.02)
+    act, = eager_then_graph(lambda: (gate_up_silu(x, w_gate_up),))
+    assert torch.equal(act, silu_mul(skinny_linear(x, w_gate_up)))
+    residual = randn(m, hidden)
+    weight, next_weight = 1 + randn(hidden, scale=0.1), 1 + randn(hidden, scale=0.1)
+    for inputs, w in ((x, randn(hidden, hidden, scale=0.02)), (act, randn(hidden, intermediate, scale=0.02))):
+        h, normed = eager_then_graph(lambda: linear_add_norms(inputs, w, residual, weight, next_weight, EPS))
+        expected_h, expected_normed = add_rmsnorm_rmsnorm(residual, skinny_linear(inputs, w), weight,
+                                                          next_weight, EPS)
+        assert_matches_torch(h, expected_h, "norm")
+        assert_matches_torch(normed, expected_normed, "norm")
+    assert not gemv._WORKSPACES[x.device].tickets.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16])
+def test_a_bf16_layer_at_ouro_shape_is_as_exact_on_the_epilogue_path_as_unfused(rows):
+    """One Ouro-1.4B-shaped layer (random weights, each row attending to its own key only) in bf16 through
+    the 4 epilogue launches and through the unfused composition, against the layer in fp64: no farther from
+    it than tests/numerics.py's bound (4x the unfused path's own error, plus a few ulps)."""
+    config = OuroConfig.from_dict(hf_config(dict(PRESETS["ouro-1.4b"], num_hidden_layers=1)))
+    torch.manual_seed(rows)
+    layer = OuroLayer(config)
+    with torch.no_grad():
+        for name, parameter in layer.named_parameters():
+            parameter.copy_(1 + 0.1 * torch.randn_like(parameter) if "norm" in name
+                            else 0.02 * torch.randn_like(parameter))
+    bf16, exact = layer.to("cuda", torch.bfloat16), OuroLayer(config).to("cuda", torch.float64)
+    exact.load_state_dict(bf16.state_dict())
+    h = torch.randn(rows, config.hidden_size, device="cuda")
+    next_weight = 1 + 0.1 * torch.randn(config.hidden_size, device="cuda")
+    positions = torch.randint(0, 60000, (rows,), device="cuda")
+    rotary = Rotary(config.head_dim, config.rope_theta).cuda()
+
+    def own_key_only(q, k, v, slot):
+        return v.contiguous()
+
+    with torch.inference_mode():
+        hb, wb = h.bfloat16(), next_weight.bfloat16()
+        cos, sin = rotary(positions, torch.bfloat16)
+        normed = rmsnorm(hb, bf16.input_layernorm.weight, config.rms_norm_eps)
+        fused = bf16.forward_fused(hb, normed, cos, sin, own_key_only, 0, wb, epilogues=True)
+        unfused = bf16.forward_fused(hb, normed, cos, sin, own_key_only, 0, wb, epilogues=False)
+        cos64, sin64 = rotary(positions, torch.float64)
+        h64 = exact(hb.double(), cos64, sin64, own_key_only, 0)
+        xf = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
+        normed64 = wb.double() * xf
+    assert_within_noise(fused[0], unfused[0], h64, "h")
+    assert_within_noise(fused[1], unfused[1], normed64, "next pre-norm")
+
+
+# Where the two paths' greedy tokens part, the unfused path's top-2 logprob gap there (nats) is at most this:
+# a near tie that bf16 rounding in either path may break either way.
+NEAR_TIE = 0.1
+
+
+@pytest.mark.gpu
+def test_engine_greedy_tokens_on_the_epilogue_path_match_unfused_or_part_at_near_ties(tmp_path):
+    """A 2-layer model of Ouro-1.4B's shapes (random weights), bf16, 4 loops: the default engine (epilogue
+    path, CUDA graphs) against an eager engine on the unfused composition, batch 4 of mixed prompts."""
+    path = write_checkpoint(tmp_path / "ouro-2-layers", "ouro-1.4b", layers=2)
+    prompts = [[3 + 17 * i + j for j in range(5 + 9 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    options = dict(device="cuda", dtype="bfloat16", num_kv_blocks=256, max_num_seqs=8, verbose=False)
+    with Engine(path, **options) as engine:
+        fused = [o.outputs[0] for o in engine.generate(prompts, params, use_tqdm=False)]
+    with Engine(path, enforce_eager=True, **options) as engine:
+        engine.model.fused_epilogues = False
+        unfused = [o.outputs[0] for o in engine.generate(prompts, params, use_tqdm=False)]
+    for got, want in zip(fused, unfused):
+        parted = next((t for t, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b), None)
+        if parted is not None:
+            top = sorted((p.logprob for p in want.logprobs[parted].values()), reverse=True)
+            gap = top[0] - top[1]
+            assert gap <= NEAR_TIE, f"tokens part at {parted} where the unfused top-2 gap is {gap:.3g}"
