@@ -13,15 +13,20 @@ Design, per program (pid_n, pid_k):
   split of a tile to take the tile's ticket (an atomic counter) sums the partials in split order
   0, 1, .. and writes y, then puts the ticket back to 0. The sum order is fixed, so results are
   bitwise reproducible (eager or CUDA graph, any arrival order).
-Accumulation is fp32; y is rounded once to x's dtype.
+Accumulation is fp32; y is rounded once to x's dtype. The main loop and the split-K sum are jit helpers
+(tile_product, split_k_total) that model/kernels/gemv_epilogues.py's variants share.
+
+PDL (attention/pdl.py), where pdl_on(device): a program asks L2 for its split's first NUM_STAGES weight
+tiles, waits for the previous kernel, lets the next one launch, and only then reads x and writes anything.
 
 Batch invariance within an M bucket: the config depends on (bucket(M), N, K, dtype) only, buckets
 being powers of two, and each row's arithmetic does not depend on the other rows, so a row gives the
 same bits at any M of its bucket (a batch of 3 and the same rows padded to 4 agree).
 
-Workspace: one per device, shared by every launch (launches on one stream never overlap): an int32
-ticket array that the kernels keep at zero, and a grow-only fp32 partials buffer. The tickets must
-be created outside CUDA-graph capture: any eager call with a split config does that, or call
+Workspace: one per device, shared by every launch (launches on one stream never overlap; with PDL a
+kernel touches it only after waiting for the one before): an int32 ticket array that the kernels keep at
+zero (per N tile, and ROW_TICKET for the norm epilogue), and a grow-only fp32 partials buffer. The tickets
+must be created outside CUDA-graph capture: any eager call with a split config does that, or call
 `reserve_workspace(device)` before capturing.
 """
 
@@ -76,7 +81,7 @@ def tile_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters,
         # One pointer per 128-byte line (or per BLOCK_K run, if shorter) of the first stages, kept inside the
         # split's K range.
         LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
-        STEP: tl.constexpr = min(LINE, BLOCK_K)
+        STEP: tl.constexpr = LINE if LINE < BLOCK_K else BLOCK_K
         end = tl.minimum(k0 + iters * BLOCK_K, K) - 1
         for stage in tl.static_range(NUM_STAGES):
             offs_line = k0 + stage * BLOCK_K + tl.arange(0, BLOCK_K // STEP) * STEP

@@ -203,8 +203,9 @@ def skinny_gemm_add_norms_kernel(
     if PDL:
         # The norm weights are read by whichever tile finishes last: one program puts them in L2 early.
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            LINE: tl.constexpr = min(1024 // weight_ptr.dtype.element_ty.primitive_bitwidth, NORM_BLOCK)
-            offs = tl.minimum(tl.arange(0, NORM_BLOCK // LINE) * LINE, HIDDEN - 1)
+            LINE: tl.constexpr = 1024 // weight_ptr.dtype.element_ty.primitive_bitwidth
+            STEP: tl.constexpr = LINE if LINE < NORM_BLOCK else NORM_BLOCK
+            offs = tl.minimum(tl.arange(0, NORM_BLOCK // STEP) * STEP, HIDDEN - 1)
             prefetch_l2(weight_ptr + offs)
             prefetch_l2(next_weight_ptr + offs)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
