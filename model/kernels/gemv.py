@@ -353,8 +353,8 @@ def kernel_args(m: int, n: int, k: int, stride_xm: int, stride_wn: int, stride_y
     tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     k_iters = triton.cdiv(k_blocks, max(1, min(config.split_k, k_blocks)))
     splits = triton.cdiv(k_blocks, k_iters)
-    if tiles > ROW_TICKET:
-        raise ValueError(f"{tiles} N tiles exceed the {ROW_TICKET} tile tickets; use a larger block_n")
+    if splits > 1 and tiles > ROW_TICKET:
+        raise ValueError(f"{tiles} N tiles exceed the {ROW_TICKET} split-K tickets; use split_k=1")
     dot_fp32 = dtype == torch.float32 or INTERPRETED
     tail = (m, n, k, stride_xm, stride_wn, stride_ym, k_iters, block_m, block_n, block_k, splits > 1,
             k % block_k == 0, n % block_n == 0, config.use_dot, dot_fp32, config.num_stages, pdl)

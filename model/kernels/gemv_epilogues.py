@@ -21,6 +21,8 @@ That tail is one program's work over all M rows: MAX_EPILOGUE_M bounds the rows 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -28,8 +30,8 @@ import triton.language as tl
 from attention.launch import specialization
 from attention.workspace import current_stream
 from model.kernels.fused import PRECISE, rms_normalize, rotate_half, round_to, silu_times
-from model.kernels.gemv import (ROW_TICKET, GemvConfig, build_plan, check_operands, prefetch_l2, skinny_ok,
-                                split_k_total, tile_product)
+from model.kernels.gemv import (ROW_TICKET, GemvConfig, Plan, build_plan, check_operands, prefetch_l2,
+                                skinny_ok, split_k_total, tile_product)
 
 # The norm tail's time grows with M, one program's work, while the unfused norm kernel spreads rows over SMs;
 # 16 rows (a graph bucket boundary) until the H200 says where the crossover is.
@@ -233,14 +235,14 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return skinny_ok(x, weight, MAX_EPILOGUE_M)
 
 
-_PLANS: dict[tuple, object] = {}
+_PLANS: dict[tuple, Plan] = {}
 
 
 def _plan(kernel, key_args: tuple, x: torch.Tensor, weight: torch.Tensor, stride_ym: int,
-          config: GemvConfig | None, check, row_ticket: bool = False):
-    """The cached plan for this kernel and everything Triton specializes on; `check` validates the operands
-    once, when a plan is built."""
-    key = (kernel, config, x.shape[0]) + specialization(key_args)
+          config: GemvConfig | None, check: Callable[[], None], row_ticket: bool = False) -> Plan:
+    """The cached plan for this kernel, these shapes and everything Triton specializes on in key_args;
+    `check` validates the operands once, when a plan is built."""
+    key = (kernel, config, x.shape, weight.shape) + specialization(key_args)
     plan = _PLANS.get(key)
     if plan is None:
         check_operands(x, weight)
