@@ -63,7 +63,8 @@ def rms_normalize(xf, weight, eps, N: tl.constexpr, dtype: tl.constexpr, PRECISE
 def silu_times(gate, up, dtype: tl.constexpr, PRECISE: tl.constexpr):
     """silu(gate) * up of fp32 values of dtype, rounded to dtype (returned in dtype). silu is torch's
     x / (1 + exp(-x)): libdevice expf and a correctly rounded divide, not the fast approximations tl.exp
-    and `/` lower to."""
+    and `/` lower to. With fp fusion on, expf's last step (ex2(r) times 2^k) fuses with the `1 +` into an
+    FMA; that product is exact (a power of two, or below half an ulp of 1), so the sum rounds the same."""
     if PRECISE:
         exp_neg = libdevice.exp(-gate)
     else:
