@@ -16,6 +16,8 @@ Synchronization"; PTX `griddepcontrol`). On an H200 a CUDA graph of 1,000 tiny T
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -23,9 +25,10 @@ import triton.language as tl
 from attention.launch import INTERPRETED
 
 
+@functools.cache
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on `device` can be launched with PDL: CUDA, compute capability >= 9, a Triton with
-    grid dependency control, not the interpreter."""
+    grid dependency control, not the interpreter. Decided once per device."""
     if INTERPRETED or device.type != "cuda" or not hasattr(tl.extra.cuda, "gdc_wait"):
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9

@@ -34,6 +34,7 @@ import triton
 import benchmarks.common as common
 from model.kernels import gemv
 from model.kernels.gemv import GemvConfig
+from attention.pdl import pdl_supported
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "lm_head": (49152, 2048)}
@@ -105,9 +106,12 @@ def _warm(batch: list[tuple[int, int, int, dict]]) -> list[str]:
     for m, n, k, fields in batch:
         config = GemvConfig(**fields)
         try:
-            grid, tail = gemv.kernel_args(m, n, k, k, k, n, DTYPE, config)
+            # The variant skinny_linear launches: PDL on where the device has it (compiled with it).
+            pdl = pdl_supported(torch.device("cuda"))
+            grid, tail = gemv.kernel_args(m, n, k, k, k, n, DTYPE, config, pdl)
             gemv.skinny_gemm_kernel.warmup(DTYPE, DTYPE, DTYPE, torch.float32, torch.int32, *tail, grid=grid,
-                                           num_warps=config.num_warps, num_stages=config.num_stages)
+                                           num_warps=config.num_warps, num_stages=config.num_stages,
+                                           **({"launch_pdl": True} if pdl else {}))
         except Exception as error:  # noqa: BLE001 - reported, and the main process retries
             errors.append(f"{config}: {type(error).__name__}: {str(error)[:200]}")
     return errors

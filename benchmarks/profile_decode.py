@@ -1,5 +1,7 @@
 """Where a graph-replayed decode step spends its time: torch.profiler over replays of the captured
-batch-1 step, kernels grouped by what they do, with the kernel count per step.
+batch-1 step, kernels grouped by what they do, with the kernel count per step and per layer application
+(a step applies loops x layers of them; kernels outside the layers, such as the embedding, lm_head and
+the per-loop first norm, count in the step's total only as a fraction).
 
     python -m benchmarks.profile_decode --preset ouro-1.4b --out benchmarks/results/profile_decode-<date>.json
 """
@@ -16,7 +18,7 @@ from benchmarks.common import checkpoint, environment, write_results
 from engine import Engine, SamplingParams
 
 GROUPS = [("attention", ("decode_split", "decode_merge", "prefill", "kv_store")),
-          ("projections (skinny GEMM)", ("skinny_gemm",)),
+          ("projections (skinny GEMM, with or without an epilogue)", ("skinny_gemm",)),
           ("norms, RoPE, SiLU (fused)", ("rmsnorm", "silu_mul", "rope")),
           ("cuBLAS GEMM", ("gemm", "gemv", "cutlass", "sm90", "nvjet")),
           ("embedding, gate, copies, other torch", ("",))]
@@ -61,18 +63,24 @@ def main() -> None:
         group = group_of(event.key)
         totals[group] += device_us / args.steps
         counts[group] += event.count // args.steps
+    applications = engine.engine_config.loops * engine.config.num_hidden_layers
     step_us = sum(totals.values())
     rows = [{"group": g, "us_per_step": round(totals[g], 1), "kernels_per_step": counts[g],
+             "kernels_per_layer_application": round(counts[g] / applications, 2),
              "share": round(totals[g] / step_us, 3)} for g, _ in GROUPS if g in totals]
     env = environment()
     lines = [f"Decode step profile, {path} (bf16), batch {args.batch}, prompt {args.prompt}, CUDA graphs, "
              f"{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}", "",
-             "| kernels | µs per step | share | kernels per step |", "|---|---|---|---|"]
-    lines += [f"| {r['group']} | {r['us_per_step']} | {r['share']:.0%} | {r['kernels_per_step']} |"
-              for r in rows]
-    lines.append(f"| total kernel time | {step_us:.1f} | | {sum(counts.values())} |")
+             "| kernels | µs per step | share | kernels per step | per layer application |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['group']} | {r['us_per_step']} | {r['share']:.0%} | {r['kernels_per_step']} | "
+              f"{r['kernels_per_layer_application']} |" for r in rows]
+    total = sum(counts.values())
+    lines.append(f"| total kernel time | {step_us:.1f} | | {total} | {total / applications:.2f} |")
     write_results(args.out, {**env, "model": path, "batch": args.batch, "prompt": args.prompt,
-                             "kernel_us_per_step": step_us, "kernels_per_step": sum(counts.values()),
+                             "kernel_us_per_step": step_us, "kernels_per_step": total,
+                             "layer_applications_per_step": applications,
+                             "kernels_per_layer_application": round(total / applications, 2),
                              "rows": rows}, "\n".join(lines))
     print("\n".join(lines))
 

@@ -19,12 +19,12 @@ from attention.base import triton_missing
 from model.config import OuroConfig
 
 try:
-    from model.kernels import fused
+    from model.kernels import fused, gemv_epilogues
     from model.kernels.gemv import linear as skinny_or_cublas_linear
 except ModuleNotFoundError as err:  # triton missing: the torch ops only
     if not triton_missing(err):
         raise
-    fused = None
+    fused = gemv_epilogues = None
 
 def fused_kernels_available() -> bool:
     return fused is not None
@@ -98,12 +98,15 @@ class OuroLayer(nn.Module):
         return h + self.post_attention_layernorm_2(self.down_proj(F.silu(gate) * up))
 
     def forward_fused(self, h: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      attention: Attention, slot: int,
-                      next_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward() with Triton kernels: 4 projections (a skinny GEMM for decode-sized batches, cuBLAS
-        otherwise), attention, and 4 elementwise launches.
-        `normed` is input_layernorm(h), made by the launch before; returns (h', RMSNorm(h') * next_weight),
-        the next sublayer's pre-norm (or the loop's final norm)."""
+                      attention: Attention, slot: int, next_weight: torch.Tensor,
+                      epilogues: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() with Triton kernels. `normed` is input_layernorm(h), made by the launch before; returns
+        (h', RMSNorm(h') * next_weight), the next sublayer's pre-norm (or the loop's final norm).
+        With `epilogues` (decode-sized batches, gemv_epilogues.fits): 4 launches, each projection's skinny
+        GEMM doing the elementwise work after it. Otherwise the reference composition: 4 projections (a skinny
+        GEMM for decode-sized batches, cuBLAS otherwise) and 4 elementwise launches."""
+        if epilogues:
+            return self._forward_epilogues(h, normed, cos, sin, attention, slot, next_weight)
         n, eps, linear = h.shape[0], self.input_layernorm.eps, skinny_or_cublas_linear
         qkv = linear(normed, self.qkv_proj.weight)
         q, k, v = fused.rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -113,6 +116,20 @@ class OuroLayer(nn.Module):
                                               self.post_attention_layernorm.weight, eps)
         down = linear(fused.silu_mul(linear(normed, self.gate_up_proj.weight)), self.down_proj.weight)
         return fused.add_rmsnorm_rmsnorm(h, down, self.post_attention_layernorm_2.weight, next_weight, eps)
+
+    def _forward_epilogues(self, h: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           attention: Attention, slot: int,
+                           next_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, eps = h.shape[0], self.input_layernorm.eps
+        q, k, v = gemv_epilogues.qkv_rope(normed, self.qkv_proj.weight, cos, sin, self.num_heads,
+                                          self.num_kv_heads, self.head_dim)
+        attn = attention(q, k, v, slot).reshape(n, self.q_size)
+        h, normed = gemv_epilogues.linear_add_norms(attn, self.o_proj.weight, h,
+                                                    self.input_layernorm_2.weight,
+                                                    self.post_attention_layernorm.weight, eps)
+        act = gemv_epilogues.gate_up_silu(normed, self.gate_up_proj.weight)
+        return gemv_epilogues.linear_add_norms(act, self.down_proj.weight, h,
+                                               self.post_attention_layernorm_2.weight, next_weight, eps)
 
 
 @dataclasses.dataclass(slots=True)
@@ -130,6 +147,9 @@ class OuroForCausalLM(nn.Module):
             raise ValueError("fused_kernels=True needs the triton package, which is not installed here")
         self.config = config
         self.fused_kernels = fused_kernels  # Triton kernels around the GEMMs (no autograd: inference only)
+        # With fused_kernels, decode-sized batches run each layer as 4 epilogue-fused GEMMs; False keeps the
+        # unfused reference composition (tests and A/B benchmarks).
+        self.fused_epilogues = True
         hidden = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.layers = nn.ModuleList(OuroLayer(config) for _ in range(config.num_hidden_layers))
@@ -167,11 +187,12 @@ class OuroForCausalLM(nn.Module):
         """Each layer's last launch also makes the next layer's pre-norm; the last layer's makes the final
         norm, which is the loop's output and readout."""
         layers = self.layers
+        epilogues = self.fused_epilogues and gemv_epilogues.fits(h, layers[0].qkv_proj.weight)
         normed = fused.rmsnorm(h, layers[0].input_layernorm.weight, self.norm.eps)
         next_weights = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
         for index, (layer, next_weight) in enumerate(zip(layers, next_weights)):
             h, normed = layer.forward_fused(h, normed, cos, sin, attention,
-                                            t * len(layers) + index, next_weight)
+                                            t * len(layers) + index, next_weight, epilogues)
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -84,12 +84,15 @@ def random_weights(config: dict, seed: int, dtype: torch.dtype, std: float) -> d
 
 
 def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, dtype: str | None = None,
-                     loops: int = 4, std: float | None = None) -> Path:
+                     loops: int = 4, std: float | None = None, layers: int | None = None) -> Path:
+    """layers: fewer layers than the preset's (a short model of its shapes)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if layers is not None and not 0 < layers <= PRESETS[preset]["num_hidden_layers"]:
+        raise ValueError(f"layers must be in 1..{PRESETS[preset]['num_hidden_layers']}, got {layers}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    shape = dict(PRESETS[preset])
+    shape = dict(PRESETS[preset], **({"num_hidden_layers": layers} if layers else {}))
     dtype = dtype or ("float32" if preset == "tiny" else "bfloat16")
     tokenizer = train_tokenizer(shape["vocab_size"] if preset == "tiny" else 4096)
     if preset == "tiny":

@@ -25,6 +25,10 @@ from attention.kernels.kvarn_prefill import kvarn_prefill_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
 from attention.kernels.rotate import rotate_rows_kernel
 from cache.copy_forward_kernel import copy_forward_kernel
+from model.kernels.fused import rmsnorm_kernel, rope_qkv_kernel, silu_mul_kernel
+from model.kernels.gemv import skinny_gemm_kernel
+from model.kernels.gemv_epilogues import (skinny_gemm_add_norms_kernel, skinny_gemm_rope_kernel,
+                                          skinny_gemm_silu_mul_kernel)
 from tests.pdl_ptx import pre_wait_violations
 
 OURO = {"HEADS": 16, "KV_HEADS": 16, "HEAD_DIM": 128}
@@ -43,6 +47,12 @@ PDL_EARLY_READS = {
     "prefill_paged_kernel": {"work_ptr", "query_start_loc_ptr", "context_lens_ptr", "scales_ptr"},
     "prefill_packed_kernel": {"packed_ptr"},
 }
+# The model's kernels read only weights before the wait: no kernel of a step writes them.
+WEIGHTS = {"w_ptr", "weight_ptr", "next_weight_ptr"}
+PDL_EARLY_READS.update({kernel.__name__: WEIGHTS for kernel in (
+    skinny_gemm_kernel, skinny_gemm_rope_kernel, skinny_gemm_silu_mul_kernel, skinny_gemm_add_norms_kernel,
+    rmsnorm_kernel, silu_mul_kernel, rope_qkv_kernel)})
+FLOATS = {"scale", "eps"}
 
 
 # The KVarN kernels' pointers (attention/triton_kvarn.py launches them with fp32 queries and outputs).
@@ -65,7 +75,7 @@ def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int,
             signature[name] = {**INDEX_POINTERS, **(pointers or {})}.get(name, "*" + pointee)
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "fp32" if name == "scale" else "i64" if name in WIDE_INTS else "i32"
+            signature[name] = "fp32" if name in FLOATS else "i64" if name in WIDE_INTS else "i32"
     source = ASTSource(fn, signature, constexprs, attrs)
     options = {"num_warps": num_warps, "num_stages": 2}
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
@@ -76,10 +86,45 @@ def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int,
     return [f"{fn.__name__} {constexprs}: {problem}" for problem in problems]
 
 
+GEMV_POINTERS = {"partials_ptr": "*fp32", "tickets_ptr": "*i32"}
+
+
+def gemv_variants() -> list[tuple]:
+    """The model's kernels, PDL on: the skinny GEMM and its epilogue variants at Ouro-1.4B's tuned bf16
+    configs (one row: the FMA path; 4-16 rows: the dot path, split and not) and one fp32 config, and the
+    fused elementwise kernels; one PDL-off variant."""
+    fma = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT": False, "USE_DOT": False, "DOT_FP32": False,
+           "NUM_STAGES": 3}
+    dot = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": True, "USE_DOT": True, "DOT_FP32": False,
+           "NUM_STAGES": 4}
+    fp32 = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT": True, "USE_DOT": True, "DOT_FP32": True,
+            "NUM_STAGES": 3}
+    out = []
+    for dtype, config in (("bf16", fma), ("bf16", dot), ("bf16", {**dot, "SPLIT": False}), ("fp32", fp32)):
+        gemm = {**config, "EVEN_K": True, "EVEN_N": True, "PDL": True}
+        norms = {**gemm, "HIDDEN": 2048, "NORM_BLOCK": 2048, "PRECISE": True}
+        rope = {**gemm, "HALF": 64, "PRECISE": True}
+        out += [(skinny_gemm_kernel, dtype, gemm, 4, None, GEMV_POINTERS),
+                (skinny_gemm_rope_kernel, dtype, rope, 4, None, GEMV_POINTERS),
+                (skinny_gemm_silu_mul_kernel, dtype, {**gemm, "PRECISE": True}, 4, None, GEMV_POINTERS),
+                (skinny_gemm_add_norms_kernel, dtype, norms, 4, None, GEMV_POINTERS)]
+    uneven = {**dot, "EVEN_K": False, "EVEN_N": False, "PDL": False}
+    out.append((skinny_gemm_kernel, "bf16", uneven, 4, None, GEMV_POINTERS))
+    for add_residual, next_norm in ((False, False), (True, True)):
+        norm = {"N": 2048, "BLOCK": 2048, "ADD_RESIDUAL": add_residual, "NEXT_NORM": next_norm,
+                "PRECISE": True, "PDL": True}
+        out.append((rmsnorm_kernel, "bf16", norm, 8, None, None))
+    out.append((silu_mul_kernel, "bf16", {"SIZE": 5632, "BLOCK": 1024, "PRECISE": True, "PDL": True}, 4, None,
+                None))
+    out.append((rope_qkv_kernel, "bf16", {**OURO, "BLOCK_H": 16, "STORE_KV": False, "PRECISE": True,
+                                          "PDL": True}, 4, None, None))
+    return out
+
+
 def variants() -> list[tuple]:
     """(kernel, dtype, constexprs, num_warps, cache dtype, pointer types) of every variant. On Hopper the
     backend launches its kernels with PDL, so those are the variants compiled (and their order checked)."""
-    out = []
+    out = gemv_variants()
     for dtype, tile in (("bf16", 64), ("fp32", 32)):
         for quantized in (False, True) if dtype == "bf16" else (False,):  # True: an fp8 pool
             cache = "fp8e4nv" if quantized else None

@@ -1,0 +1,333 @@
+"""The skinny GEMM (model/kernels/gemv.py) with a decode layer's elementwise work in its epilogue, so that a
+layer at decode batch sizes is 4 model launches plus attention:
+- qkv_rope: the qkv projection, with RoPE on the q and k heads;
+- linear_add_norms: the o or down projection, then the post-norm, its residual add and the next pre-norm
+  (fused.add_rmsnorm_rmsnorm's work), done by the tile that finishes last, since a norm needs the whole row;
+- gate_up_silu: the gate_up projection, with SiLU(gate) * up.
+
+Paired rows. RoPE pairs each head's element j with j + D/2; SiLU-mul pairs gate row j with up row I + j. A
+program loads its tile's W rows interleaved by pair, [a0, b0, a1, b1, ..], so one dot of the plain kernel's
+shape yields both members of every pair, which the epilogue splits apart. Each output element is computed as
+the plain kernel computes it (same config, K order and splits), then rounded to the model dtype before the
+elementwise math, as the unfused path rounds the GEMM's output. The elementwise math is fused.py's.
+
+Row ticket. In linear_add_norms each N tile's final program (its last split) stores the tile's rounded output
+into `normed`, which stages it, and takes the row ticket (gemv.ROW_TICKET). The program that takes it last
+reads the rows back and writes h and normed, one row after another as rmsnorm_kernel computes a row, then
+puts the ticket back to 0. Every row is summed in one fixed order, whichever program finishes last, so
+results are bitwise reproducible (eager or CUDA graph) and a row's bits do not depend on the other rows.
+That tail is one program's work over all M rows: MAX_EPILOGUE_M bounds the rows that take this path.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.launch import specialization
+from attention.workspace import current_stream
+from model.kernels.fused import PRECISE, rms_normalize, rotate_half, round_to, silu_times
+from model.kernels.gemv import (ROW_TICKET, GemvConfig, Plan, build_plan, check_operands, prefetch_l2,
+                                skinny_ok, split_k_total, tile_product)
+
+# The norm tail's time grows with M, one program's work, while the unfused norm kernel spreads rows over SMs;
+# 16 rows (a graph bucket boundary) until the H200 says where the crossover is.
+MAX_EPILOGUE_M = 16
+_ROW_TICKET = tl.constexpr(ROW_TICKET)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def paired_rows(span, pairs, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """Tile program_id(0)'s W rows in pair order [a(p0), b(p0), a(p1), ..] and its pairs p. Pair p is rows
+    a = (p // span) * 2 span + p % span and b = a + span: a head's rotate-half halves (span = D / 2), or
+    gate row p and up row p (span = I). Pairs past the last are clamped onto it (loads in bounds, stores
+    masked)."""
+    BLOCK_P: tl.constexpr = BLOCK_N // 2
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    lane = tl.arange(0, BLOCK_N)
+    pair = tl.program_id(0) * BLOCK_P + lane // 2
+    if not EVEN_N:
+        pair = tl.minimum(pair, pairs - 1)
+    return (pair // span) * (2 * span) + pair % span + (lane % 2) * span, offs_p
+
+
+@triton.jit
+def _unpair(tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] tile of pair-ordered columns as its two members, [BLOCK_M, BLOCK_N / 2] each."""
+    return tl.split(tl.reshape(tile, [BLOCK_M, BLOCK_N // 2, 2]))
+
+
+@triton.jit
+def _store_rotated(tile, y_ptr, cos_ptr, sin_ptr, offs_p, M, pairs, rotated_pairs, stride_ym, stride_cos,
+                   stride_sin, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+                   PRECISE: tl.constexpr):
+    """Rounds the tile to y's dtype, rotates the pairs of q and k heads (p < rotated_pairs) and stores every
+    pair at its two columns of y."""
+    dtype = y_ptr.dtype.element_ty
+    x1, x2 = _unpair(tile, BLOCK_M, BLOCK_N)
+    x1, x2 = round_to(x1, dtype), round_to(x2, dtype)
+    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)[:, None]
+    j = (offs_p % HALF)[None, :]
+    rotated = (offs_p < rotated_pairs)[None, :]
+    mask = (offs_m < M) & (offs_p < pairs)[None, :]
+    cos, sin = cos_ptr + offs_m * stride_cos + j, sin_ptr + offs_m * stride_sin + j
+    tables = mask & rotated
+    cos1 = tl.load(cos, mask=tables, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos + HALF, mask=tables, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin, mask=tables, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin + HALF, mask=tables, other=0.0).to(tl.float32)
+    out1, out2 = rotate_half(x1, x2, cos1, cos2, sin1, sin2, dtype, PRECISE)
+    y = y_ptr + offs_m * stride_ym + ((offs_p // HALF) * (2 * HALF) + offs_p % HALF)[None, :]
+    tl.store(y, tl.where(rotated, out1, x1.to(dtype)), mask=mask)
+    tl.store(y + HALF, tl.where(rotated, out2, x2.to(dtype)), mask=mask)
+
+
+# M and k_iters unspecialized, as in skinny_gemm_kernel.
+@triton.jit(do_not_specialize=["M", "k_iters"])
+def skinny_gemm_rope_kernel(
+    x_ptr, w_ptr, y_ptr, partials_ptr, tickets_ptr, cos_ptr, sin_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym, k_iters,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    stride_cos, stride_sin, rotated_pairs, HALF: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N), splits): y = x @ W^T laid out as the qkv projection's output [M, N], RoPE
+    applied to its first `rotated_pairs` pairs (the q and k heads); cos and sin rows [D] per token."""
+    rows, offs_p = paired_rows(HALF, N // 2, BLOCK_N, EVEN_N)
+    out = tile_product(x_ptr, w_ptr, rows, M, K, stride_xm, stride_wn, k_iters, BLOCK_M, BLOCK_N, BLOCK_K,
+                       EVEN_K, USE_DOT, DOT_FP32, NUM_STAGES, PDL)
+    if SPLIT:
+        last, total = split_k_total(out, partials_ptr, tickets_ptr, M, BLOCK_M, BLOCK_N)
+        if last:
+            _store_rotated(total, y_ptr, cos_ptr, sin_ptr, offs_p, M, N // 2, rotated_pairs, stride_ym,
+                           stride_cos, stride_sin, BLOCK_M, BLOCK_N, HALF, PRECISE)
+    else:
+        _store_rotated(out, y_ptr, cos_ptr, sin_ptr, offs_p, M, N // 2, rotated_pairs, stride_ym, stride_cos,
+                       stride_sin, BLOCK_M, BLOCK_N, HALF, PRECISE)
+
+
+@triton.jit
+def _store_silu_mul(tile, y_ptr, offs_p, M, pairs, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISE: tl.constexpr):
+    dtype = y_ptr.dtype.element_ty
+    gate, up = _unpair(tile, BLOCK_M, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)[:, None]
+    tl.store(y_ptr + offs_m * stride_ym + offs_p[None, :],
+             silu_times(round_to(gate, dtype), round_to(up, dtype), dtype, PRECISE),
+             mask=(offs_m < M) & (offs_p < pairs)[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "k_iters"])
+def skinny_gemm_silu_mul_kernel(
+    x_ptr, w_ptr, y_ptr, partials_ptr, tickets_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym, k_iters,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N), splits): y [M, N / 2] = silu(gate) * up with [gate, up] = x @ W^T, W's first
+    N / 2 rows the gate's and the rest the up's."""
+    rows, offs_p = paired_rows(N // 2, N // 2, BLOCK_N, EVEN_N)
+    out = tile_product(x_ptr, w_ptr, rows, M, K, stride_xm, stride_wn, k_iters, BLOCK_M, BLOCK_N, BLOCK_K,
+                       EVEN_K, USE_DOT, DOT_FP32, NUM_STAGES, PDL)
+    if SPLIT:
+        last, total = split_k_total(out, partials_ptr, tickets_ptr, M, BLOCK_M, BLOCK_N)
+        if last:
+            _store_silu_mul(total, y_ptr, offs_p, M, N // 2, stride_ym, BLOCK_M, BLOCK_N, PRECISE)
+    else:
+        _store_silu_mul(out, y_ptr, offs_p, M, N // 2, stride_ym, BLOCK_M, BLOCK_N, PRECISE)
+
+
+@triton.jit
+def _add_norms_rows(normed_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, M, stride_normed,
+                    stride_residual, stride_out, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                    PRECISE: tl.constexpr):
+    """For every row, as rmsnorm_kernel computes one: out = residual + RMSNorm(y) * weight, with y staged in
+    normed, then normed = RMSNorm(out) * next_weight over it. A row's loads are issued a row ahead."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    dtype = out_ptr.dtype.element_ty
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    next_weight = tl.load(next_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y_ptrs, residual_ptrs, out_ptrs = normed_ptr + offs, residual_ptr + offs, out_ptr + offs
+    # Loads bypass L1 (.cg): other programs staged these rows during this launch.
+    y = tl.load(y_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    residual = tl.load(residual_ptrs, mask=mask, other=0.0)
+    for m in range(M):
+        ahead = mask & (m + 1 < M)
+        y_next = tl.load(y_ptrs + stride_normed, mask=ahead, other=0.0, cache_modifier=".cg")
+        residual_next = tl.load(residual_ptrs + stride_residual, mask=ahead, other=0.0)
+        h = rms_normalize(y.to(tl.float32), weight, eps, HIDDEN, dtype, PRECISE)
+        h = round_to(residual.to(tl.float32) + h, dtype)
+        tl.store(out_ptrs, h.to(dtype), mask=mask)
+        tl.store(y_ptrs, rms_normalize(h, next_weight, eps, HIDDEN, dtype, PRECISE).to(dtype), mask=mask)
+        y, residual = y_next, residual_next
+        y_ptrs += stride_normed
+        residual_ptrs += stride_residual
+        out_ptrs += stride_out
+
+
+@triton.jit
+def _finish_tile(tile, normed_ptr, tickets_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, offs_n,
+                 M, N, stride_normed, stride_residual, stride_out, eps, BLOCK_M: tl.constexpr,
+                 HIDDEN: tl.constexpr, NORM_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    """Stages the tile, rounded, in normed and takes the row ticket; the tile finishing last does the rows."""
+    offs_m = tl.arange(0, BLOCK_M)
+    staged = normed_ptr + offs_m.to(tl.int64)[:, None] * stride_normed + offs_n[None, :]
+    tl.store(staged, tile.to(normed_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    # All threads' stores are done before one thread releases them with the ticket.
+    tl.debug_barrier()
+    if tl.atomic_add(tickets_ptr + _ROW_TICKET, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        _add_norms_rows(normed_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, M, stride_normed,
+                        stride_residual, stride_out, eps, HIDDEN, NORM_BLOCK, PRECISE)
+        tl.store(tickets_ptr + _ROW_TICKET, 0)
+
+
+@triton.jit(do_not_specialize=["M", "k_iters"])
+def skinny_gemm_add_norms_kernel(
+    x_ptr, w_ptr, normed_ptr, partials_ptr, tickets_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_normed, k_iters,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    stride_residual, stride_out, eps, HIDDEN: tl.constexpr, NORM_BLOCK: tl.constexpr, PRECISE: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N), splits), N == HIDDEN: y = x @ W^T, then out = residual + RMSNorm(y) * weight
+    and normed = RMSNorm(out) * next_weight."""
+    if PDL:
+        # The norm weights are read by whichever tile finishes last: one program puts them in L2 early.
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            LINE: tl.constexpr = 1024 // weight_ptr.dtype.element_ty.primitive_bitwidth
+            STEP: tl.constexpr = LINE if LINE < NORM_BLOCK else NORM_BLOCK
+            offs = tl.minimum(tl.arange(0, NORM_BLOCK // STEP) * STEP, HIDDEN - 1)
+            prefetch_l2(weight_ptr + offs)
+            prefetch_l2(next_weight_ptr + offs)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
+    out = tile_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters, BLOCK_M, BLOCK_N, BLOCK_K,
+                       EVEN_K, USE_DOT, DOT_FP32, NUM_STAGES, PDL)
+    if SPLIT:
+        last, total = split_k_total(out, partials_ptr, tickets_ptr, M, BLOCK_M, BLOCK_N)
+        if last:
+            _finish_tile(total, normed_ptr, tickets_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr,
+                         offs_n, M, N, stride_normed, stride_residual, stride_out, eps, BLOCK_M, HIDDEN,
+                         NORM_BLOCK, PRECISE)
+    else:
+        _finish_tile(out, normed_ptr, tickets_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, offs_n,
+                     M, N, stride_normed, stride_residual, stride_out, eps, BLOCK_M, HIDDEN, NORM_BLOCK,
+                     PRECISE)
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the epilogue variants take these operands: a decode-sized batch (at most MAX_EPILOGUE_M)."""
+    return skinny_ok(x, weight, MAX_EPILOGUE_M)
+
+
+_PLANS: dict[tuple, Plan] = {}
+
+
+def _plan(kernel, key_args: tuple, x: torch.Tensor, weight: torch.Tensor, stride_ym: int,
+          config: GemvConfig | None, check: Callable[[], None], row_ticket: bool = False) -> Plan:
+    """The cached plan for this kernel, these shapes and everything Triton specializes on in key_args;
+    `check` validates the operands once, when a plan is built."""
+    key = (kernel, config, x.shape, weight.shape) + specialization(key_args)
+    plan = _PLANS.get(key)
+    if plan is None:
+        check_operands(x, weight)
+        check()
+        plan = build_plan(kernel, x, weight, stride_ym, config, row_ticket)
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _check_rows(name: str, tensor: torch.Tensor, rows: int, width: int, dtype: torch.dtype) -> None:
+    if tensor.dim() != 2 or tensor.shape != (rows, width) or tensor.stride(1) != 1 or tensor.dtype != dtype:
+        raise ValueError(f"{name} must be [{rows}, {width}] in {dtype} with a contiguous last dim, got "
+                         f"{tuple(tensor.shape)} in {tensor.dtype}, strides {tensor.stride()}")
+
+
+def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+             num_kv_heads: int, head_dim: int, config: GemvConfig | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The qkv projection of x [M, K] by weight [(H + 2 Hkv) D, K] with RoPE on q and k, as
+    fused.rope_qkv(linear(x, weight), ..) gives it; cos, sin [M, 1, D]. Returns q [M, H, D], k and v
+    [M, Hkv, D]: views into one [M, (H + 2 Hkv) D] buffer (row stride (H + 2 Hkv) D)."""
+    m, n = x.shape[0], weight.shape[0]
+    y = x.new_empty(m, n)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    if m:
+        cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
+
+        def check() -> None:
+            if n != q_size + 2 * kv_size or head_dim % 2:
+                raise ValueError(f"weight has {n} rows, not (heads {num_heads} + 2 x kv heads "
+                                 f"{num_kv_heads}) x head_dim {head_dim} with an even head_dim")
+            _check_rows("cos", cos, m, head_dim, cos.dtype)
+            _check_rows("sin", sin, m, head_dim, cos.dtype)
+
+        rotated_pairs = (num_heads + num_kv_heads) * head_dim // 2
+        scalars = (cos.stride(0), sin.stride(0), rotated_pairs, head_dim // 2, PRECISE)
+        plan = _plan(skinny_gemm_rope_kernel, (x, weight, y, cos, sin, x.stride(0), weight.stride(0), n)
+                     + scalars, x, weight, y.stride(0), config, check)
+        plan.launch(current_stream(x.device),
+                    (x, weight, y, plan.partials, plan.tickets, cos, sin) + plan.tail + scalars)
+    q, k, v = y.split([q_size, kv_size, kv_size], dim=1)
+    return (q.view(m, num_heads, head_dim), k.view(m, num_kv_heads, head_dim),
+            v.view(m, num_kv_heads, head_dim))
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """silu(gate) * up with [gate, up] = x @ weight^T, weight [2 I, K] (gate rows, then up rows): returns
+    [M, I], as fused.silu_mul(linear(x, weight)) gives it."""
+    m, n = x.shape[0], weight.shape[0]
+    y = x.new_empty(m, n // 2)
+    if m:
+        def check() -> None:
+            if n % 2:
+                raise ValueError(f"gate_up weight must have an even number of rows, got {n}")
+
+        key_args = (x, weight, y, x.stride(0), weight.stride(0), y.stride(0), n)
+        plan = _plan(skinny_gemm_silu_mul_kernel, key_args, x, weight, y.stride(0), config, check)
+        plan.launch(current_stream(x.device),
+                    (x, weight, y, plan.partials, plan.tickets) + plan.tail + (PRECISE,))
+    return y
+
+
+def linear_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                     next_weight: torch.Tensor, eps: float, config: GemvConfig | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, RMSNorm(h) * next_weight) with h = residual + RMSNorm(x @ weight^T) * norm_weight: a projection,
+    its post-norm, the residual add and the next sublayer's pre-norm, as fused.add_rmsnorm_rmsnorm(residual,
+    linear(x, weight), ..) gives them. weight [N, K], residual [M, N]."""
+    m, n = x.shape[0], weight.shape[0]
+    out, normed = torch.empty_like(residual), torch.empty_like(residual)
+    if m:
+        def check() -> None:
+            _check_rows("residual", residual, m, n, x.dtype)
+            for name, vector in (("norm_weight", norm_weight), ("next_weight", next_weight)):
+                if vector.shape != (n,) or vector.dtype != x.dtype or vector.stride(0) != 1:
+                    raise ValueError(f"{name} must be a contiguous [{n}] in {x.dtype}, got "
+                                     f"{tuple(vector.shape)} in {vector.dtype}")
+
+        pointers = (x, weight, normed, residual, norm_weight, next_weight, out)
+        scalars = (residual.stride(0), out.stride(0), eps, n, triton.next_power_of_2(n), PRECISE)
+        key_args = pointers + (x.stride(0), weight.stride(0), normed.stride(0)) + scalars
+        plan = _plan(skinny_gemm_add_norms_kernel, key_args, x, weight, normed.stride(0), config, check,
+                     row_ticket=True)
+        plan.launch(current_stream(x.device), pointers[:3] + (plan.partials, plan.tickets) + pointers[3:]
+                    + plan.tail + scalars)
+    return out, normed

@@ -1,0 +1,272 @@
+"""The skinny GEMM's epilogue variants (model/kernels/gemv_epilogues.py) against the unfused composition they
+replace: the plain skinny GEMM, then fused.py's elementwise kernel. Without CUDA they run in the Triton
+interpreter at tiny shapes; the GPU tests run Ouro-1.4B's shapes.
+
+What is promised, as bits:
+- rope and silu-mul load their W rows paired ([a0, b0, a1, b1, ..]); with the plain kernel run on those same
+  rows, in that order, they are bitwise equal to the composition in every dtype. Against the rows in their
+  own order they are bitwise equal on CUDA, where a dot's element does not depend on its row's place in the
+  tile; the interpreter's fp32 dot is numpy's BLAS, whose sums do depend on it.
+- add_norms is bitwise equal to skinny_linear + add_rmsnorm_rmsnorm under the interpreter. On CUDA its norm
+  sums squares over another thread layout than rmsnorm_kernel (4 warps, not 8), so the inverse rms may differ
+  in its last bit: test_fused_kernels.py's "norm" tolerance (fp32 within 8 ulps; fp16 and bf16 within 2 ulps,
+  at least 99% of elements bitwise equal).
+"""
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from model.config import OuroConfig
+from model.kernels import gemv
+from model.kernels.fused import add_rmsnorm_rmsnorm, rmsnorm, rope_qkv, silu_mul
+from model.kernels.gemv import GemvConfig, skinny_linear
+from model.kernels.gemv_epilogues import gate_up_silu, linear_add_norms, qkv_rope
+from model.ouro import OuroLayer, Rotary
+from model.tiny import PRESETS, hf_config, write_checkpoint
+from tests.numerics import assert_within_noise
+from tests.test_fused_kernels import assert_matches_torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+EPS = 1e-6
+HEADS, KV_HEADS, HEAD_DIM, K = 3, 1, 16, 80  # qkv: 80 W rows, 40 pairs; K not a multiple of every block
+CONFIGS = {
+    "default": None,
+    "dot_split3": GemvConfig(16, 32, split_k=3),
+    "fma_split2": GemvConfig(16, 32, split_k=2, use_dot=False),  # M == 1 only
+}
+CASES = [(1, "default"), (3, "default"), (5, "dot_split3"), (1, "fma_split2")]
+
+
+def pair_order(rows: int, span: int) -> torch.Tensor:
+    """The W rows a paired kernel's tiles hold, in order: pair p is rows a = (p // span) 2 span + p % span
+    and a + span."""
+    p = torch.arange(rows // 2)
+    first = (p // span) * 2 * span + p % span
+    return torch.stack([first, first + span], 1).reshape(-1).to(DEVICE)
+
+
+def paired_linear(x: torch.Tensor, weight: torch.Tensor, span: int, config) -> torch.Tensor:
+    """skinny_linear on the W rows in a paired kernel's order, its columns put back in W's order."""
+    order = pair_order(weight.shape[0], span)
+    y = skinny_linear(x, weight[order].contiguous(), config=config)
+    return y[:, torch.argsort(order)].contiguous()
+
+
+def inputs(m: int, n: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, K, generator=g), 0.2 * torch.randn(n, K, generator=g)
+    return x.to(DEVICE, dtype), w.to(DEVICE, dtype)
+
+
+def rope_tables(m: int, dtype: torch.dtype, seed: int = 1):
+    positions = torch.randint(0, 4000, (m,), generator=torch.Generator().manual_seed(seed))
+    cos, sin = Rotary(HEAD_DIM, 10000.0)(positions, dtype)
+    return cos.to(DEVICE), sin.to(DEVICE)
+
+
+@pytest.mark.parametrize("m,name", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_rope_equals_the_qkv_gemm_then_rope_qkv(dtype, m, name):
+    config = CONFIGS[name]
+    x, w = inputs(m, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype, seed=m)
+    cos, sin = rope_tables(m, dtype)
+    q, k, v = qkv_rope(x, w, cos, sin, HEADS, KV_HEADS, HEAD_DIM, config=config)
+    qkv = paired_linear(x, w, HEAD_DIM // 2, config)
+    expected = rope_qkv(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM)
+    for got, want in zip((q, k, v), expected):
+        assert got.shape == want.shape and torch.equal(got, want)
+    # q, k and v are views into one buffer laid out as the qkv projection's output.
+    assert m == 1 or q.stride(0) == k.stride(0) == v.stride(0) == qkv.shape[1]
+    assert k.data_ptr() == q.data_ptr() + HEADS * HEAD_DIM * q.element_size()
+    assert v.data_ptr() == k.data_ptr() + KV_HEADS * HEAD_DIM * q.element_size()
+
+
+@pytest.mark.parametrize("m,name", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gate_up_silu_equals_the_gate_up_gemm_then_silu_mul(dtype, m, name):
+    config = CONFIGS[name]
+    intermediate = 40
+    x, w = inputs(m, 2 * intermediate, dtype, seed=10 + m)
+    act = gate_up_silu(x, w, config=config)
+    assert act.shape == (m, intermediate)
+    assert torch.equal(act, silu_mul(paired_linear(x, w, intermediate, config)))
+
+
+def norm_operands(m: int, n: int, dtype: torch.dtype, seed: int):
+    x, w = inputs(m, n, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    residual = torch.randn(m, n, generator=g).to(DEVICE, dtype)
+    weight, next_weight = (1 + 0.2 * torch.randn(2, n, generator=g)).to(DEVICE, dtype)
+    return x, w, residual, weight, next_weight
+
+
+@pytest.mark.parametrize("m,name", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_add_norms_equals_the_gemm_then_add_rmsnorm_rmsnorm(dtype, m, name):
+    config = CONFIGS[name]
+    x, w, residual, weight, next_weight = norm_operands(m, 96, dtype, seed=20 + m)
+    h, normed = linear_add_norms(x, w, residual, weight, next_weight, EPS, config=config)
+    expected_h, expected_normed = add_rmsnorm_rmsnorm(residual, skinny_linear(x, w, config=config), weight,
+                                                      next_weight, EPS)
+    if DEVICE == "cpu":
+        assert torch.equal(h, expected_h) and torch.equal(normed, expected_normed)
+    else:
+        assert_matches_torch(h, expected_h, "norm")
+        assert_matches_torch(normed, expected_normed, "norm")
+
+
+def test_tickets_are_back_at_zero_and_repeated_calls_give_the_same_bits():
+    """Split tiles and the row ticket: every ticket is 0 after each call, whichever program finished last."""
+    x, w, residual, weight, next_weight = norm_operands(3, 96, torch.bfloat16, seed=30)
+    config = GemvConfig(16, 16, split_k=5)
+    first = linear_add_norms(x, w, residual, weight, next_weight, EPS, config=config)
+    tickets = gemv._WORKSPACES[x.device].tickets
+    assert tickets is not None and not tickets.any()
+    second = linear_add_norms(x, w, residual, weight, next_weight, EPS, config=config)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    cos, sin = rope_tables(3, torch.bfloat16)
+    xq, wq = inputs(3, (HEADS + 2 * KV_HEADS) * HEAD_DIM, torch.bfloat16, seed=31)
+    qkv_rope(xq, wq, cos, sin, HEADS, KV_HEADS, HEAD_DIM, config=config)
+    gate_up_silu(xq, wq, config=config)
+    assert not tickets.any()
+
+
+def test_a_rows_outputs_do_not_depend_on_the_other_rows_of_its_bucket():
+    """Batch invariance: 3 rows alone and the same rows padded to 4 (one bucket) give the same bits."""
+    dtype = torch.bfloat16
+    x, w, residual, weight, next_weight = norm_operands(4, 96, dtype, seed=40)
+    padded = linear_add_norms(x, w, residual, weight, next_weight, EPS)
+    alone = linear_add_norms(x[:3].contiguous(), w, residual[:3].contiguous(), weight, next_weight, EPS)
+    assert all(torch.equal(p[:3], a) for p, a in zip(padded, alone))
+    xq, wq = inputs(4, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype, seed=41)
+    cos, sin = rope_tables(4, dtype)
+    padded = qkv_rope(xq, wq, cos, sin, HEADS, KV_HEADS, HEAD_DIM)
+    alone = qkv_rope(xq[:3].contiguous(), wq, cos[:3], sin[:3], HEADS, KV_HEADS, HEAD_DIM)
+    assert all(torch.equal(p[:3], a) for p, a in zip(padded, alone))
+    assert torch.equal(gate_up_silu(xq, wq)[:3], gate_up_silu(xq[:3].contiguous(), wq))
+
+
+def test_mismatched_operands_are_refused_by_name():
+    x, w, residual, weight, next_weight = norm_operands(2, 96, torch.float32, seed=50)
+    with pytest.raises(ValueError, match="residual"):
+        linear_add_norms(x, w, residual[:, :64], weight, next_weight, EPS)
+    with pytest.raises(ValueError, match="next_weight"):
+        linear_add_norms(x, w, residual, weight, next_weight[:64], EPS)
+    cos, sin = rope_tables(2, torch.float32)
+    with pytest.raises(ValueError, match="heads"):
+        qkv_rope(x, w, cos, sin, HEADS, KV_HEADS, HEAD_DIM)  # 96 rows are not (3 + 2) x 16
+    with pytest.raises(ValueError, match="gate_up"):
+        gate_up_silu(x, w[:95])
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: Ouro-1.4B's shapes (hidden 2048, 16 heads x 128, intermediate 5632)
+
+
+def eager_then_graph(fn) -> tuple[torch.Tensor, ...]:
+    """fn()'s outputs eagerly; fn captured in a CUDA graph and replayed must give the same bits."""
+    eager = fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(eager, static))
+    return eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_epilogue_variants_match_the_unfused_composition_at_ouro_shapes(dtype, m):
+    """rope and silu-mul bitwise equal to the plain kernel then the elementwise kernel, the W rows in their
+    own order; add_norms within the norm tolerance; eager equals graph replay; every ticket back at 0."""
+    hidden, heads, head_dim, intermediate = 2048, 16, 128, 5632
+    gemv.reserve_workspace("cuda")
+    g = torch.Generator().manual_seed(m)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g)).to("cuda", dtype)
+
+    x, w_qkv = randn(m, hidden), randn(3 * heads * head_dim, hidden, scale=0.02)
+    cos, sin = (t.cuda() for t in Rotary(head_dim, 1e6)(torch.randint(0, 60000, (m,), generator=g), dtype))
+    q, k, v = eager_then_graph(lambda: qkv_rope(x, w_qkv, cos, sin, heads, heads, head_dim))
+    expected = rope_qkv(skinny_linear(x, w_qkv), cos, sin, heads, heads, head_dim)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), expected))
+    w_gate_up = randn(2 * intermediate, hidden, scale=0.02)
+    act, = eager_then_graph(lambda: (gate_up_silu(x, w_gate_up),))
+    assert torch.equal(act, silu_mul(skinny_linear(x, w_gate_up)))
+    residual = randn(m, hidden)
+    weight, next_weight = 1 + randn(hidden, scale=0.1), 1 + randn(hidden, scale=0.1)
+    for inputs, w in ((x, randn(hidden, hidden, scale=0.02)), (act, randn(hidden, intermediate, scale=0.02))):
+        h, normed = eager_then_graph(lambda: linear_add_norms(inputs, w, residual, weight, next_weight, EPS))
+        expected_h, expected_normed = add_rmsnorm_rmsnorm(residual, skinny_linear(inputs, w), weight,
+                                                          next_weight, EPS)
+        assert_matches_torch(h, expected_h, "norm")
+        assert_matches_torch(normed, expected_normed, "norm")
+    assert not gemv._WORKSPACES[x.device].tickets.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16])
+def test_a_bf16_layer_at_ouro_shape_is_as_exact_on_the_epilogue_path_as_unfused(rows):
+    """One Ouro-1.4B-shaped layer (random weights, each row attending to its own key only) in bf16 through
+    the 4 epilogue launches and through the unfused composition, against the layer in fp64: no farther from
+    it than tests/numerics.py's bound (4x the unfused path's own error, plus a few ulps)."""
+    config = OuroConfig.from_dict(hf_config(dict(PRESETS["ouro-1.4b"], num_hidden_layers=1)))
+    torch.manual_seed(rows)
+    layer = OuroLayer(config)
+    with torch.no_grad():
+        for name, parameter in layer.named_parameters():
+            parameter.copy_(1 + 0.1 * torch.randn_like(parameter) if "norm" in name
+                            else 0.02 * torch.randn_like(parameter))
+    bf16, exact = layer.to("cuda", torch.bfloat16), OuroLayer(config).to("cuda", torch.float64)
+    exact.load_state_dict(bf16.state_dict())
+    h = torch.randn(rows, config.hidden_size, device="cuda")
+    next_weight = 1 + 0.1 * torch.randn(config.hidden_size, device="cuda")
+    positions = torch.randint(0, 60000, (rows,), device="cuda")
+    rotary = Rotary(config.head_dim, config.rope_theta).cuda()
+
+    def own_key_only(q, k, v, slot):
+        return v.contiguous()
+
+    with torch.inference_mode():
+        hb, wb = h.bfloat16(), next_weight.bfloat16()
+        cos, sin = rotary(positions, torch.bfloat16)
+        normed = rmsnorm(hb, bf16.input_layernorm.weight, config.rms_norm_eps)
+        fused = bf16.forward_fused(hb, normed, cos, sin, own_key_only, 0, wb, epilogues=True)
+        unfused = bf16.forward_fused(hb, normed, cos, sin, own_key_only, 0, wb, epilogues=False)
+        cos64, sin64 = rotary(positions, torch.float64)
+        h64 = exact(hb.double(), cos64, sin64, own_key_only, 0)
+        xf = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
+        normed64 = wb.double() * xf
+    assert_within_noise(fused[0], unfused[0], h64, "h")
+    assert_within_noise(fused[1], unfused[1], normed64, "next pre-norm")
+
+
+# Where the two paths' greedy tokens part, the unfused path's top-2 logprob gap there (nats) is at most this:
+# a near tie that bf16 rounding in either path may break either way.
+NEAR_TIE = 0.1
+
+
+@pytest.mark.gpu
+def test_engine_greedy_tokens_on_the_epilogue_path_match_unfused_or_part_at_near_ties(tmp_path):
+    """A 2-layer model of Ouro-1.4B's shapes (random weights), bf16, 4 loops: the default engine (epilogue
+    path, CUDA graphs) against an eager engine on the unfused composition, batch 4 of mixed prompts."""
+    path = write_checkpoint(tmp_path / "ouro-2-layers", "ouro-1.4b", layers=2)
+    prompts = [[3 + 17 * i + j for j in range(5 + 9 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    options = dict(device="cuda", dtype="bfloat16", num_kv_blocks=256, max_num_seqs=8, verbose=False)
+    with Engine(path, **options) as engine:
+        fused = [o.outputs[0] for o in engine.generate(prompts, params, use_tqdm=False)]
+    with Engine(path, enforce_eager=True, **options) as engine:
+        engine.model.fused_epilogues = False
+        unfused = [o.outputs[0] for o in engine.generate(prompts, params, use_tqdm=False)]
+    for got, want in zip(fused, unfused):
+        parted = next((t for t, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b), None)
+        if parted is not None:
+            top = sorted((p.logprob for p in want.logprobs[parted].values()), reverse=True)
+            gap = top[0] - top[1]
+            assert gap <= NEAR_TIE, f"tokens part at {parted} where the unfused top-2 gap is {gap:.3g}"
