@@ -11,12 +11,19 @@ import torch
 
 
 def high_precision(query_positions: torch.Tensor, key_positions: torch.Tensor, group: int, sink: int,
-                   tail: int) -> torch.Tensor:
+                   tail: int, prompt_len: int | None = None) -> torch.Tensor:
     """[queries, keys] bool: does the query at position i read key position p in high precision? p < sink,
-    or p >= (i + 1) - max(tail, (i + 1) % group): the newest `tail` of its history and its unfilled tile."""
+    p >= (i + 1) - tail (the newest `tail` of its i + 1 positions), or p's tile is not full within them.
+    Tiles of `group` positions start at 0. Under kv_sharing="last" (prompt_len = P) the prompt's tiles start
+    at 0 and the generated ones at P, and the prompt's last tile, short when P is not a multiple of `group`,
+    is full once the prompt is (docs/low_bit_kv.md)."""
     length = query_positions[:, None] + 1
-    return (key_positions[None, :] < sink) | (key_positions[None, :] >= length - torch.maximum(
-        torch.full_like(length, tail), length % group))
+    p = key_positions[None, :]
+    filled = length - length % group  # positions below it lie in full tiles
+    if prompt_len is not None:
+        prompt_filled = torch.where(length >= prompt_len, prompt_len, filled)
+        filled = torch.where(p < prompt_len, prompt_filled, length - (length - prompt_len) % group)
+    return (p < sink) | (p >= length - tail) | (p >= filled)
 
 
 def attend_two_ways(q: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor],
