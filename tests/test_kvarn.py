@@ -219,6 +219,27 @@ def test_high_precision_under_kv_sharing_starts_generated_tiles_at_the_prompt_en
     assert read_exactly(9, None) == [0, 8, 9]  # absolute tiles: 8..11 is filling
 
 
+def test_a_short_tile_takes_a_full_records_place_and_is_read_as_its_rows_alone():
+    """Under kv_sharing="last" the call that completes a 40-token prompt packs its last tile of 40 rows
+    (cache/kvarn_pool.py): quantized over those rows alone, stored where a full tile's first 40 rows go, and
+    read back as the codec's round trip of those rows."""
+    from cache.kvarn_pool import KVarNPool
+
+    fmt = parse_kv_cache_dtype("kvarn_k4v2_g64")
+    pool = KVarNPool(fmt, 1, 1, 2, 2, 32, torch.float32, torch.device("cpu"))
+    k, v = tiles(40, 2, 32, seed=3), tiles(40, 2, 32, seed=4)
+    table = torch.tensor([1, 0], dtype=torch.int32)
+    pool.pack_filled(0, [], table, 0, k, v)  # without prompt_len the tile is filling: nothing packed
+    (_, _), (packed_k, _) = pool.read(0, [], table, 0, k, v)
+    assert not packed_k.any()
+    pool.pack_filled(0, [], table, 0, k, v, prompt_len=40)
+    (exact_k, _), (packed_k, packed_v) = pool.read(0, [], table, 0, k, v, prompt_len=40)
+    rotation = kvarn.hadamard(32)
+    assert torch.equal(exact_k, k)
+    assert torch.equal(packed_k, kvarn.roundtrip(k.transpose(0, 1), 4, True, rotation).transpose(0, 1))
+    assert torch.equal(packed_v, kvarn.roundtrip(v.transpose(0, 1), 2, False, rotation).transpose(0, 1))
+
+
 def test_packed_sequence_under_kv_sharing_reads_the_last_loops_generated_tiles():
     """kv_sharing="last", 2 loops x 1 layer: a prompt of 100 tokens (tiles 0..63 and a short 64..99), then 70
     generated tokens, each run at both loops. The last token reads the prompt as its loop keeps it, earlier
