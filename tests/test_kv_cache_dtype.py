@@ -302,10 +302,13 @@ def test_kvarn_shared_last_engine_greedy_tokens_equal_the_one_sequence_reference
 
 @pytest.mark.gpu
 def test_kvarn_shared_last_engine_on_cuda_gives_the_one_sequence_reference_tokens(tiny_checkpoint):
-    """The kv_sharing="last" reference path on CUDA (eager), all loops, prefix caching on."""
+    """The kv_sharing="last" reference path on CUDA (eager), as on CPU (2 loops: generated tiles packed across
+    two pages), with prefix caching on."""
     params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
     with kvarn_engine(tiny_checkpoint, "kvarn_k4v2_g64", 16, 32, device="cuda", attention="torch",
-                      kv_sharing="last", max_num_batched_tokens=40, enable_prefix_caching=True) as engine:
+                      kv_sharing="last", loops=2, max_num_batched_tokens=40,
+                      enable_prefix_caching=True) as engine:
+        assert not engine.uses_cuda_graphs
         outputs = engine.generate(SHARED_PROMPTS, params, use_tqdm=False)
         for prompt, output in zip(SHARED_PROMPTS, outputs):
             ids = engine.tokenizer.encode(prompt)
