@@ -270,6 +270,21 @@ def test_shared_last_reference_gives_the_oracles_tokens(tiny_checkpoint, referen
     assert tokens == reference.decode(ids, 8, "full", "last")[0]
 
 
+def test_fp8_shared_last_engine_greedy_tokens_equal_the_one_sequence_reference(tiny_checkpoint):
+    """fp8_e4m3 with kv_sharing="last": generated tokens' K/V read back through fp8 at their layer, as the
+    reference reads them."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with Engine(tiny_checkpoint, device="cpu", dtype="float32", kv_cache_dtype="fp8_e4m3", kv_sharing="last",
+                max_num_batched_tokens=16, verbose=False) as engine:
+        outputs = engine.generate(KVARN_PROMPTS[1:], params, use_tqdm=False)
+        for prompt, output in zip(KVARN_PROMPTS[1:], outputs):
+            ids = engine.tokenizer.encode(prompt)
+            store = shared_reference(engine, "fp8_e4m3", ids)
+            assert output.outputs[0].token_ids == greedy_through(engine.model, ids, 12, store)
+            assert output.outputs[0].token_ids != greedy_through(engine.model, ids, 12,
+                                                                 shared_reference(engine, "auto", ids))
+
+
 # Prompts of 98, 40 and 52 tokens (none a multiple of G = 64) in chunks of 40 tokens: tiles are cut by
 # chunks, and each prompt's last tile is short.
 SHARED_PROMPTS = [KVARN_PROMPTS[0] + KVARN_PROMPTS[1], *KVARN_PROMPTS[1:]]
