@@ -153,14 +153,16 @@ class Engine:
         loops, layers = config.loops, self.config.num_hidden_layers
         kvarn = parse_kv_cache_dtype(config.kv_cache_dtype).kind == "kvarn"
         side_rows = SideRows(config.max_num_seqs, config.block_size, config.kv_sink_tokens,
-                             config.kv_tail_tokens) if kvarn else None  # a KVarN pool's high-precision rows
+                             config.kv_tail_tokens, generated_apart=config.kv_sharing == "last") \
+            if kvarn else None  # a KVarN pool's high-precision rows
         # One side block more than SideRows hands out: the scratch side block that graph padding rows write.
         side_blocks = side_rows.capacity + 1 if kvarn else 0
+        generated_side_tiles = side_rows.generated_capacity if kvarn else 0
         probe = self._make_pool(1, 0)
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory(probe, probe.side_bytes_for(side_blocks)
-                                                                     if kvarn else 0)
+        reserved = probe.side_bytes_for(side_blocks, generated_side_tiles) if kvarn else 0
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(probe, reserved)
         # One block more than the scheduler may hand out: the scratch block that graph padding rows write.
-        self.kv_pool = self._make_pool(num_blocks + 1, side_blocks)
+        self.kv_pool = self._make_pool(num_blocks + 1, side_blocks, generated_side_tiles)
         scale = self.config.head_dim ** -0.5
         if kvarn:
             self.backend.bind_packed(self.kv_pool, scale)
@@ -196,7 +198,7 @@ class Engine:
             kv = "" if config.kv_cache_dtype == "auto" else f", kv_cache_dtype={config.kv_cache_dtype}"
             print(f"loop-engine: {loops} loops x {layers} layers, {config.dtype}{kv}, {config.device}, "
                   f"attention={self.backend.name}, exit_policy={config.exit_policy}{speculation}; "
-                  f"{self.layout.report(self.kv_pool, num_blocks)} "
+                  f"{self.layout.report(self.kv_pool, num_blocks, side_rows=side_rows)} "
                   f"({self.kv_pool.num_bytes / 2**30:.2f} GiB)", file=sys.stderr)
 
     @property
@@ -230,15 +232,18 @@ class Engine:
         per draft position and overall (None without speculation)."""
         return self.runner.speculation.stats if self.runner.speculation is not None else None
 
-    def _make_pool(self, num_blocks: int, side_blocks: int) -> KVPool | KVarNPool:
+    def _make_pool(self, num_blocks: int, side_blocks: int,
+                   generated_side_tiles: int = 0) -> KVPool | KVarNPool:
         """The KV pool of kv_cache_dtype: per-token elements (auto, bf16, fp8_e4m3) or KVarN tiles with
-        side_blocks blocks of high-precision rows."""
+        side_blocks blocks of high-precision rows (and, under kv_sharing="last", generated_side_tiles tiles of
+        generated ones)."""
         config, model = self.engine_config, self.config
         fmt = parse_kv_cache_dtype(config.kv_cache_dtype)
         shape = (config.loops, model.num_hidden_layers, num_blocks)
         if fmt.kind == "kvarn":
             return KVarNPool(fmt, *shape, model.num_key_value_heads, model.head_dim, config.dtype,
-                             config.device, config.kv_sink_tokens, config.kv_tail_tokens, side_blocks)
+                             config.device, config.kv_sink_tokens, config.kv_tail_tokens, side_blocks,
+                             generated_side_tiles=generated_side_tiles)
         return KVPool(*shape, config.block_size, model.num_key_value_heads, model.head_dim,
                       fmt.storage_dtype(config.dtype), config.device,
                       loop_uniform_scales=config.exit_policy.can_exit or config.kv_sharing == "last")
@@ -282,9 +287,9 @@ class Engine:
 
     def max_concurrent_sequences(self, prompt_tokens: int, generated_tokens: int) -> int:
         """How many sequences of this shape the KV pool holds at once (kv_sharing="last" stores a generated
-        token in 1/loops of a prompt token's bytes)."""
+        token in 1/loops of a prompt token's bytes; a KVarN pool's side rows may hold fewer)."""
         return self.layout.max_concurrent_sequences(self.block_manager.num_blocks, prompt_tokens,
-                                                    generated_tokens)
+                                                    generated_tokens, self.block_manager.side_rows)
 
     @torch.inference_mode()
     def _profile_run(self, num_tokens: int) -> None:

@@ -94,9 +94,10 @@ class EngineConfig:
 
     def _check_kvarn(self) -> None:
         """What the KVarN pool supports today: the torch backend's reference path and the Triton backend's
-        (CUDA graphs for decode steps, piecewise graphs for prefill), tiles of block_size tokens, and nothing
-        that moves or shares K/V between loops or rewinds it (prefix caching and preemption are supported).
-        Fail-closed: each other combination is a ValueError naming the options."""
+        (CUDA graphs for decode steps, piecewise graphs for prefill), tiles of block_size tokens, prefix
+        caching and preemption, kv_sharing="last" on the torch backend, and nothing else that moves K/V
+        between loops or rewinds it. Fail-closed: each other combination is a ValueError naming the
+        options."""
         name = f"kv_cache_dtype={self.kv_cache_dtype!r}"
         group = parse_kv_cache_dtype(self.kv_cache_dtype).group
         check_tile_dims(group, self.model.head_dim)
@@ -108,7 +109,9 @@ class EngineConfig:
             (self.packed_prefill, "cannot be combined with packed_prefill=True"),
             (self.block_size != group, f"needs block_size={group} (one tile per block), got "
                                        f"{self.block_size}"),
-            (self.kv_sharing != "none", f"cannot be combined with kv_sharing={self.kv_sharing!r}"),
+            (self.kv_sharing != "none" and backend != "torch",
+             f"with kv_sharing={self.kv_sharing!r} runs on attention='torch' only (the Triton KVarN kernels "
+             f"do not read generated pages yet), got attention={self.attention!r}"),
             (self.exit_policy.can_exit, f"cannot be combined with exit_policy={str(self.exit_policy)!r} "
                                         "(copy-forward of packed tiles)"),
             (self.speculative is not None, f"cannot be combined with speculative={self.speculative!r}"),

@@ -263,9 +263,11 @@ class Request:
     speculative: SpeculativeStats | None = None  # its drafts, under speculative decoding
     draft_len: int = 0  # what its next speculative step drafts at most (scheduler/scheduler.py); 0: not yet
     # A KVarN pool's side rows (cache/side_rows.py): the blocks whose side blocks it holds, and per block of
-    # block_table the side block it may read (-1: none)
+    # block_table the side block it may read (-1: none); under kv_sharing="last" also per generated tile its
+    # side tile (-1: none)
     side_held: list[int] = dataclasses.field(default_factory=list)
     side_table: list[int] = dataclasses.field(default_factory=list)
+    generated_side_table: list[int] = dataclasses.field(default_factory=list)
     # Async scheduling (scheduler/scheduler.py): token_ids ends with PENDING_TOKEN, a token still on the
     # device; and `retired`: certain to finish once that token is read, it gave its blocks and its seat back
     # ahead of it, as the synchronous path would have before the next step

@@ -51,11 +51,15 @@ class SharedKVMetadata:
     prompt_lens_cpu: list[int]
     loops: int
     num_layers: int  # slot = loop * num_layers + layer
+    # A KVarN pool only: per row, the side tile of each generated tile (-1: none to read)
+    generated_side_tables_cpu: list[list[int]] | None = None
 
     def select(self, rows: list[int], index: torch.Tensor) -> SharedKVMetadata:
         """The metadata of a subset of rows; index: the same rows as a device tensor."""
+        side = self.generated_side_tables_cpu
         return SharedKVMetadata(self.prompt_lens[index], self.generated_block_tables[index],
-                                [self.prompt_lens_cpu[r] for r in rows], self.loops, self.num_layers)
+                                [self.prompt_lens_cpu[r] for r in rows], self.loops, self.num_layers,
+                                None if side is None else [side[r] for r in rows])
 
 
 def side_table_tensor(tables: list[list[int]], width: int = 0) -> torch.Tensor:

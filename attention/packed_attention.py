@@ -2,7 +2,7 @@
 query, else through its packed (low-bit) tile. The rule of which is which is KVarN's side pool
 (docs/low_bit_kv.md), stated by position only, so a prompt read in one call or in chunks reads the same
 values. Plain torch, fp32: the reference path (cache/packed_sequence.py, and the torch backend over a KVarN
-pool).
+pool, kv_sharing="last" included).
 """
 
 from __future__ import annotations
@@ -11,12 +11,19 @@ import torch
 
 
 def high_precision(query_positions: torch.Tensor, key_positions: torch.Tensor, group: int, sink: int,
-                   tail: int) -> torch.Tensor:
+                   tail: int, prompt_len: int | None = None) -> torch.Tensor:
     """[queries, keys] bool: does the query at position i read key position p in high precision? p < sink,
-    or p >= (i + 1) - max(tail, (i + 1) % group): the newest `tail` of its history and its unfilled tile."""
+    p >= (i + 1) - tail (the newest `tail` of its i + 1 positions), or p's tile is not full within them.
+    Tiles of `group` positions start at 0. Under kv_sharing="last" (prompt_len = P) the prompt's tiles start
+    at 0 and the generated ones at P, and the prompt's last tile, short when P is not a multiple of `group`,
+    is full once the prompt is (docs/low_bit_kv.md)."""
     length = query_positions[:, None] + 1
-    return (key_positions[None, :] < sink) | (key_positions[None, :] >= length - torch.maximum(
-        torch.full_like(length, tail), length % group))
+    p = key_positions[None, :]
+    filled = length - length % group  # positions below it lie in full tiles
+    if prompt_len is not None:
+        prompt_filled = torch.where(length >= prompt_len, prompt_len, filled)
+        filled = torch.where(p < prompt_len, prompt_filled, length - (length - prompt_len) % group)
+    return (p < sink) | (p >= length - tail) | (p >= filled)
 
 
 def attend_two_ways(q: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor],
@@ -43,14 +50,39 @@ def attend_two_ways(q: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor],
 
 
 def attend_row_through_pool(pool, slot: int, side_table: list[int], table: torch.Tensor, first: int,
-                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                            prompt_len: int | None = None) -> torch.Tensor:
     """One row of a step over a KVarN pool (cache/kvarn_pool.py), the reference way: pack the blocks its
     new tokens (positions first..) fill, attend over its history read two ways, then keep the new rows that
-    stay high precision (after the reads: a ring entry may pass to a newer block). fp32 [n, heads, D]."""
-    pool.pack_filled(slot, side_table, table, first, k, v)
-    exact, packed = pool.read(slot, side_table, table, first, k, v)
+    stay high precision (after the reads: a ring entry may pass to a newer block). fp32 [n, heads, D].
+    prompt_len: under kv_sharing="last", a prompt row's prompt length (its last tile, maybe short)."""
+    pool.pack_filled(slot, side_table, table, first, k, v, prompt_len)
+    exact, packed = pool.read(slot, side_table, table, first, k, v, prompt_len)
     positions = torch.arange(first + k.shape[0], device=q.device)
-    hp = high_precision(positions[first:], positions, pool.block_size, pool.sink, pool.tail)
+    hp = high_precision(positions[first:], positions, pool.block_size, pool.sink, pool.tail, prompt_len)
     out = attend_two_ways(q, exact, packed, first, hp, scale)
     pool.write_side(slot, side_table, first, k, v)
+    return out
+
+
+def attend_generated_row_through_pool(pool, slot: int, prompt: tuple[list[int], torch.Tensor],
+                                      generated: tuple[list[int], torch.Tensor], prompt_len: int, index: int,
+                                      q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                      scale: float) -> torch.Tensor:
+    """kv_sharing="last": a generated row's one new token (generated token `index`, at position
+    prompt_len + index) over a KVarN pool, the reference way. Its prompt is read from plane `slot` (prompt:
+    its side table and block table), its generated tokens from their tiles at the slot's layer (generated:
+    its generated side table and page table; cache/kvarn_pool.py). The tile it completes is packed first
+    (with this loop's row), and its row is kept after the reads. fp32 [1, heads, D]."""
+    layer = slot % pool.num_layers
+    side_table, pages = generated
+    pool.pack_generated(layer, side_table, pages, index, k, v)
+    prompt_exact, prompt_packed = pool.read(slot, *prompt, prompt_len, k[:0], v[:0], prompt_len)
+    generated_exact, generated_packed = pool.read_generated(layer, side_table, pages, index, k, v)
+    exact = tuple(torch.cat(pair) for pair in zip(prompt_exact, generated_exact))
+    packed = tuple(torch.cat(pair) for pair in zip(prompt_packed, generated_packed))
+    positions = torch.arange(prompt_len + index + 1, device=q.device)
+    hp = high_precision(positions[-1:], positions, pool.block_size, pool.sink, pool.tail, prompt_len)
+    out = attend_two_ways(q, exact, packed, prompt_len + index, hp, scale)
+    pool.write_generated_side(layer, side_table, index, k, v)
     return out

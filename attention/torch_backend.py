@@ -11,7 +11,7 @@ import torch
 
 from attention import fp8
 from attention.base import AttentionBackend, Capabilities, SharedKVMetadata, register
-from attention.packed_attention import attend_row_through_pool
+from attention.packed_attention import attend_generated_row_through_pool, attend_row_through_pool
 
 
 def encode(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
@@ -86,15 +86,25 @@ class TorchBackend(AttentionBackend):
 
     def _forward_kvarn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
         """Per row: pack the blocks its new tokens fill, attend over its history read two ways, then keep
-        the new rows that stay high precision (after the reads: a ring entry may pass to a newer block)."""
-        meta = self.meta
+        the new rows that stay high precision (after the reads: a ring entry may pass to a newer block).
+        Under kv_sharing="last" a generated row's token goes through its generated tiles instead."""
+        meta, shared = self.meta, self.meta.shared_kv
         out = torch.empty_like(q)
         starts = meta.query_starts_cpu
         for row, side_table in enumerate(meta.side_tables_cpu):
             new = slice(starts[row], starts[row + 1])
             first = meta.context_lens_cpu[row] - meta.query_lens_cpu[row]
-            out[new] = attend_row_through_pool(self.packed_pool, slot, side_table, meta.block_tables[row],
-                                               first, q[new], k[new], v[new], self.scale).to(q.dtype)
+            prompt = (side_table, meta.block_tables[row])
+            prompt_len = shared.prompt_lens_cpu[row] if shared is not None else None
+            if prompt_len is not None and first >= prompt_len:
+                assert meta.query_lens_cpu[row] == 1, "a row with generated context computes one token"
+                generated = (shared.generated_side_tables_cpu[row], shared.generated_block_tables[row])
+                out[new] = attend_generated_row_through_pool(
+                    self.packed_pool, slot, prompt, generated, prompt_len, first - prompt_len, q[new], k[new],
+                    v[new], self.scale).to(q.dtype)
+            else:
+                out[new] = attend_row_through_pool(self.packed_pool, slot, *prompt, first, q[new], k[new],
+                                                   v[new], self.scale, prompt_len).to(q.dtype)
         return out
 
     def _slot_scales(self, slot: int) -> torch.Tensor | None:

@@ -88,7 +88,11 @@ class BlockManager:
         return len(request.block_table) * self.block_size
 
     def can_append(self, request: Request, num_new_tokens: int) -> bool:
-        return sum(self.layout.missing_blocks(request, num_new_tokens)) <= self.num_free_blocks
+        """Do the free blocks (and a KVarN pool's side rows) cover num_new_tokens more tokens?"""
+        if sum(self.layout.missing_blocks(request, num_new_tokens)) > self.num_free_blocks:
+            return False
+        start = request.num_computed_tokens
+        return self.side_rows is None or self.side_rows.fits(request, start, start + num_new_tokens)
 
     def append_slots(self, request: Request, num_new_tokens: int) -> None:
         """Grow the request's tables to cover num_computed_tokens + num_new_tokens tokens."""

@@ -8,11 +8,16 @@ Triton backend's decode rows, `write_side_rows` and `pack_side_blocks` (the Trit
     key_scales   fp16  [T*L, blocks, kv_heads, 2 D + G]
     value_scales fp16  [T*L, blocks, kv_heads, D + 2 G]
     side_keys, side_values  [T*L, side blocks, G, kv_heads, D]  the model's dtype, as the model made them
+    generated_side_keys, generated_side_values  [L, side tiles, G, kv_heads, D]  (kv_sharing="last")
 
 Block size = G, the tile. A block is packed when its last position is stored, from its side rows and the
 call's new K/V. Which positions a query reads in high precision is attention/packed_attention.py's rule; which
 side block holds a block's rows, and for how long, is cache/side_rows.py's (each row of a step carries its
 request's side table: block index -> side block, -1 where it has none to read).
+
+Under kv_sharing="last" a generated page (cache/layout.py) holds T generated tiles per layer: generated tile j
+of a layer is the record at plane (j % T) * L + layer of page generated_block_table[j // T]. Its rows, while
+high precision, sit in a side tile of one layer's rows (a request's generated side table: tile -> side tile).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from cache.kv_format import KVFormat, check_tile_dims
 class KVarNPool:
     def __init__(self, fmt: KVFormat, loops: int, num_layers: int, num_blocks: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, sink: int = 0, tail: int = 0,
-                 side_blocks: int = 0, iterations: int = 8) -> None:
+                 side_blocks: int = 0, iterations: int = 8, generated_side_tiles: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         check_tile_dims(fmt.group, head_dim)
@@ -47,6 +52,9 @@ class KVarNPool:
                                         device=device)
         self.side_keys = torch.empty(slots, side_blocks, g, kv_heads, d, dtype=dtype, device=device)
         self.side_values = torch.empty_like(self.side_keys)
+        self.generated_side_keys = torch.empty(num_layers, generated_side_tiles, g, kv_heads, d, dtype=dtype,
+                                               device=device)
+        self.generated_side_values = torch.empty_like(self.generated_side_keys)
         self.rotation = kvarn.hadamard(d, device=device)
         self.slot_token_bytes = fmt.packed_token_bytes(kv_heads, d)
 
@@ -64,23 +72,26 @@ class KVarNPool:
 
     @property
     def side_bytes(self) -> int:
-        return 2 * self.side_keys.numel() * self.side_keys.element_size()
+        return self.side_bytes_for(self.side_keys.shape[1], self.generated_side_keys.shape[1])
 
     @property
     def num_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block + self.side_bytes
 
-    def side_bytes_for(self, side_blocks: int) -> int:
-        """The bytes of `side_blocks` side blocks (what a pool of this shape would allocate)."""
-        per_block = 2 * self.num_slots * self.block_size * self.kv_heads * self.head_dim
-        return side_blocks * per_block * self.side_keys.element_size()
+    def side_bytes_for(self, side_blocks: int, generated_side_tiles: int = 0) -> int:
+        """The bytes of `side_blocks` side blocks (T x L planes of G rows each) and `generated_side_tiles`
+        generated side tiles (L planes each): what a pool of this shape would allocate."""
+        row = 2 * self.kv_heads * self.head_dim * self.side_keys.element_size()  # one token's K + V
+        planes = side_blocks * self.num_slots + generated_side_tiles * self.num_layers
+        return planes * self.block_size * row
 
     def pack_filled(self, slot: int, side_table: list[int], table: torch.Tensor, start: int, k: torch.Tensor,
-                    v: torch.Tensor) -> None:
+                    v: torch.Tensor, prompt_len: int | None = None) -> None:
         """Pack every block that the call's new tokens (positions start.., k and v [n, kv_heads, D]) fill: its
-        rows before `start` from its side block, the rest from k, v."""
+        rows before `start` from its side block, the rest from k, v. prompt_len (kv_sharing="last"): a call
+        that completes the prompt also packs its last tile, short when the prompt ends inside it."""
         g, end = self.block_size, start + k.shape[0]
-        for index in range(start // g, end // g):
+        for index in range(start // g, -(-end // g) if end == prompt_len else end // g):
             first = index * g
             rows_k, rows_v = [], []
             if first < start:
@@ -88,22 +99,36 @@ class KVarNPool:
                 assert side >= 0, f"block {index} is filling but has no side block"
                 rows_k.append(self.side_keys[slot, side, :start - first])
                 rows_v.append(self.side_values[slot, side, :start - first])
-            new = slice(max(first, start) - start, first + g - start)
+            new = slice(max(first, start) - start, min(first + g, end) - start)
             rows_k.append(k[new])
             rows_v.append(v[new])
-            block = int(table[index])
-            for rows, codes, scales, bits, keys in (
-                    (rows_k, self.key_codes, self.key_scales, self.fmt.key_bits, True),
-                    (rows_v, self.value_codes, self.value_scales, self.fmt.value_bits, False)):
-                tile = torch.cat(rows).to(self.side_keys.dtype).transpose(0, 1)  # [kv_heads, G, D]
-                codes[slot, block], scales[slot, block] = kvarn.encode_tiles(tile, bits, keys, self.rotation,
-                                                                             self.iterations)
+            self._pack(slot, int(table[index]), torch.cat(rows_k), torch.cat(rows_v))
+
+    def _pack(self, plane: int, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One tile of rows (k, v [r, kv_heads, D], r <= G) into the record at (plane, block). A short tile
+        (the prompt's last, under kv_sharing="last") is quantized over its r rows alone; its codes and
+        per-token scales take the places of a full tile's first r rows."""
+        for rows, codes, scales, bits, keys in (
+                (k, self.key_codes, self.key_scales, self.fmt.key_bits, True),
+                (v, self.value_codes, self.value_scales, self.fmt.value_bits, False)):
+            tile = rows.to(self.side_keys.dtype).transpose(0, 1)  # [kv_heads, r, D]
+            tile_codes, tile_scales = kvarn.encode_tiles(tile, bits, keys, self.rotation, self.iterations)
+            codes[plane, block, :, :tile.shape[1]] = tile_codes
+            scales[plane, block, :, self._scale_columns(keys, tile.shape[1])] = tile_scales
+
+    def _scale_columns(self, keys: bool, rows: int) -> list[int]:
+        """The columns of a record's scale row that a tile of `rows` rows fills (encode_tiles' order): keys
+        channel scale, zero, token scales; values channel scale, token scales, token zeros."""
+        d, g = self.head_dim, self.block_size
+        return list(range(2 * d + rows)) if keys else [*range(d + rows), *range(d + g, d + g + rows)]
 
     def read(self, slot: int, side_table: list[int], table: torch.Tensor, start: int, k: torch.Tensor,
-             v: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+             v: torch.Tensor, prompt_len: int | None = None
+             ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """A row's history of start + n positions read two ways, [L, kv_heads, D] fp32 each: as stored (the
         side rows before `start`, zero where a block has none to read, then k, v) and through the packed tiles
-        (zero past the last full tile). Call after pack_filled and before write_side."""
+        (zero past the last full tile; a whole prompt of prompt_len tokens, under kv_sharing="last", reads its
+        short last tile too). Call after pack_filled and before write_side."""
         g, length = self.block_size, start + k.shape[0]
         shape = (length, self.kv_heads, self.head_dim)
         exact_k, exact_v = torch.zeros(shape, device=k.device), torch.zeros(shape, device=k.device)
@@ -115,17 +140,84 @@ class KVarNPool:
                 exact_v[rows] = self.side_values[slot, side, :rows.stop - rows.start].float()
         exact_k[start:] = k.to(self.side_keys.dtype).float()
         exact_v[start:] = v.to(self.side_keys.dtype).float()
-        packed_k, packed_v = torch.zeros(shape, device=k.device), torch.zeros(shape, device=k.device)
-        full = length // g
-        if full:
-            blocks = table[:full].long()
-            for codes, scales, bits, keys, out in (
-                    (self.key_codes, self.key_scales, self.fmt.key_bits, True, packed_k),
-                    (self.value_codes, self.value_scales, self.fmt.value_bits, False, packed_v)):
-                tiles = kvarn.decode_tiles(codes[slot, blocks], scales[slot, blocks], bits, keys,
+        tiles = -(-length // g) if length == prompt_len else length // g
+        planes = torch.full((tiles,), slot, dtype=torch.long, device=k.device)
+        return (exact_k, exact_v), self._decode(planes, table[:tiles].long(), length)
+
+    def _decode(self, planes: torch.Tensor, blocks: torch.Tensor,
+                length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [length, kv_heads, D] fp32 of the records at (planes[i], blocks[i]), tile i at
+        positions i * G.., zero past the last; the last may be short (it ends at `length`)."""
+        g, shape = self.block_size, (length, self.kv_heads, self.head_dim)
+        out_k = torch.zeros(shape, device=planes.device)
+        out_v = torch.zeros(shape, device=planes.device)
+        full = min(len(planes), length // g)
+        for codes, scales, bits, keys, out in (
+                (self.key_codes, self.key_scales, self.fmt.key_bits, True, out_k),
+                (self.value_codes, self.value_scales, self.fmt.value_bits, False, out_v)):
+            if full:
+                records = (planes[:full], blocks[:full])
+                tiles = kvarn.decode_tiles(codes[records], scales[records], bits, keys,
                                            self.rotation)  # [full, kv_heads, G, D]
                 out[:full * g] = tiles.transpose(1, 2).flatten(0, 1)
-        return (exact_k, exact_v), (packed_k, packed_v)
+            if len(planes) > full:  # a short last tile
+                rows, record = length - full * g, (int(planes[full]), int(blocks[full]))
+                columns = self._scale_columns(keys, rows)
+                tile = kvarn.decode_tiles(codes[record][:, :rows], scales[record][:, columns], bits, keys,
+                                          self.rotation)  # [kv_heads, rows, D]
+                out[full * g:] = tile.transpose(0, 1)
+        return out_k, out_v
+
+    # -- kv_sharing="last": a generated row's one new token, generated tile j at plane (j % T) * L + layer of
+    # page pages[j // T], its rows in side tile side_table[j] while it has one
+
+    def generated_tiles(self, layer: int, pages: torch.Tensor,
+                        count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(planes, pages) of the first `count` generated tiles of `layer`, int64 each."""
+        tiles = torch.arange(count, device=pages.device)
+        return tiles % self.loops * self.num_layers + layer, pages[tiles // self.loops].long()
+
+    def pack_generated(self, layer: int, side_table: list[int], pages: torch.Tensor, index: int,
+                       k: torch.Tensor, v: torch.Tensor) -> None:
+        """Generated token `index` (k, v [1, kv_heads, D]): pack its tile if it completes it, the other rows
+        from the tile's side tile."""
+        g = self.block_size
+        if (index + 1) % g:
+            return
+        tile = index // g
+        side = side_table[tile]
+        assert side >= 0, f"generated tile {tile} is filling but has no side tile"
+        self._pack(tile % self.loops * self.num_layers + layer, int(pages[tile // self.loops]),
+                   torch.cat([self.generated_side_keys[layer, side, :g - 1], k]),
+                   torch.cat([self.generated_side_values[layer, side, :g - 1], v]))
+
+    def read_generated(self, layer: int, side_table: list[int], pages: torch.Tensor, index: int,
+                       k: torch.Tensor, v: torch.Tensor
+                       ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """Generated positions 0..index read two ways, as `read` reads a prompt: as stored (side tiles, zero
+        where a tile has none to read, then the new token's k, v) and through the packed tiles. Call after
+        pack_generated and before write_generated_side."""
+        g, length = self.block_size, index + 1
+        shape = (length, self.kv_heads, self.head_dim)
+        exact_k, exact_v = torch.zeros(shape, device=k.device), torch.zeros(shape, device=k.device)
+        for tile in range(-(-index // g)):
+            side = side_table[tile]
+            if side >= 0:
+                rows = slice(tile * g, min(index, (tile + 1) * g))
+                exact_k[rows] = self.generated_side_keys[layer, side, :rows.stop - rows.start].float()
+                exact_v[rows] = self.generated_side_values[layer, side, :rows.stop - rows.start].float()
+        exact_k[index:] = k.to(self.side_keys.dtype).float()
+        exact_v[index:] = v.to(self.side_keys.dtype).float()
+        return (exact_k, exact_v), self._decode(*self.generated_tiles(layer, pages, length // g), length)
+
+    def write_generated_side(self, layer: int, side_table: list[int], index: int, k: torch.Tensor,
+                             v: torch.Tensor) -> None:
+        """Keep generated token `index`'s row in its tile's side tile (each loop overwrites the last)."""
+        g = self.block_size
+        side = side_table[index // g]
+        assert side >= 0, f"generated token {index} has no side tile"
+        self.generated_side_keys[layer, side, index % g] = k[0]
+        self.generated_side_values[layer, side, index % g] = v[0]
 
     # -- the Triton path (attention/triton_backend.py): one call per slot for a step's decode rows --------
 

@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from cache.kv_pool import KVPool
+from cache.side_rows import SideRows
 from request import Request
 
 KV_SHARING = {"none": "paged", "last": "shared-last"}
@@ -74,19 +75,26 @@ class KVLayout(ABC):
         deeper slots hold what later tokens read."""
         pool.copy_forward(slots, loop, mask)
 
-    def max_concurrent_sequences(self, num_blocks: int, prompt_tokens: int, generated_tokens: int) -> int:
-        return num_blocks // self.blocks_per_sequence(prompt_tokens, generated_tokens)
+    def max_concurrent_sequences(self, num_blocks: int, prompt_tokens: int, generated_tokens: int,
+                                 side_rows: SideRows | None = None) -> int:
+        """Sequences of this shape that num_blocks blocks hold at once; with a KVarN pool's side rows, at
+        most as many as those hold at their full length."""
+        count = num_blocks // self.blocks_per_sequence(prompt_tokens, generated_tokens)
+        held = side_rows.sequences_held(prompt_tokens, generated_tokens) if side_rows is not None else None
+        return count if held is None else min(count, held)
 
     def token_bytes(self, slot_token_bytes: int, generated: bool) -> int:
         return self.planes_per_token(generated) * slot_token_bytes
 
-    def report(self, pool: KVPool, num_blocks: int, sequence_tokens: int = 4096) -> str:
-        """The start-up line: bytes per prompt and generated token, and how many sequences fit."""
+    def report(self, pool: KVPool, num_blocks: int, sequence_tokens: int = 4096,
+               side_rows: SideRows | None = None) -> str:
+        """The start-up line: bytes per prompt and generated token (a KVarN pool's packed bytes), and how
+        many sequences fit (in its blocks and side rows)."""
         prompt_bytes = self.token_bytes(pool.slot_token_bytes, False)
         generated_bytes = self.token_bytes(pool.slot_token_bytes, True)
         half = sequence_tokens // 2
-        mixed = self.max_concurrent_sequences(num_blocks, half, sequence_tokens - half)
-        prompt_only = self.max_concurrent_sequences(num_blocks, sequence_tokens, 0)
+        mixed = self.max_concurrent_sequences(num_blocks, half, sequence_tokens - half, side_rows)
+        prompt_only = self.max_concurrent_sequences(num_blocks, sequence_tokens, 0, side_rows)
         sharing = {v: k for k, v in KV_SHARING.items()}[self.name]
         return (f"KV {prompt_bytes / 1024:.1f} KiB/prompt token, {generated_bytes / 1024:.1f} KiB/generated "
                 f"token (kv_sharing={sharing}), {num_blocks} blocks of {self.block_size}; max concurrent "

@@ -10,6 +10,12 @@ in one call or in chunks reads the same bytes. Under fp8_e4m3 every position is 
 (attention/fp8.py) with one scale per (slot, kv head): `fp8_scale` for every one (the engine's default,
 1.0), or with fp8_scale=None the scale that maps the first K/V the slot stores (the prompt) onto fp8's range.
 The dense formats read the history as stored.
+
+Under kv_sharing="last" (prompt_len given; docs/looped_controls.md) a generated position keeps one K/V per
+layer, the last loop's, which every loop of later tokens reads; at loop t a generated token reads its own
+loop-t K/V. Generated tiles start at the prompt's end, and the prompt's last tile, short when the prompt
+ends inside it, is packed once the prompt is stored (attention/packed_attention.py: high_precision). The tile
+a generated token completes is packed at each of its loops, from that loop's row and the others' last.
 """
 
 from __future__ import annotations
@@ -26,11 +32,14 @@ class PackedSequence:
     def __init__(self, fmt: KVFormat, num_slots: int, num_heads: int, kv_heads: int, head_dim: int,
                  sink: int = 0, tail: int = 0, iterations: int = 8, rotate: bool = True,
                  capacity: int = 1024, device: torch.device | str = "cpu", fp8_scale: float | None = 1.0,
-                 ) -> None:
-        """The history is kept in fp32 on `device`, up to `capacity` tokens per slot."""
+                 prompt_len: int | None = None, num_layers: int = 1) -> None:
+        """The history is kept in fp32 on `device`, up to `capacity` tokens per slot. prompt_len: under
+        kv_sharing="last", the prompt's length (stored in one or more calls before the first generated
+        token); slot = loop * num_layers + layer."""
         if fmt.kind == "kvarn":
             check_tile_dims(fmt.group, head_dim)
         self.fmt, self.sink, self.tail, self.iterations = fmt, sink, tail, iterations
+        self.prompt_len, self.num_layers = prompt_len, num_layers
         self.num_heads, self.kv_heads, self.head_dim = num_heads, kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.rotation = kvarn.hadamard(head_dim, device=device) if rotate and fmt.kind == "kvarn" else None
@@ -40,6 +49,9 @@ class PackedSequence:
         # As attention reads them: every position under dense and fp8 formats; under KVarN the decoded rows of
         # each packed tile, read where a position is not high precision for the query
         self.read_keys, self.read_values = zeros[2], zeros[3]
+        # kv_sharing="last": generated positions per layer, as stored and as read
+        layer_shape = (num_layers if prompt_len is not None else 0, capacity, kv_heads, head_dim)
+        self.generated = [torch.zeros(layer_shape, device=device) for _ in range(4)]
         self.lengths = [0] * num_slots
         self.packed_tiles = [0] * num_slots
         fixed = None if fp8_scale is None else (torch.tensor(float(fp8_scale)),) * 2
@@ -56,13 +68,16 @@ class PackedSequence:
         if length > self.keys.shape[1]:
             raise ValueError(f"PackedSequence holds {self.keys.shape[1]} tokens (its capacity); {length} "
                              "asked")
+        if self.prompt_len is not None and length > self.prompt_len:
+            return self._generated(q, k, v, slot)
         self.keys[slot, start:length], self.values[slot, start:length] = k.float(), v.float()
         self.lengths[slot] = length
         positions = torch.arange(length, device=q.device)
         read = (self.read_keys[slot, :length], self.read_values[slot, :length])
         if self.fmt.kind == "kvarn":
             self._pack_full_tiles(slot, length)
-            hp = high_precision(positions[start:], positions, self.fmt.group, self.sink, self.tail)
+            hp = high_precision(positions[start:], positions, self.fmt.group, self.sink, self.tail,
+                                self.prompt_len)
             exact = (self.keys[slot, :length], self.values[slot, :length])
             return attend_two_ways(q, exact, read, start, hp, self.scale).to(q.dtype)
         self._update_reads(slot, start, length)
@@ -86,14 +101,61 @@ class PackedSequence:
 
     def _pack_full_tiles(self, slot: int, length: int) -> None:
         """Pack every tile that filled (kvarn.roundtrip: codes in bit planes and fp16 scales, as a pool block
-        keeps them); a packed tile is immutable, so it is decoded once, into the rows that attention reads
-        where a position is not high precision."""
+        keeps them), and under kv_sharing="last" the prompt's last tile once the prompt is stored, short or
+        not; a packed tile is immutable, so it is decoded once, into the rows that attention reads where a
+        position is not high precision."""
         fmt, g = self.fmt, self.fmt.group
-        while (self.packed_tiles[slot] + 1) * g <= length:
-            rows = slice(self.packed_tiles[slot] * g, (self.packed_tiles[slot] + 1) * g)
+        end = -(-length // g) * g if length == self.prompt_len else length
+        while (self.packed_tiles[slot] + 1) * g <= end:
+            rows = slice(self.packed_tiles[slot] * g, min((self.packed_tiles[slot] + 1) * g, length))
             for stored, read, bits, keys in ((self.keys, self.read_keys, fmt.key_bits, True),
                                              (self.values, self.read_values, fmt.value_bits, False)):
                 tile = kvarn.roundtrip(stored[slot, rows].transpose(0, 1), bits, keys, self.rotation,
                                        self.iterations)  # [kvh, G, D]
                 read[slot, rows] = tile.transpose(0, 1)
             self.packed_tiles[slot] += 1
+
+    def _generated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
+        """kv_sharing="last": one generated token, stored at its layer (over the loop before), attended over
+        the prompt as this slot keeps it and the generated positions as their layer keeps them."""
+        start, prompt_len = self.lengths[slot], self.prompt_len
+        if q.shape[0] != 1 or start < prompt_len:
+            raise ValueError(f"under kv_sharing='last' a call past the prompt ({prompt_len} tokens) stores "
+                             f"one generated token; got {q.shape[0]} tokens from position {start}")
+        layer, index = slot % self.num_layers, start - prompt_len
+        stored_k, stored_v, read_k, read_v = self.generated
+        stored_k[layer, index], stored_v[layer, index] = k[0].float(), v[0].float()
+        self.lengths[slot] = length = start + 1
+        count = index + 1
+        exact = (torch.cat([self.keys[slot, :prompt_len], stored_k[layer, :count]]),
+                 torch.cat([self.values[slot, :prompt_len], stored_v[layer, :count]]))
+        if self.fmt.kind != "kvarn":
+            self._update_generated_reads(layer, index, slot)
+            read = (torch.cat([self.read_keys[slot, :prompt_len], read_k[layer, :count]]),
+                    torch.cat([self.read_values[slot, :prompt_len], read_v[layer, :count]]))
+            every = torch.ones(1, length, dtype=torch.bool, device=q.device)
+            return attend_two_ways(q, read, read, start, every, self.scale).to(q.dtype)
+        g = self.fmt.group
+        if count % g == 0:  # this token completes its tile: packed with its own loop's row
+            rows = slice(count - g, count)
+            for stored, read, bits, keys in ((stored_k, read_k, self.fmt.key_bits, True),
+                                             (stored_v, read_v, self.fmt.value_bits, False)):
+                tile = kvarn.roundtrip(stored[layer, rows].transpose(0, 1), bits, keys, self.rotation,
+                                       self.iterations)
+                read[layer, rows] = tile.transpose(0, 1)
+        read = (torch.cat([self.read_keys[slot, :prompt_len], read_k[layer, :count]]),
+                torch.cat([self.read_values[slot, :prompt_len], read_v[layer, :count]]))
+        positions = torch.arange(length, device=q.device)
+        hp = high_precision(positions[start:], positions, g, self.sink, self.tail, prompt_len)
+        return attend_two_ways(q, exact, read, start, hp, self.scale).to(q.dtype)
+
+    def _update_generated_reads(self, layer: int, index: int, slot: int) -> None:
+        """The dense and fp8 formats: generated position `index` of `layer` as attention reads it (fp8
+        through this slot's scales, the same in every loop of a layer under kv_sharing="last")."""
+        stored_k, stored_v, read_k, read_v = self.generated
+        if self.fmt.kind == "fp8":
+            k_scale, v_scale = self.fp8_scales[slot]
+            read_k[layer, index] = fp8.dequantize(fp8.quantize(stored_k[layer, index], k_scale), k_scale)
+            read_v[layer, index] = fp8.dequantize(fp8.quantize(stored_v[layer, index], v_scale), v_scale)
+            return
+        read_k[layer, index], read_v[layer, index] = stored_k[layer, index], stored_v[layer, index]

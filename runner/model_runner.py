@@ -231,8 +231,9 @@ class ModelRunner:
             ids = input_ids
         shared = None
         if self.generated_tables is not None:
+            generated_sides = [r.generated_side_table for r in requests] if self.side_tables else None
             shared = SharedKVMetadata(int32[3], int32[4], prompt_lens, self.loops,
-                                      self.config.model.num_hidden_layers)
+                                      self.config.model.num_hidden_layers, generated_sides)
         meta = AttentionMetadata(
             query_start_loc=int32[0],
             context_lens=int32[1],

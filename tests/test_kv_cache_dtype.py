@@ -267,6 +267,131 @@ def test_kvarn_engine_on_cuda_gives_the_one_sequence_reference_tokens(tiny_check
             assert output.outputs[0].token_ids == greedy_through(engine.model, ids, 40, store)
 
 
+def shared_reference(engine, name, ids, sink=0, tail=0, device="cpu"):
+    """The one-sequence reference under kv_sharing="last": generated tokens keep their last loop's K/V."""
+    config = engine.config
+    return PackedSequence(parse_kv_cache_dtype(name), config.total_ut_steps * config.num_hidden_layers,
+                          config.num_attention_heads, config.num_key_value_heads, config.head_dim, sink=sink,
+                          tail=tail, device=device, prompt_len=len(ids), num_layers=config.num_hidden_layers)
+
+
+def test_shared_last_reference_gives_the_oracles_tokens(tiny_checkpoint, reference):
+    """PackedSequence's kv_sharing="last" with dense K/V is tests/reference.py's stateful oracle."""
+    with Engine(tiny_checkpoint, device="cpu", dtype="float32", max_model_len=64, verbose=False) as engine:
+        ids = engine.tokenizer.encode(KVARN_PROMPTS[1][:40])
+        tokens = greedy_through(engine.model, ids, 8, shared_reference(engine, "auto", ids))
+    assert tokens == reference.decode(ids, 8, "full", "last")[0]
+
+
+def test_fp8_shared_last_engine_greedy_tokens_equal_the_one_sequence_reference(tiny_checkpoint):
+    """fp8_e4m3 with kv_sharing="last": generated tokens' K/V read back through fp8 at their layer, as the
+    reference reads them."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with Engine(tiny_checkpoint, device="cpu", dtype="float32", kv_cache_dtype="fp8_e4m3", kv_sharing="last",
+                max_num_batched_tokens=16, verbose=False) as engine:
+        outputs = engine.generate(KVARN_PROMPTS[1:], params, use_tqdm=False)
+        for prompt, output in zip(KVARN_PROMPTS[1:], outputs):
+            ids = engine.tokenizer.encode(prompt)
+            store = shared_reference(engine, "fp8_e4m3", ids)
+            assert output.outputs[0].token_ids == greedy_through(engine.model, ids, 12, store)
+            assert output.outputs[0].token_ids != greedy_through(engine.model, ids, 12,
+                                                                 shared_reference(engine, "auto", ids))
+
+
+# Prompts of 98, 40 and 52 tokens (none a multiple of G = 64) in chunks of 40 tokens: tiles are cut by
+# chunks, and each prompt's last tile is short.
+SHARED_PROMPTS = [KVARN_PROMPTS[0] + KVARN_PROMPTS[1], *KVARN_PROMPTS[1:]]
+
+
+@pytest.mark.parametrize("name,sink,tail", [("kvarn_k4v2_g64", 0, 0), ("kvarn_k4v4_g64", 16, 32)])
+def test_kvarn_shared_last_engine_greedy_tokens_equal_the_one_sequence_reference(tiny_checkpoint, name, sink,
+                                                                                 tail):
+    """kv_sharing="last" over a KVarN pool: three rows of different lengths, 150 generated tokens each, so
+    that two generated tiles fill and pack (in two pages: 2 loops, 128 generated tokens a page) and a third
+    fills. The engine's tokens are those of the one-sequence reference, which reads each prompt in one call;
+    and the format is in effect (dense K/V gives other tokens). The sink and tail of 0 leave the side pool
+    two side blocks, fewer than three rows prefilling need: admission waits for them."""
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    with kvarn_engine(tiny_checkpoint, name, sink, tail, kv_sharing="last", loops=2,
+                      max_num_batched_tokens=40) as engine:
+        outputs = engine.generate(SHARED_PROMPTS, params, use_tqdm=False)
+        differs = 0
+        for prompt, output in zip(SHARED_PROMPTS, outputs):
+            ids = engine.tokenizer.encode(prompt)
+            tokens = output.outputs[0].token_ids
+            assert tokens == greedy_through(engine.model, ids, 150, shared_reference(engine, name, ids, sink,
+                                                                                        tail))
+            differs += tokens != greedy_through(engine.model, ids, 150, shared_reference(engine, "auto", ids))
+        assert [len(engine.tokenizer.encode(p)) % 64 for p in SHARED_PROMPTS] == [34, 40, 52]
+        side = engine.block_manager.side_rows
+        assert not side.users and len(side.generated_free) == side.generated_capacity  # all given back
+    assert differs
+
+
+@pytest.mark.gpu
+def test_kvarn_shared_last_engine_on_cuda_gives_the_one_sequence_reference_tokens(tiny_checkpoint):
+    """The kv_sharing="last" reference path on CUDA (eager), as on CPU (2 loops: generated tiles packed across
+    two pages), with prefix caching on."""
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    with kvarn_engine(tiny_checkpoint, "kvarn_k4v2_g64", 16, 32, device="cuda", attention="torch",
+                      kv_sharing="last", loops=2, max_num_batched_tokens=40,
+                      enable_prefix_caching=True) as engine:
+        assert not engine.uses_cuda_graphs
+        outputs = engine.generate(SHARED_PROMPTS, params, use_tqdm=False)
+        for prompt, output in zip(SHARED_PROMPTS, outputs):
+            ids = engine.tokenizer.encode(prompt)
+            store = shared_reference(engine, "kvarn_k4v2_g64", ids, 16, 32, device="cuda")
+            assert output.outputs[0].token_ids == greedy_through(engine.model, ids, 150, store)
+
+
+def admit_at_full_length(manager, prompt: int, generated: int) -> int:
+    """Sequences of prompt + generated tokens that the block manager holds at once, admitted one after the
+    other: the prompt, then the generated tokens but one, then the last one (the windows of a decode step)."""
+    from request import Request, SamplingParams as Params
+
+    count = 0
+    while True:
+        request = Request(str(count), [1] * prompt, Params())
+        request.token_ids += [1] * generated
+        for tokens in (prompt, generated - 1, 1):
+            if not manager.can_append(request, tokens):
+                return count
+            manager.append_slots(request, tokens)
+            request.num_computed_tokens += tokens
+        count += 1
+
+
+def test_kvarn_k4v2_with_kv_sharing_holds_ten_times_bf16_in_the_same_budget():
+    """Capacity at Ouro-1.4B's shape (4 loops x 24 layers, 16 kv heads of 128) in 64 GiB, sized as the engine
+    sizes its pool (side pool first, then blocks, one scratch block), for sequences of 512 prompt + 3584
+    generated tokens: bf16 without sharing holds 21. kvarn_k4v2_g64 with 64 sink and 64 tail tokens and
+    kv_sharing="last", sized for ten times that (max_num_seqs=210), holds them all, packed blocks and side
+    rows: the engine's reported figure, and by admitting them into its block manager."""
+    from cache.blocks import BlockManager
+    from cache.kvarn_pool import KVarNPool
+    from cache.layout import make_layout
+    from cache.side_rows import SideRows
+    from model.config import OuroConfig
+    from model.tiny import PRESETS, hf_config
+
+    config = OuroConfig.from_dict(hf_config(PRESETS["ouro-1.4b"]))
+    shape = (config.total_ut_steps, config.num_hidden_layers)
+    heads = (config.num_key_value_heads, config.head_dim)
+    budget, meta = 64 * 2**30, torch.device("meta")
+    bf16_block = KVPool(*shape, 1, 16, *heads, torch.bfloat16, meta).bytes_per_block
+    bf16 = make_layout("none", *shape, 16).max_concurrent_sequences(
+        KVPool.blocks_for_budget(bf16_block, budget) - 1, 512, 3584)
+    assert bf16 == 21
+    side = SideRows(10 * bf16, 64, 64, 64, generated_apart=True)
+    probe = KVarNPool(parse_kv_cache_dtype("kvarn_k4v2_g64"), *shape, 1, *heads, torch.bfloat16, meta)
+    reserved = probe.side_bytes_for(side.capacity + 1, side.generated_capacity)  # + the scratch side block
+    blocks = KVPool.blocks_for_budget(probe.bytes_per_block, budget - reserved) - 1
+    layout = make_layout("last", *shape, 64)
+    reported = layout.max_concurrent_sequences(blocks, 512, 3584, side)
+    assert reported >= 10 * bf16, (reported, blocks, reserved / 2**30)
+    assert admit_at_full_length(BlockManager(blocks, 64, False, layout, side), 512, 3584) == reported
+
+
 def first_divergence(ids, reference) -> int:
     """The first position where a completion's tokens leave the reference completion's (its length if
     never); there the reference's top two logprobs must be a near tie."""
@@ -327,17 +452,22 @@ def test_kvarn_triton_engine_on_cuda_gives_the_reference_path_tokens(tiny_checkp
     assert sum(reached) >= len(prompts) * 20, reached
 
 
-def test_kvarn_preempted_requests_recompute_the_same_tokens(tiny_checkpoint):
+@pytest.mark.parametrize("sharing", [{}, {"kv_sharing": "last", "loops": 2}])
+def test_kvarn_preempted_requests_recompute_the_same_tokens(tiny_checkpoint, sharing):
     """A pool too small for four rows: greedy admission preempts, and a preempted request gives back its side
-    slot and recomputes through a new one to the tokens of an uncontended run."""
+    slot (and under kv_sharing="last" its generated side tiles) and recomputes through new ones to the tokens
+    of an uncontended run."""
     params = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
     prompts = KVARN_PROMPTS + ["Looped models read their history four times " * 2]
-    with kvarn_engine(tiny_checkpoint, tail=16) as engine:
+    with kvarn_engine(tiny_checkpoint, tail=16, **sharing) as engine:
         alone = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
-    with kvarn_engine(tiny_checkpoint, tail=16, num_kv_blocks=6, admission="greedy",
-                      max_model_len=192) as engine:
+    blocks = 4 if sharing else 6  # under sharing a row needs a prompt block and a page
+    with kvarn_engine(tiny_checkpoint, tail=16, num_kv_blocks=blocks, admission="greedy",
+                      max_model_len=192, **sharing) as engine:
         squeezed = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
         assert engine.scheduler.num_preemptions > 0
+        side = engine.block_manager.side_rows
+        assert len(side.generated_free) == side.generated_capacity  # every side tile given back
     assert squeezed == alone
 
 
@@ -357,6 +487,58 @@ def test_kvarn_window_holds_every_row_a_query_reads_in_high_precision():
             assert needed <= side.window(start), (sink, tail, start)
             assert all(keeps_side_rows(i, start, 4, side.sink_blocks, side.ring_blocks)
                        for i in side.window(start))
+
+
+def test_kvarn_shared_windows_hold_every_row_a_query_reads_in_high_precision():
+    """Under kv_sharing="last", for every query of a generating sequence, the positions it reads in high
+    precision lie in the prompt blocks of its window or the generated tiles of its generated window
+    (cache/side_rows.py); and a block or tile that left the window never comes back (its rows were not
+    kept)."""
+    from attention.packed_attention import high_precision
+    from cache.side_rows import SideRows
+
+    for sink, tail in ((0, 0), (1, 3), (4, 4), (5, 13), (9, 8)):
+        side = SideRows(1, 4, sink, tail, generated_apart=True)
+        for prompt_len in (1, 3, 4, 6, 9):
+            left, left_tiles = set(), set()
+            for length in range(prompt_len + 1, prompt_len + 30):
+                keys = torch.arange(length)
+                hp = high_precision(keys[-1:], keys, 4, sink, tail, prompt_len)[0]
+                read = [int(p) for p in keys[hp]]
+                blocks, tiles = side.window(length, prompt_len), side.generated_window(length, prompt_len)
+                assert {p // 4 for p in read if p < prompt_len} <= blocks, (sink, tail, prompt_len, length)
+                assert {(p - prompt_len) // 4 for p in read if p >= prompt_len} <= tiles
+                assert not blocks & left and not tiles & left_tiles
+                left |= side.window(length - 1, prompt_len) - blocks
+                left_tiles |= side.generated_window(length - 1, prompt_len) - tiles
+
+
+def test_kvarn_shared_side_tiles_are_the_requests_own_and_admission_counts_them():
+    """Under kv_sharing="last" a request owns its generated side tiles: it takes one per tile of its window,
+    gives back those that leave, and all at release. fits() says when hold() would find none: admission then
+    waits (or preempts) as it does for blocks."""
+    from cache.side_rows import SideRows
+    from request import Request, SamplingParams as Params
+
+    side = SideRows(1, 4, 0, 4, generated_apart=True)  # one request's prefill (4 side blocks), 2 side tiles
+    assert (side.capacity, side.generated_capacity) == (4, 2)
+    a, b, c = (Request(name, list(range(6)), Params()) for name in "abc")
+    for request, blocks in ((a, [10, 11]), (b, [20, 21])):
+        request.block_table = blocks
+        assert side.fits(request, 0, 6)
+        side.hold(request, 0, 6)
+    assert not side.fits(c, 0, 6)  # its prefill's two side blocks: all four are held
+    for end in range(7, 15):  # a generates positions 6..13: generated tiles 0 (6..9) and 1 (10..13)
+        assert side.fits(a, end - 1, end)
+        side.hold(a, end - 1, end)
+    assert all(tile >= 0 for tile in a.generated_side_table) and not side.generated_free
+    assert not side.fits(b, 6, 7)  # b's first generated tile would find no side tile
+    assert side.fits(a, 14, 15)  # a's tile 2 takes the side tile that tile 0 (out of its tail) gives back
+    side.hold(a, 14, 15)
+    assert a.generated_side_table[0] == -1 and a.generated_side_table[2] >= 0 and not side.generated_free
+    side.release(a)
+    assert len(side.generated_free) == 2 and not a.generated_side_table and side.fits(b, 6, 7)
+    assert side.fits(c, 0, 6)  # a's side blocks are idle now: evictable
 
 
 def test_side_rows_follow_their_block_and_a_hit_stops_where_they_were_evicted():
@@ -395,37 +577,39 @@ def test_side_rows_follow_their_block_and_a_hit_stops_where_they_were_evicted():
     assert SideRows(1, 4, 0, 0).read_before(16) == set()  # no tail: a query reads only itself
 
 
-@pytest.mark.parametrize("sink,tail", [(0, 64), (64, 16)])
-def test_kvarn_prefix_hits_read_what_an_uncached_run_reads(tiny_checkpoint, sink, tail):
+@pytest.mark.parametrize("sink,tail,sharing", [(0, 64, {}), (64, 16, {}),
+                                               (16, 64, {"kv_sharing": "last", "loops": 2})])
+def test_kvarn_prefix_hits_read_what_an_uncached_run_reads(tiny_checkpoint, sink, tail, sharing):
     """The pattern behind a side-pool corruption seen elsewhere: prime a prefix (a first turn), a second
     request that hits it (the next turn: prompt + answer + more), other requests that finish and recycle side
     blocks, then the same hit after the rows it needs were evicted. With max_num_seqs=1 the side pool holds
-    just two windows, so the other requests evict them. Every request's tokens equal an uncached engine's, the
-    second turn hits, and the last hit is cut back to what still has its rows."""
+    just two windows (under kv_sharing="last": one request's largest need and its sink), so the other
+    requests evict them. Every request's tokens equal an uncached engine's, the second turn hits (its prompt
+    blocks only, under kv_sharing="last"), and the last hit is cut back to what still has its rows."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    with kvarn_engine(tiny_checkpoint, sink=sink, tail=tail, max_num_seqs=1) as engine:
+    with kvarn_engine(tiny_checkpoint, sink=sink, tail=tail, max_num_seqs=1, **sharing) as engine:
         first = engine.tokenizer.encode("A looped model reads its own history four times over. " * 8)
         answer = engine.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids
         turn = first + answer + engine.tokenizer.encode(" And then?")
         others = [engine.tokenizer.encode(f"Unrelated text, number {n}, goes on and on. " * 6)
-                  for n in (1, 2)]
+                  for n in ((1, 2, 3) if sharing else (1, 2))]  # a side pool a little larger to cycle
         prompts = [first, turn, *others, turn]
         uncached = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
-    with kvarn_engine(tiny_checkpoint, sink=sink, tail=tail, max_num_seqs=1,
-                      enable_prefix_caching=True) as engine:
+    with kvarn_engine(tiny_checkpoint, sink=sink, tail=tail, max_num_seqs=1, enable_prefix_caching=True,
+                      **sharing) as engine:
         cached, hits = [], []
         for prompt in prompts:  # one at a time, in this order
             output = engine.generate([prompt], params, use_tqdm=False)[0]
             cached.append(output.outputs[0].token_ids)
             hits.append(output.num_cached_tokens)
     assert len(first) > 128 and cached == uncached
-    assert hits[1] >= 128 and hits[4] < hits[1], hits
+    assert hits[1] >= 128 and hits[-1] < hits[1], hits
 
 
 @pytest.mark.parametrize("options,match", [
     ({"attention": "triton", "packed_prefill": True}, "packed_prefill=True"),
     ({"block_size": 16}, "needs block_size=64"),
-    ({"kv_sharing": "last"}, "kv_sharing='last'"),
+    ({"kv_sharing": "last", "attention": "triton"}, "kv_sharing='last' runs on attention='torch' only"),
     ({"exit_policy": "early:0.5"}, "exit_policy='early:0.5'"),
     ({"speculative": "loops:2"}, "speculative='loops:2'"),
 ])

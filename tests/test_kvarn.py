@@ -198,3 +198,76 @@ def test_packed_sequence_reads_packed_tiles_outside_the_sink_and_tail(name):
 def test_packed_sequence_refuses_tile_dims_that_do_not_pack():
     with pytest.raises(ValueError, match="head_dim"):
         PackedSequence(parse_kv_cache_dtype("kvarn_k4v2_g64"), 1, 4, 2, 24)
+
+
+def test_high_precision_under_kv_sharing_starts_generated_tiles_at_the_prompt_end():
+    """Tiles of 4, a prompt of 6 (tiles 0..3 and a short 4..5), sink 1, tail 1. The short tile is full once
+    the prompt is, and generated tiles run 6..9, 10..13, ..."""
+    from attention.packed_attention import high_precision
+
+    def read_exactly(query, prompt_len):
+        keys = torch.arange(query + 1)
+        hp = high_precision(keys[-1:], keys, 4, 1, 1, prompt_len)[0]
+        return [int(p) for p in keys[hp]]
+
+    assert read_exactly(4, 6) == [0, 4]  # the prompt's last tile is filling
+    assert read_exactly(5, 6) == [0, 5]  # ... and is full at the prompt's end
+    assert read_exactly(5, None) == [0, 4, 5]  # without sharing, tile 4..7 is filling
+    assert read_exactly(8, 6) == [0, 6, 7, 8]  # generated tile 6..9 is filling
+    assert read_exactly(9, 6) == [0, 9]  # ... and full
+    assert read_exactly(10, 6) == [0, 10]
+    assert read_exactly(9, None) == [0, 8, 9]  # absolute tiles: 8..11 is filling
+
+
+def test_a_short_tile_takes_a_full_records_place_and_is_read_as_its_rows_alone():
+    """Under kv_sharing="last" the call that completes a 40-token prompt packs its last tile of 40 rows
+    (cache/kvarn_pool.py): quantized over those rows alone, stored where a full tile's first 40 rows go, and
+    read back as the codec's round trip of those rows."""
+    from cache.kvarn_pool import KVarNPool
+
+    fmt = parse_kv_cache_dtype("kvarn_k4v2_g64")
+    pool = KVarNPool(fmt, 1, 1, 2, 2, 32, torch.float32, torch.device("cpu"))
+    k, v = tiles(40, 2, 32, seed=3), tiles(40, 2, 32, seed=4)
+    table = torch.tensor([1, 0], dtype=torch.int32)
+    pool.pack_filled(0, [], table, 0, k, v)  # without prompt_len the tile is filling: nothing packed
+    (_, _), (packed_k, _) = pool.read(0, [], table, 0, k, v)
+    assert not packed_k.any()
+    pool.pack_filled(0, [], table, 0, k, v, prompt_len=40)
+    (exact_k, _), (packed_k, packed_v) = pool.read(0, [], table, 0, k, v, prompt_len=40)
+    rotation = kvarn.hadamard(32)
+    assert torch.equal(exact_k, k)
+    assert torch.equal(packed_k, kvarn.roundtrip(k.transpose(0, 1), 4, True, rotation).transpose(0, 1))
+    assert torch.equal(packed_v, kvarn.roundtrip(v.transpose(0, 1), 2, False, rotation).transpose(0, 1))
+
+
+def test_packed_sequence_under_kv_sharing_reads_the_last_loops_generated_tiles():
+    """kv_sharing="last", 2 loops x 1 layer: a prompt of 100 tokens (tiles 0..63 and a short 64..99), then 70
+    generated tokens, each run at both loops. The last token reads the prompt as its loop keeps it, earlier
+    generated tokens as the last loop left them and itself at its loop; positions outside the sink and tail
+    through their tiles' codec round trip, the generated tiles counted from position 100 (100..163 full,
+    164..169 filling)."""
+    fmt = parse_kv_cache_dtype("kvarn_k4v2_g64")
+    heads, kv_heads, head_dim, sink, tail = 4, 2, 32, 8, 16
+    store = PackedSequence(fmt, 2, heads, kv_heads, head_dim, sink=sink, tail=tail, prompt_len=100)
+    g = torch.Generator().manual_seed(2)
+    k_all, v_all = (torch.randn(2, 170, kv_heads, head_dim, generator=g) for _ in range(2))
+    q_all = torch.randn(2, 170, heads, head_dim, generator=g)
+    for loop in (0, 1):
+        store(q_all[loop, :100], k_all[loop, :100], v_all[loop, :100], loop)
+    for position in range(100, 170):
+        outs = [store(q_all[loop, position:position + 1], k_all[loop, position:position + 1],
+                      v_all[loop, position:position + 1], loop) for loop in (0, 1)]
+    rotation = kvarn.hadamard(head_dim)
+    high = set(range(sink)) | set(range(170 - tail, 170)) | set(range(164, 170))
+    for loop in (0, 1):
+        keys = torch.cat([k_all[loop, :100], k_all[1, 100:169], k_all[loop, 169:]])
+        values = torch.cat([v_all[loop, :100], v_all[1, 100:169], v_all[loop, 169:]])
+        k_read, v_read = keys.clone(), values.clone()
+        for rows in (slice(0, 64), slice(64, 100), slice(100, 164)):
+            k_tile = kvarn.roundtrip(keys[rows].transpose(0, 1), 4, True, rotation).transpose(0, 1)
+            v_tile = kvarn.roundtrip(values[rows].transpose(0, 1), 2, False, rotation).transpose(0, 1)
+            for i, position in enumerate(range(rows.start, rows.stop)):
+                if position not in high:
+                    k_read[position], v_read[position] = k_tile[i], v_tile[i]
+        want = attend_exactly(q_all[loop, 169], k_read, v_read, head_dim ** -0.5)
+        torch.testing.assert_close(outs[loop][0], want, rtol=1e-4, atol=1e-5)
