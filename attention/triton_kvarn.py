@@ -47,7 +47,6 @@ class KVarNStep:
     side_packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (side rows int64 [F, G], blocks int32)
     chunk_packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (token rows int64 [F, G], blocks int32)
     prefill_work: torch.Tensor | None = None  # [items, 2] int32 (row, first query) for the prefill kernel
-    prefill_tokens: torch.Tensor | None = None  # [P] int64: the step tokens of the prefill rows
     decode_tokens: torch.Tensor | None = None  # [R] int64: each decode row's token
     every_row_decodes: bool = False  # a decode step: row i's token is token i (no decode_tokens)
     block_tables: torch.Tensor | None = None  # [R, blocks] int32: the decode rows'
@@ -65,7 +64,7 @@ def prepare_kvarn_step(meta: AttentionMetadata, block_size: int, to_device) -> K
     g, step = block_size, KVarNStep(side_tables=meta.side_tables)
     starts, tables = meta.query_starts_cpu, meta.side_tables_cpu
     side_rows, side_tokens, side_packed, chunk_rows, chunk_packed = [], [], [], [], []
-    decode, prefill, work = [], [], []
+    decode, work = [], []
     for row, (num_new, end) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
         first, table = end - num_new, tables[row]
         for tile in range(first // g, -(-end // g)):  # the blocks the new rows land in, a run per block
@@ -88,7 +87,6 @@ def prepare_kvarn_step(meta: AttentionMetadata, block_size: int, to_device) -> K
         if num_new == 1:
             decode.append(row)
         else:
-            prefill.append(row)
             work += [(row, m0) for m0 in range(0, num_new, PREFILL_BLOCK_M)]
     every_row_decodes = bool(decode) and len(decode) == len(tables)  # row i is token i: side_tokens unneeded
     if side_rows:
@@ -107,11 +105,8 @@ def prepare_kvarn_step(meta: AttentionMetadata, block_size: int, to_device) -> K
     if chunk_packed:
         step.chunk_packed = (to_device(torch.tensor([list(r) for r in chunk_rows], dtype=torch.int64)),
                              blocks_of(chunk_packed))
-    if prefill:
+    if work:
         step.prefill_work = to_device(torch.tensor(work, dtype=torch.int32))
-        step.prefill_tokens = to_device(torch.tensor([t for row in prefill for t in range(starts[row],
-                                                                                           starts[row + 1])],
-                                                     dtype=torch.int64))
     if every_row_decodes:
         step.every_row_decodes = True
         step.block_tables, step.decode_side_tables = meta.block_tables, step.side_tables
@@ -171,11 +166,10 @@ def kvarn_forward(step: KVarNStep, meta: AttentionMetadata, pool, slot: int, q: 
         return _decode(step, pool, slot, q.float(), scale, split_cap, split_min_keys).to(q.dtype)
     out = torch.empty_like(q)
     if step.prefill_work is not None:
-        attended = kvarn_prefill(q, k, v, key_codes, value_codes, key_scales, value_scales, side_k, side_v,
-                                 meta.block_tables, step.side_tables, meta.query_start_loc, meta.context_lens,
-                                 step.prefill_work, fmt.key_bits, fmt.value_bits, rotation, pool.sink,
-                                 pool.tail, scale, PREFILL_BLOCK_M)
-        out[step.prefill_tokens] = attended[step.prefill_tokens].to(q.dtype)
+        kvarn_prefill(q, k, v, key_codes, value_codes, key_scales, value_scales, side_k, side_v,
+                      meta.block_tables, step.side_tables, meta.query_start_loc, meta.context_lens,
+                      step.prefill_work, fmt.key_bits, fmt.value_bits, rotation, pool.sink, pool.tail, scale,
+                      PREFILL_BLOCK_M, out=out)
     if step.decode_tokens is not None:
         attended = _decode(step, pool, slot, q[step.decode_tokens].float(), scale, split_cap, split_min_keys)
         out[step.decode_tokens] = attended.to(q.dtype)
