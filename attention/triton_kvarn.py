@@ -34,7 +34,11 @@ from attention.kernels.kvarn_decode import kvarn_decode
 from attention.kernels.kvarn_prefill import kvarn_prefill
 from attention.kernels.rotate import rotate_rows
 
-PREFILL_BLOCK_M = 16  # queries per program (tl.dot needs 16)
+# Queries per prefill program: a piece's dequantized codes serve them all. On sm_90 (k4v2) a 64-key piece
+# takes 733 instructions a thread at 128 queries (8 warps) and 1,123 at 64 (4 warps), 1.5x more per query,
+# but 64 fits two programs on an SM where 128 fits one (250 and 255 registers); not yet timed on a GPU
+# (benchmarks/kvarn_kernels.py times both).
+PREFILL_BLOCK_M = 128
 
 
 @dataclasses.dataclass(slots=True)
