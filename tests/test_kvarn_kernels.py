@@ -517,3 +517,16 @@ def test_decode_at_ouro_shape_with_a_bf16_side_pool(name):
     out = kvarn_decode(q.to(DEVICE), **inputs, key_bits=key_bits, value_bits=value_bits, sink=sink, tail=tail)
     want = attend(q.float(), reads, head_dim ** -0.5)
     assert float((out.cpu() - want).abs().max()) <= 1e-3 * float(want.abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,block_m", [("kvarn_k4v2_g64", 128), ("kvarn_k4v2_g64", 64),
+                                          ("kvarn_k4v4_g64", 128), ("kvarn_k5v5_g64", 128),
+                                          ("kvarn_k4v2_g128", 128)])
+def test_prefill_at_ouro_shape_with_a_bf16_side_pool(name, block_m):
+    """16 query heads, 16 kv heads, head_dim 128, sink 64 and tail 64, bf16 rows: a chunk of 300 queries after
+    2,000 stored positions (pieces every query reads packed, then masked ones), in the engine's 128-query
+    programs and in 64-query ones, against the reference. Within 2e-3 of the largest output entry, as on
+    CPU (fp16 operands; there about 5e-4)."""
+    case = prefill_case(parse_kv_cache_dtype(name), 16, 16, 128, 64, 64, 2000, 300, torch.bfloat16)
+    assert relative_error(prefill(case, block_m), case.want) <= 2e-3
