@@ -10,8 +10,9 @@ Each (loop, layer) call, every row of the step at once, in this order:
    decode rows through attention/kernels/kvarn_decode.py (split-KV), both dequantizing in registers.
 
 The side pool keeps rows as the model made them, unrotated, as the reference does; the kernels read them
-with the unrotated query and the packed tiles with the rotated one, and only the packed share of the output
-is rotated back ("both bases").
+with the unrotated query and the packed tiles with the rotated one ("both bases"). Decode rotates only the
+packed share of the output back; prefill rotates the high-precision share into the packed basis and the sum
+back, in the kernel.
 
 Writing side rows before attending is safe: a request keeps the side blocks of its window at the step's
 start during the step, so a new row never lands where a row the step still reads lies (cache/side_rows.py).
