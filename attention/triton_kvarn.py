@@ -10,8 +10,9 @@ Each (loop, layer) call, every row of the step at once, in this order:
    decode rows through attention/kernels/kvarn_decode.py (split-KV), both dequantizing in registers.
 
 The side pool keeps rows as the model made them, unrotated, as the reference does; the kernels read them
-with the unrotated query and the packed tiles with the rotated one, and only the packed share of the output
-is rotated back ("both bases").
+with the unrotated query and the packed tiles with the rotated one ("both bases"). Decode rotates only the
+packed share of the output back; prefill rotates the high-precision share into the packed basis and the sum
+back, in the kernel.
 
 Writing side rows before attending is safe: a request keeps the side blocks of its window at the step's
 start during the step, so a new row never lands where a row the step still reads lies (cache/side_rows.py).
@@ -34,7 +35,11 @@ from attention.kernels.kvarn_decode import kvarn_decode
 from attention.kernels.kvarn_prefill import kvarn_prefill
 from attention.kernels.rotate import rotate_rows
 
-PREFILL_BLOCK_M = 16  # queries per program (tl.dot needs 16)
+# Queries per prefill program: a piece's dequantized codes serve them all. On sm_90 (k4v2) a 64-key piece
+# takes 733 instructions a thread at 128 queries (8 warps) and 1,123 at 64 (4 warps), 1.5x more per query,
+# but 64 fits two programs on an SM where 128 fits one (250 and 255 registers); not yet timed on a GPU
+# (benchmarks/kvarn_kernels.py times both).
+PREFILL_BLOCK_M = 128
 
 
 @dataclasses.dataclass(slots=True)
@@ -47,7 +52,6 @@ class KVarNStep:
     side_packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (side rows int64 [F, G], blocks int32)
     chunk_packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (token rows int64 [F, G], blocks int32)
     prefill_work: torch.Tensor | None = None  # [items, 2] int32 (row, first query) for the prefill kernel
-    prefill_tokens: torch.Tensor | None = None  # [P] int64: the step tokens of the prefill rows
     decode_tokens: torch.Tensor | None = None  # [R] int64: each decode row's token
     every_row_decodes: bool = False  # a decode step: row i's token is token i (no decode_tokens)
     block_tables: torch.Tensor | None = None  # [R, blocks] int32: the decode rows'
@@ -65,7 +69,7 @@ def prepare_kvarn_step(meta: AttentionMetadata, block_size: int, to_device) -> K
     g, step = block_size, KVarNStep(side_tables=meta.side_tables)
     starts, tables = meta.query_starts_cpu, meta.side_tables_cpu
     side_rows, side_tokens, side_packed, chunk_rows, chunk_packed = [], [], [], [], []
-    decode, prefill, work = [], [], []
+    decode, work = [], []
     for row, (num_new, end) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
         first, table = end - num_new, tables[row]
         for tile in range(first // g, -(-end // g)):  # the blocks the new rows land in, a run per block
@@ -88,7 +92,6 @@ def prepare_kvarn_step(meta: AttentionMetadata, block_size: int, to_device) -> K
         if num_new == 1:
             decode.append(row)
         else:
-            prefill.append(row)
             work += [(row, m0) for m0 in range(0, num_new, PREFILL_BLOCK_M)]
     every_row_decodes = bool(decode) and len(decode) == len(tables)  # row i is token i: side_tokens unneeded
     if side_rows:
@@ -107,11 +110,8 @@ def prepare_kvarn_step(meta: AttentionMetadata, block_size: int, to_device) -> K
     if chunk_packed:
         step.chunk_packed = (to_device(torch.tensor([list(r) for r in chunk_rows], dtype=torch.int64)),
                              blocks_of(chunk_packed))
-    if prefill:
+    if work:
         step.prefill_work = to_device(torch.tensor(work, dtype=torch.int32))
-        step.prefill_tokens = to_device(torch.tensor([t for row in prefill for t in range(starts[row],
-                                                                                           starts[row + 1])],
-                                                     dtype=torch.int64))
     if every_row_decodes:
         step.every_row_decodes = True
         step.block_tables, step.decode_side_tables = meta.block_tables, step.side_tables
@@ -171,11 +171,10 @@ def kvarn_forward(step: KVarNStep, meta: AttentionMetadata, pool, slot: int, q: 
         return _decode(step, pool, slot, q.float(), scale, split_cap, split_min_keys).to(q.dtype)
     out = torch.empty_like(q)
     if step.prefill_work is not None:
-        attended = kvarn_prefill(q, k, v, key_codes, value_codes, key_scales, value_scales, side_k, side_v,
-                                 meta.block_tables, step.side_tables, meta.query_start_loc, meta.context_lens,
-                                 step.prefill_work, fmt.key_bits, fmt.value_bits, rotation, pool.sink,
-                                 pool.tail, scale, PREFILL_BLOCK_M)
-        out[step.prefill_tokens] = attended[step.prefill_tokens].to(q.dtype)
+        kvarn_prefill(q, k, v, key_codes, value_codes, key_scales, value_scales, side_k, side_v,
+                      meta.block_tables, step.side_tables, meta.query_start_loc, meta.context_lens,
+                      step.prefill_work, fmt.key_bits, fmt.value_bits, rotation, pool.sink, pool.tail, scale,
+                      PREFILL_BLOCK_M, out=out)
     if step.decode_tokens is not None:
         attended = _decode(step, pool, slot, q[step.decode_tokens].float(), scale, split_cap, split_min_keys)
         out[step.decode_tokens] = attended.to(q.dtype)

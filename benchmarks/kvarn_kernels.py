@@ -1,7 +1,8 @@
-"""The KVarN Triton kernels timed on CUDA at Ouro-1.4B's attention shape, before they enter the engine.
+"""The KVarN Triton kernels timed on CUDA at Ouro-1.4B's attention shape.
 
-Decode attention over a packed history (attention/kernels/kvarn_decode.py) and tile packing
-(cache/kvarn_pack_kernel.py), at 16 query heads, 16 kv heads, head_dim 128, with a bf16 side pool.
+Decode attention over a packed history (attention/kernels/kvarn_decode.py), prefill attention over one
+(attention/kernels/kvarn_prefill.py) and tile packing (cache/kvarn_pack_kernel.py), at 16 query heads, 16 kv
+heads, head_dim 128, with a bf16 side pool.
 
     python -m benchmarks.kvarn_kernels --out benchmarks/results/kvarn_kernels.json [--reps 50]
 
@@ -11,8 +12,12 @@ that holds exactly them. Each call (the split kernel and, with several splits, t
 events after a write of 256 MiB that evicts the L2, median over --reps; its bytes are what it must read once
 (packed tiles with their fp16 scales, side rows, queries, tables) and its output, and GB/s is their rate. The
 Triton backend's dense decode kernel runs at the same shapes as the baseline, over a bf16 and an fp8_e4m3
-pool (pages of 16, its default tunables), timed the same way. Pack: one launch over N tiles x 16 kv heads
-from a bf16 source, µs per call and per (tile, kv head).
+pool (pages of 16, its default tunables), timed the same way. Prefill: one call over rows x (prefix + new)
+positions (fresh prompts of 2K and 8K, one and 16 rows; a 2K chunk after 6K stored positions), every full
+tile packed, per format, window and work-item size (128 queries and 8 warps, the engine's; 64 and 4), in ms,
+causal attention TFLOP/s and tokens/s, against the Triton backend's bf16 paged prefill (its KV store
+included) at the same shapes. Pack: one launch over N tiles x 16 kv heads from a bf16 source, µs per call
+and per (tile, kv head).
 
 Writes the JSON and a markdown table beside it, with the device, torch and triton versions and the commit.
 """
@@ -25,6 +30,7 @@ import math
 import torch
 
 from benchmarks.common import environment, write_results
+from cache import kvarn
 from cache.kv_format import high_precision_rows, parse_kv_cache_dtype
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 16, 128  # Ouro-1.4B (model/tiny.py: the ouro-1.4b preset)
@@ -34,6 +40,9 @@ SHAPES = [(16, 8192), (64, 2048), (1, 2048)]  # rows x context
 WINDOWS = [(0, 0), (64, 64)]  # (sink, tail) high-precision positions
 NUM_WARPS = [2, 4]  # the decode kernel splits a tile into 4 warp slots (8 warps would repeat work)
 PACK_TILES = [16, 64, 1024]
+# Prefill calls: (rows, prefix, new): fresh prompts, and a chunk after stored positions.
+PREFILL_SHAPES = [(1, 0, 2048), (1, 0, 8192), (16, 0, 2048), (16, 0, 8192), (1, 6144, 2048)]
+PREFILL_BLOCK_M = [128, 64]
 FLUSH_BYTES = 256 << 20  # several times the H200's L2
 
 
@@ -155,6 +164,108 @@ def dense_rows(timer: EventTimer) -> list[dict]:
     return results
 
 
+def causal_flops(rows: int, prefix: int, new: int) -> float:
+    """QK^T and PV of a prefill call: 2 x 2 x head_dim FLOPs per (query, visible key) per head."""
+    return 4 * HEADS * HEAD_DIM * rows * sum(prefix + i + 1 for i in range(new))
+
+
+class PackedPrefill:
+    """One prefill call over a packed pool: `rows` rows of `new` tokens after `prefix` stored positions each,
+    every full tile packed (random codes, finite scales) in a shuffled block, every tile with a side block
+    (random rows), the chunks' own K/V in k, v."""
+
+    def __init__(self, name: str, rows: int, prefix: int, new: int, sink: int, tail: int) -> None:
+        fmt = parse_kv_cache_dtype(name)
+        g, d, context = fmt.group, HEAD_DIM, prefix + new
+        self.fmt, self.sink, self.tail = fmt, sink, tail
+        tiles, full = math.ceil(context / g), context // g
+        num_blocks = rows * full
+        self.key_codes = torch.randint(0, 256, (num_blocks, KV_HEADS, g, d * fmt.key_bits // 8),
+                                       dtype=torch.uint8, device="cuda")
+        self.value_codes = torch.randint(0, 256, (num_blocks, KV_HEADS, g, d * fmt.value_bits // 8),
+                                         dtype=torch.uint8, device="cuda")
+        self.key_scales = (torch.rand(num_blocks, KV_HEADS, 2 * d + g, device="cuda") * 0.1).half()
+        self.value_scales = (torch.rand(num_blocks, KV_HEADS, d + 2 * g, device="cuda") * 0.1).half()
+        self.side_k = torch.randn(rows * tiles, g, KV_HEADS, d, dtype=SIDE_DTYPE, device="cuda")
+        self.side_v = torch.randn_like(self.side_k)
+        self.block_tables = torch.full((rows, tiles), -1, dtype=torch.int32, device="cuda")
+        self.block_tables[:, :full] = torch.randperm(num_blocks, device="cuda").view(rows, full).int()
+        self.side_tables = torch.randperm(rows * tiles, device="cuda").view(rows, tiles).int()
+        self.query_start_loc = torch.arange(0, rows * new + 1, new, dtype=torch.int32, device="cuda")
+        self.context_lens = torch.full((rows,), context, dtype=torch.int32, device="cuda")
+        self.q, self.k, self.v = (torch.randn(rows * new, n, d, dtype=SIDE_DTYPE, device="cuda")
+                                  for n in (HEADS, KV_HEADS, KV_HEADS))
+        self.out = torch.empty_like(self.q)
+        self.rotation = kvarn.hadamard(d, device="cuda")
+        self.rows, self.new = rows, new
+
+    def __call__(self, block_m: int) -> torch.Tensor:
+        from attention.kernels.kvarn_prefill import kvarn_prefill
+
+        work = torch.tensor([(row, m0) for row in range(self.rows) for m0 in range(0, self.new, block_m)],
+                            dtype=torch.int32, device="cuda")
+        return kvarn_prefill(self.q, self.k, self.v, self.key_codes, self.value_codes, self.key_scales,
+                             self.value_scales, self.side_k, self.side_v, self.block_tables, self.side_tables,
+                             self.query_start_loc, self.context_lens, work, self.fmt.key_bits,
+                             self.fmt.value_bits, self.rotation, self.sink, self.tail, block_m=block_m,
+                             out=self.out)
+
+
+class DensePrefill:
+    """The Triton backend's prefill over a bf16 paged pool (pages of 16, shuffled) at the same shape: its
+    forward (the KV store, then the prefill kernel) for `rows` rows of `new` tokens after `prefix`."""
+
+    def __init__(self, rows: int, prefix: int, new: int) -> None:
+        from attention.base import AttentionMetadata, select
+
+        context, page = prefix + new, 16
+        pages = math.ceil(context / page)
+        shape = (1, rows * pages, page, KV_HEADS, HEAD_DIM)
+        key_cache = torch.randn(shape, dtype=SIDE_DTYPE, device="cuda")
+        value_cache = torch.randn_like(key_cache)
+        tables = torch.randperm(rows * pages, device="cuda").view(rows, pages).int()
+        positions = torch.arange(prefix, context, device="cuda")
+        slots = tables[:, positions // page].long() * page + positions % page
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(0, rows * new + 1, new, dtype=torch.int32, device="cuda"),
+            context_lens=torch.full((rows,), context, dtype=torch.int32, device="cuda"), block_tables=tables,
+            slot_mapping=slots.flatten(), query_lens_cpu=[new] * rows, context_lens_cpu=[context] * rows,
+            block_size=page)
+        self.backend = select("triton", torch.device("cuda"))
+        self.backend.bind(key_cache, value_cache, HEAD_DIM ** -0.5)
+        self.backend.prepare(meta)
+        self.q, self.k, self.v = (torch.randn(rows * new, n, HEAD_DIM, dtype=SIDE_DTYPE, device="cuda")
+                                  for n in (HEADS, KV_HEADS, KV_HEADS))
+
+    def __call__(self) -> torch.Tensor:
+        return self.backend.forward(self.q, self.k, self.v, 0)
+
+
+def prefill_rows(timer: EventTimer, formats: list[str]) -> list[dict]:
+    """Per shape: the bf16 prefill, then each KVarN format, window and work-item size, with its time over
+    the bf16 call's."""
+    results = []
+    for rows, prefix, new in PREFILL_SHAPES:
+        flops, tokens = causal_flops(rows, prefix, new), rows * new
+        dense = DensePrefill(rows, prefix, new)
+        dense_ms = timer(dense) / 1e3
+        shape = {"rows": rows, "prefix": prefix, "new": new}
+        results.append({"kv_cache_dtype": "bf16", **shape, "ms": dense_ms, "tflops": flops / dense_ms / 1e9,
+                        "tokens_per_s": tokens / dense_ms * 1e3, "x_bf16": 1.0})
+        for name in formats:
+            for sink, tail in WINDOWS:
+                call = PackedPrefill(name, rows, prefix, new, sink, tail)
+                for block_m in PREFILL_BLOCK_M:
+                    if not torch.isfinite(call(block_m)).all():
+                        raise RuntimeError(f"{name} {rows} x ({prefix} + {new}): the prefill output is not "
+                                           "finite")
+                    ms = timer(lambda: call(block_m)) / 1e3
+                    results.append({"kv_cache_dtype": name, **shape, "sink": sink, "tail": tail,
+                                    "block_m": block_m, "ms": ms, "tflops": flops / ms / 1e9,
+                                    "tokens_per_s": tokens / ms * 1e3, "x_bf16": ms / dense_ms})
+    return results
+
+
 def pack_rows(timer: EventTimer, formats: list[str]) -> list[dict]:
     from cache.kvarn_pack_kernel import pack_tiles
 
@@ -190,6 +301,14 @@ def table(payload: dict) -> str:
         lines.append(f"| {r['kv_cache_dtype']} | {r['rows']} x {r['context']} | {window} | "
                      f"{r.get('num_warps', '-')} | {r['us']:.1f} | {r['bytes'] / 1e6:.1f} | "
                      f"{r['gbps']:.0f} |")
+    lines += ["", "Prefill (one call; bf16: the Triton backend's paged prefill, its KV store included)", "",
+              "| kv_cache_dtype | rows x (prefix + new) | sink, tail | block_m | ms | TFLOP/s | tokens/s | "
+              "x bf16 time |", "|---|---|---|---|---|---|---|---|"]
+    for r in payload["prefill"]:
+        window = f"{r['sink']}, {r['tail']}" if "sink" in r else "-"
+        lines.append(f"| {r['kv_cache_dtype']} | {r['rows']} x ({r['prefix']} + {r['new']}) | {window} | "
+                     f"{r.get('block_m', '-')} | {r['ms']:.2f} | {r['tflops']:.0f} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['x_bf16']:.2f} |")
     lines += ["", "| kv_cache_dtype | tiles x kv heads | µs per call | µs per (tile, kv head) |",
               "|---|---|---|---|"]
     for r in payload["pack"]:
@@ -214,7 +333,8 @@ def main() -> None:
                                           "side_dtype": str(SIDE_DTYPE)},
                "reps": args.reps, "l2_flush_bytes": FLUSH_BYTES,
                "dense": [] if args.no_dense else dense_rows(timer),
-               "decode": decode_rows(timer, formats), "pack": pack_rows(timer, formats)}
+               "decode": decode_rows(timer, formats), "prefill": prefill_rows(timer, formats),
+               "pack": pack_rows(timer, formats)}
     text = table(payload)
     write_results(args.out, payload, text)
     print(text)

@@ -1,7 +1,7 @@
 """Compiles every Triton kernel variant the backend launches for Hopper (sm_90), without a GPU, and checks
 in the PTX of each Programmatic Dependent Launch variant that a program reads only step inputs before
 `griddepcontrol.wait`, writes nothing to global memory before it, and reaches it on every path
-(tests/pdl_ptx.py).
+(tests/pdl_ptx.py). Prints each variant's registers and stack bytes a thread (ptxas spills to the stack).
 
 The interpreter accepts code that the compiler rejects (a non-constexpr global, a type that changes
 across a branch), so CPU-only CI runs this as a script in a process without TRITON_INTERPRET:
@@ -12,6 +12,9 @@ across a branch), so CPU-only CI runs this as a script in a process without TRIT
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
 import triton
@@ -63,9 +66,10 @@ KVARN_POINTERS = {"key_codes_ptr": "*u8", "value_codes_ptr": "*u8", "key_scales_
 
 
 def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int,
-                       cache_dtype: str | None = None, pointers: dict[str, str] | None = None) -> list[str]:
+                       cache_dtype: str | None = None, pointers: dict[str, str] | None = None) -> tuple:
     """cache_dtype: the KV pool's element type where it is not `dtype` (fp8e4nv: an fp8 pool). pointers:
-    pointee types by argument name, over the defaults. Returns what is wrong with a PDL variant's order."""
+    pointee types by argument name, over the defaults. Returns the compiled kernel and what is wrong with a
+    PDL variant's order."""
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -80,10 +84,21 @@ def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int,
     options = {"num_warps": num_warps, "num_stages": 2}
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     if not constexprs.get("PDL"):
-        return []
+        return kernel, []
     params = [name for name in fn.arg_names if name not in constexprs]
     problems = pre_wait_violations(kernel.asm["ptx"], params, PDL_EARLY_READS[fn.__name__])
-    return [f"{fn.__name__} {constexprs}: {problem}" for problem in problems]
+    return kernel, [f"{fn.__name__} {constexprs}: {problem}" for problem in problems]
+
+
+def registers_and_stack(compiled) -> tuple[int, int]:
+    """Registers and stack bytes a thread of a compiled kernel takes, read from its cubin by the cuobjdump
+    that Triton ships (CompiledKernel.n_regs and n_spills load the kernel, which needs a GPU)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", cubin.name],
+                               capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
 GEMV_POINTERS = {"partials_ptr": "*fp32", "tickets_ptr": "*i32"}
@@ -150,31 +165,49 @@ def variants() -> list[tuple]:
             out.append((copy_forward_kernel, dtype, {"LOOPS": 4, "LAYERS": 24, "ROW": 2048, "BLOCK": 2048,
                                                      "MASKED": masked}, 4, None, None))
     # The KVarN kernels: decode at k4v2 and k5v5 (one plane, and a 4-bit plus a 1-bit plane, which the
-    # decode kernel takes apart differently), prefill at k4v2: the slowest variants to compile.
-    for key_bits, value_bits in ((4, 2), (5, 5)):
+    # decode kernel takes apart differently); prefill at every preset's planes and tile, in the engine's 128-
+    # query programs over a bf16 model, and at k4v2 in 64-query programs (the benchmark's other choice) and
+    # over an fp32 model: the slowest variants to compile.
+    for key_bits, value_bits, tile in ((4, 2, 64), (5, 5, 64), (4, 4, 64), (4, 2, 128)):
         (k_low, k_high), (v_low, v_high) = PLANE_WIDTHS[key_bits], PLANE_WIDTHS[value_bits]
         planes = {"K_LOW_BITS": k_low, "K_HIGH_BITS": k_high, "V_LOW_BITS": v_low, "V_HIGH_BITS": v_high}
-        kvarn = {**OURO, "TILE": 64, **planes}
-        out.append((kvarn_decode_split_kernel, "bf16", {**kvarn, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16,
-                                                        "TWO_BASES": True}, 4, None, KVARN_POINTERS))
-        if key_bits == 4:
-            out.append((kvarn_prefill_kernel, "bf16", {**kvarn, "BLOCK_M": 16}, 4, None, KVARN_POINTERS))
+        kvarn = {**OURO, "TILE": tile, **planes}
+        if (key_bits, value_bits, tile) in ((4, 2, 64), (5, 5, 64)):
+            out.append((kvarn_decode_split_kernel, "bf16", {**kvarn, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16,
+                                                            "TWO_BASES": True}, 4, None, KVARN_POINTERS))
+        prefills = [(128, 8, "bf16")]
+        if (key_bits, value_bits, tile) == (4, 2, 64):
+            prefills += [(64, 4, "bf16"), (128, 8, "fp32")]
+        for block_m, num_warps, dtype in prefills:  # q and out in the model's dtype
+            pointers = {**KVARN_POINTERS, "q_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
+            constexprs = {**kvarn, "BLOCK_M": block_m, "EXACT_FP32": dtype == "fp32"}
+            out.append((kvarn_prefill_kernel, dtype, constexprs, num_warps, None, pointers))
     for base in (False, True):  # KVarN's rotations of the decode query and of its output back
         out.append((rotate_rows_kernel, "fp32", {"D": 128, "BLOCK_R": 16, "BLOCK_K": 16, "BASE": base}, 4,
                     None, {"matrix_ptr": "*fp32"}))
     return out
 
 
-def compile_variant(index: int) -> list[str]:
-    """Variant `index` of variants() (kernels do not pickle: each worker process builds the list)."""
-    return compile_for_hopper(*variants()[index])
+def compile_variant(index: int) -> tuple[str, list[str]]:
+    """Variant `index` of variants() (kernels do not pickle: each worker process builds the list): a line with
+    the kernel, its constexprs that differ between variants, num_warps, registers and stack bytes, and what is
+    wrong with its PDL order."""
+    fn, dtype, constexprs, num_warps, cache_dtype, _ = variant = variants()[index]
+    kernel, problems = compile_for_hopper(*variant)
+    registers, stack = registers_and_stack(kernel)
+    shown = {name: value for name, value in constexprs.items() if name not in OURO}
+    return (f"{fn.__name__} {dtype}{'/' + cache_dtype if cache_dtype else ''} {shown} warps {num_warps}: "
+            f"{registers} registers, {stack} stack bytes"), problems
 
 
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
     # Each compile is one CPU thread's work: two processes halve the wall time on CI's two cores.
+    problems = []
     with ProcessPoolExecutor(max_workers=2) as pool:
-        problems = [p for found in pool.map(compile_variant, range(len(variants()))) for p in found]
+        for line, found in pool.map(compile_variant, range(len(variants()))):
+            print(line)
+            problems += found
     if problems:
         raise SystemExit("PDL order:\n" + "\n".join(problems))
     checked = sum(1 for variant in variants() if variant[2].get("PDL"))

@@ -15,7 +15,7 @@ from attention.kernels.kvarn_decode import PLANE_WIDTHS, kvarn_decode
 from attention.kernels.kvarn_prefill import kvarn_prefill
 from attention import packed_attention
 from cache import kvarn
-from cache.kv_format import KVARN_PRESETS, KVFormat
+from cache.kv_format import KVARN_PRESETS, KVFormat, parse_kv_cache_dtype
 from cache.kvarn_pool import KVarNPool
 from cache.kvarn_pack_kernel import pack_tiles, plane_widths, rotate
 from cache.packed_sequence import PackedSequence
@@ -341,39 +341,131 @@ def test_pack_then_decode_equals_the_packed_sequence_reference():
     assert float((got - want).abs().max()) <= tolerance * float(want.abs().max())
 
 
-@pytest.mark.parametrize("sink,tail,first", [(8, 20, 40), (0, 0, 37), (16, 0, 48)])
-def test_prefill_over_a_packed_history_matches_the_reference(sink, tail, first):
-    """A row's first chunk stored the reference way, then a second chunk of 30 queries (two programs, one
-    part-filled), its tiles packed and rows kept the reference way too, so both read the same pool: the
-    kernel, by the per-query rule, against attention/packed_attention.py's two-way attention. Blocks and side
-    blocks shuffled; chunks that start inside a tile and on its edge."""
-    heads, kv_heads, head_dim, group, length = 4, 2, 32, 16, first + 30
-    fmt = KVFormat("kvarn_k4v2_g16", 4, 2, group, "kvarn")
-    pool = KVarNPool(fmt, 1, 1, 8, kv_heads, head_dim, torch.float32, torch.device(DEVICE), sink, tail, 8)
-    tiles = math.ceil(length / group)
-    table = torch.tensor([3, 1, 6, 2, 7, 5][:tiles], dtype=torch.int32, device=DEVICE)
-    side_table = [4, 0, 7, 2, 5, 6][:tiles]
-    g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(length, n, head_dim, generator=g).to(DEVICE) for n in (heads, kv_heads, kv_heads))
+# ---------------------------------------------------------------------------------------------------------
+# Prefill attention over a packed history
+
+
+K4V2_G16 = KVFormat("kvarn_k4v2_g16", 4, 2, 16, "kvarn")  # a 16-token tile, to stay small
+
+
+@dataclasses.dataclass
+class PrefillCase:
+    pool: dict  # the kernel's pool, format and window arguments
+    tables: tuple[torch.Tensor, torch.Tensor]  # the row's block table and side table, int32 [tiles]
+    chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v of the chunk's positions
+    first: int  # the chunk's first position
+    want: torch.Tensor  # the reference's output for the chunk, fp32
+
+
+def prefill_case(fmt, heads, kv_heads, head_dim, sink, tail, first, new, dtype, seed=5) -> PrefillCase:
+    """One row's history kept the reference way (cache/kvarn_pool.py), its blocks and side blocks shuffled in
+    a poisoned pool (NaN scales and side rows wherever nothing was stored; block 0 and side block 0 unused):
+    positions 0 .. first - 1 stored as one chunk, then `new` more as a chunk whose tiles are packed and rows
+    kept before attention, as the Triton path does. A tile has a side block only where the pool needs one (the
+    chunk begins inside it) or a query of the chunk reads one of its earlier positions in high precision, so
+    a read of any other side row shows as NaN. The reference: attend_two_ways (fp32) by the per-query rule."""
+    g, length = fmt.group, first + new
+    tiles = math.ceil(length / g)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(length, n, head_dim, generator=gen) for n in (heads, kv_heads, kv_heads))
+    k = k * torch.exp(torch.randn(head_dim, generator=gen))  # channels of unlike spread
+    q, k, v = (x.to(dtype).to(DEVICE) for x in (q, k, v))
+    positions = torch.arange(length, device=DEVICE)
+    hp = packed_attention.high_precision(positions[first:], positions, g, sink, tail)
+    side_ids = (1 + torch.randperm(tiles, generator=gen)).tolist()
+    read_before = [bool(hp[:, t * g:min(first, (t + 1) * g)].any()) for t in range(tiles)]
+    side_table = [side_ids[t] if t * g < first < (t + 1) * g or read_before[t] else -1 for t in range(tiles)]
+    table = (1 + torch.randperm(tiles, generator=gen)).to(torch.int32).to(DEVICE)
+    pool = KVarNPool(fmt, 1, 1, tiles + 1, kv_heads, head_dim, dtype, torch.device(DEVICE), sink, tail,
+                     tiles + 1)
+    for poisoned in (pool.key_scales, pool.value_scales, pool.side_keys, pool.side_values):
+        poisoned.fill_(float("nan"))
     scale = head_dim ** -0.5
     packed_attention.attend_row_through_pool(pool, 0, side_table, table, 0, q[:first], k[:first], v[:first],
                                              scale)
-    new = slice(first, length)
-    pool.pack_filled(0, side_table, table, first, k[new], v[new])
-    exact, packed = pool.read(0, side_table, table, first, k[new], v[new])
-    positions = torch.arange(length, device=DEVICE)
-    hp = packed_attention.high_precision(positions[first:], positions, group, sink, tail)
-    want = packed_attention.attend_two_ways(q[new], exact, packed, first, hp, scale)
-    pool.write_side(0, side_table, first, k[new], v[new])
+    chunk = slice(first, length)
+    pool.pack_filled(0, side_table, table, first, k[chunk], v[chunk])
+    exact, packed = pool.read(0, side_table, table, first, k[chunk], v[chunk])
+    want = packed_attention.attend_two_ways(q[chunk], exact, packed, first, hp, scale)
+    pool.write_side(0, side_table, first, k[chunk], v[chunk])
+    arguments = dict(key_codes=pool.key_codes[0], value_codes=pool.value_codes[0],
+                     key_scales=pool.key_scales[0], value_scales=pool.value_scales[0],
+                     side_k=pool.side_keys[0], side_v=pool.side_values[0], rotation=pool.rotation,
+                     key_bits=fmt.key_bits, value_bits=fmt.value_bits, sink=sink, tail=tail, scale=scale)
+    return PrefillCase(arguments, (table, torch.tensor(side_table, dtype=torch.int32, device=DEVICE)),
+                       (q[chunk], k[chunk], v[chunk]), first, want)
+
+
+def prefill(case: PrefillCase, block_m: int, before: int = 0, out: torch.Tensor | None = None):
+    """The kernel over the case's chunk as row 1 of a step whose first `before` tokens are row 0's (a row
+    with no history, left out of the work list): the step's output [before + new, heads, D]."""
+    def step(x):
+        return torch.cat([torch.zeros(before, *x.shape[1:], dtype=x.dtype, device=x.device), x])
 
     def ints(values):
         return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
-    got = kvarn_prefill(q[new], k[new], v[new], pool.key_codes[0], pool.value_codes[0], pool.key_scales[0],
-                        pool.value_scales[0], pool.side_keys[0], pool.side_values[0], table[None],
-                        ints([side_table]), ints([0, 30]), ints([length]), ints([[0, 0], [0, 16]]), 4, 2,
-                        pool.rotation, sink, tail, scale)
-    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+    new = case.chunk[0].shape[0]
+    block_table, side_table = (torch.stack([torch.full_like(t, -1), t]) for t in case.tables)
+    return kvarn_prefill(*map(step, case.chunk), **case.pool, block_tables=block_table,
+                         side_tables=side_table, query_start_loc=ints([0, before, before + new]),
+                         context_lens=ints([before, case.first + new]),
+                         work=ints([[1, m0] for m0 in range(0, new, block_m)]), block_m=block_m, out=out)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest entry of |got - want| over the largest of |want|."""
+    return float((got.float().cpu() - want.cpu()).abs().max()) / float(want.abs().max())
+
+
+@pytest.mark.parametrize("sink,tail,first", [(8, 20, 40), (0, 0, 37), (16, 0, 48)])
+def test_prefill_over_a_packed_history_matches_the_reference(sink, tail, first):
+    """A chunk of 30 queries (two programs of 16, one part-filled) over a history stored the reference way,
+    chunks that start inside a tile and on its edge, fp32 rows. The packed keys and values, q H and the
+    softmax weights go through fp16 (steps of 2^-11, relative), so the output is within 2e-3 of its largest
+    entry (seen: up to 6e-4)."""
+    case = prefill_case(K4V2_G16, 4, 2, 32, sink, tail, first, 30, torch.float32)
+    got = prefill(case, 16)
+    assert got.dtype == torch.float32
+    assert relative_error(got, case.want) <= 2e-3
+
+
+def test_prefill_reads_high_precision_rows_exactly():
+    """A tail longer than the history puts every position in high precision: only side rows and the chunk's
+    own K/V are read, by fp32 dots for fp32 rows, and the output is the reference's to fp32 rounding,
+    through both of the kernel's rotations of that share (into the packed tiles' basis and back, each in two
+    fp16 parts against H's exact signs)."""
+    case = prefill_case(K4V2_G16, 4, 2, 32, 0, 1000, 40, 30, torch.float32)
+    assert relative_error(prefill(case, 16), case.want) <= 1e-5
+
+
+@pytest.mark.parametrize("name,sink,tail", [("kvarn_k4v2_g64", 0, 0), ("kvarn_k4v4_g64", 16, 32),
+                                            ("kvarn_k5v5_g64", 64, 16), ("kvarn_k4v2_g128", 0, 0)])
+def test_prefill_of_bf16_rows_in_programs_of_128_queries(name, sink, tail):
+    """The engine's configuration: bf16 rows, programs of 128 queries, pieces of 64 keys (two a tile at
+    G = 128), a 4-bit, a 2-bit and a 5-bit plane (4 + 1). A 150-query chunk after 200 stored positions: the
+    first program has pieces that every query reads packed (the unmasked path), the second is part-filled.
+    The chunk is row 1 of its step, behind row 0's 3 tokens, and the output goes to a bf16 tensor: row 0's
+    entries stay as they were, and each of the chunk's is within 2e-3 of the largest (fp16 operands, as
+    above) and 2^-7 of itself (its bf16 rounding: 8 significant bits, truncated by the interpreter; a GPU
+    rounds to nearest, within half that)."""
+    case = prefill_case(parse_kv_cache_dtype(name), 4, 2, 32, sink, tail, 200, 150, torch.bfloat16)
+    out = torch.full((153, 4, 32), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    assert prefill(case, 128, before=3, out=out) is out
+    assert bool((out[:3] == 7.0).all())
+    want = case.want.to(DEVICE)
+    assert bool(((out[3:].float() - want).abs() <= 2 ** -7 * want.abs() + 2e-3 * want.abs().max()).all())
+
+
+def test_prefill_refuses_what_it_cannot_read():
+    case = prefill_case(K4V2_G16, 4, 2, 32, 0, 0, 16, 16, torch.float32)
+    bad_rotation = dict(case.pool, rotation=case.pool["rotation"].double())
+    with pytest.raises(ValueError, match="rotation must be a contiguous fp32"):
+        prefill(dataclasses.replace(case, pool=bad_rotation), 16)
+    with pytest.raises(ValueError, match="block_m one of 16, 32, 64, 128"):
+        prefill(case, 48)
+    with pytest.raises(ValueError, match="out must have q's shape"):
+        prefill(case, 16, out=torch.zeros(16, 4, 16, device=DEVICE))
 
 
 def test_rotate_is_the_codecs_hadamard_and_its_own_inverse():
@@ -425,3 +517,16 @@ def test_decode_at_ouro_shape_with_a_bf16_side_pool(name):
     out = kvarn_decode(q.to(DEVICE), **inputs, key_bits=key_bits, value_bits=value_bits, sink=sink, tail=tail)
     want = attend(q.float(), reads, head_dim ** -0.5)
     assert float((out.cpu() - want).abs().max()) <= 1e-3 * float(want.abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,block_m", [("kvarn_k4v2_g64", 128), ("kvarn_k4v2_g64", 64),
+                                          ("kvarn_k4v4_g64", 128), ("kvarn_k5v5_g64", 128),
+                                          ("kvarn_k4v2_g128", 128)])
+def test_prefill_at_ouro_shape_with_a_bf16_side_pool(name, block_m):
+    """16 query heads, 16 kv heads, head_dim 128, sink 64 and tail 64, bf16 rows: a chunk of 300 queries after
+    2,000 stored positions (pieces every query reads packed, then masked ones), in the engine's 128-query
+    programs and in 64-query ones, against the reference. Within 2e-3 of the largest output entry, as on
+    CPU (fp16 operands; there about 5e-4)."""
+    case = prefill_case(parse_kv_cache_dtype(name), 16, 16, 128, 64, 64, 2000, 300, torch.bfloat16)
+    assert relative_error(prefill(case, block_m), case.want) <= 2e-3

@@ -44,31 +44,6 @@ LOG2E = tl.constexpr(1.4426950408889634)
 PLANE_WIDTHS = {2: (2, 0), 4: (4, 0), 5: (4, 1), 8: (4, 4)}
 
 
-# _unpack_plane and _unpack_codes: a tile's codes as a plain [G, D] tensor (the prefill kernel's form).
-@triton.jit
-def _unpack_plane(row_ptr, offs_g, ROW_BYTES: tl.constexpr, FIRST_BYTE: tl.constexpr, WIDTH: tl.constexpr,
-                  G: tl.constexpr, D: tl.constexpr):
-    """One bit plane of a tile's code rows as int32 [G, D]: value j of a byte sits at bits j * WIDTH."""
-    PER_BYTE: tl.constexpr = 8 // WIDTH
-    offs_b = tl.arange(0, D // PER_BYTE)
-    packed = tl.load(row_ptr + offs_g[:, None] * ROW_BYTES + FIRST_BYTE + offs_b[None, :]).to(tl.int32)
-    shifts = tl.arange(0, PER_BYTE) * WIDTH
-    part = (packed[:, :, None] >> shifts[None, None, :]) & ((1 << WIDTH) - 1)
-    return tl.reshape(part, [G, D])
-
-
-@triton.jit
-def _unpack_codes(tile_ptr, offs_g, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, G: tl.constexpr,
-                  D: tl.constexpr):
-    """A packed tile's codes [G, D], fp32: the low plane, or'ed with the high plane (if any) shifted up."""
-    ROW_BYTES: tl.constexpr = D * (LOW_BITS + HIGH_BITS) // 8
-    codes = _unpack_plane(tile_ptr, offs_g, ROW_BYTES, 0, LOW_BITS, G, D)
-    if HIGH_BITS > 0:
-        high = _unpack_plane(tile_ptr, offs_g, ROW_BYTES, D * LOW_BITS // 8, HIGH_BITS, G, D)
-        codes = codes | (high << LOW_BITS)
-    return codes.to(tl.float32)
-
-
 # Decode's lane-split form of a packed tile. A column is 8 codes of one token row, channels 8c .. 8c + 7:
 # one element of a bit plane (a uint32 word of 4-bit codes, uint16 of 2-bit, uint8 of 1-bit), so each
 # plane's row is D / 8 columns and one code tensor per plane serves all widths. The tile's rows are cut
