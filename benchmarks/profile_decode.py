@@ -3,6 +3,12 @@ batch-1 step, kernels grouped by what they do, with the kernel count per step an
 (a step applies loops x layers of them; kernels outside the layers, such as the embedding, lm_head and
 the per-loop first norm, count in the step's total only as a fraction).
 
+Beside the kernels: the step's device time (CUDA events around the same number of steps, without the
+profiler), whose excess over the kernels' sum is the gap time (launch latency between graph nodes and
+whatever the host leaves idle); and each group's byte floor, at the copy bandwidth measured in the same run:
+the projections read every linear weight once per loop plus lm_head once, attention reads the rows' past
+K/V in every (loop, layer) slot. Its "of floor" is floor / time (1.0 would run at copy bandwidth).
+
     python -m benchmarks.profile_decode --preset ouro-1.4b --out benchmarks/results/profile_decode-<date>.json
 """
 
@@ -14,11 +20,13 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import checkpoint, environment, write_results
+from benchmarks.common import checkpoint, copy_bandwidth, environment, write_results
+from cache.kv_format import DENSE, FP8, KVARN_PRESETS
 from engine import Engine, SamplingParams
 
-GROUPS = [("attention", ("decode_split", "decode_merge", "prefill", "kv_store")),
-          ("projections (skinny GEMM, with or without an epilogue)", ("skinny_gemm",)),
+ATTENTION, PROJECTIONS = "attention", "projections (skinny GEMM, with or without an epilogue)"
+GROUPS = [(ATTENTION, ("decode_split", "decode_merge", "prefill", "kv_store", "kvarn", "rotate", "pack")),
+          (PROJECTIONS, ("skinny_gemm",)),
           ("norms, RoPE, SiLU (fused)", ("rmsnorm", "silu_mul", "rope")),
           ("cuBLAS GEMM", ("gemm", "gemv", "cutlass", "sm90", "nvjet")),
           ("embedding, gate, copies, other torch", ("",))]
@@ -29,6 +37,15 @@ def group_of(name: str) -> str:
     return next(group for group, keys in GROUPS if any(key in lowered for key in keys))
 
 
+def projection_bytes(engine) -> int:
+    """Bytes of the linear weights a decode step reads: the layers' once per loop, lm_head once."""
+    model = engine.model
+    layers = sum(module.weight.numel() * module.weight.element_size() for module in model.layers.modules()
+                 if isinstance(module, torch.nn.Linear))
+    head = model.lm_head.weight
+    return engine.engine_config.loops * layers + head.numel() * head.element_size()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,21 +54,36 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=[*DENSE, *FP8, *KVARN_PRESETS])
+    parser.add_argument("--block-size", type=int, default=16, help="64 for the KVarN g64 formats")
     parser.add_argument("--out", default=f"benchmarks/results/profile_decode-{environment()['date']}.json")
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
+    bandwidth = copy_bandwidth()
     with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch, 8),
-                max_model_len=args.prompt + 4 * args.steps + 8, enable_prefix_caching=False) as engine:
-        params = SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True)
+                max_model_len=args.prompt + 6 * args.steps + 8, enable_prefix_caching=False,
+                kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size) as engine:
+        params = SamplingParams(temperature=0, max_tokens=6 * args.steps, ignore_eos=True)
         for _ in range(args.batch):
             engine.add_request(list(range(3, 3 + args.prompt)), params)
         for _ in range(args.steps):  # prefill, then warm decode steps
             engine.step()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
+        start.record()
+        for _ in range(args.steps):
+            engine.step()
+        end.record()
+        torch.cuda.synchronize()
+        step_wall_us = start.elapsed_time(end) * 1e3 / args.steps
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
                 engine.step()
             torch.cuda.synchronize()
+        applications = engine.engine_config.loops * engine.config.num_hidden_layers
+        context = args.prompt + 2.5 * args.steps  # the mean context of the profiled steps
+        floors_us = {PROJECTIONS: projection_bytes(engine) / bandwidth * 1e6,
+                     ATTENTION: engine.kv_pool.bytes_per_token * args.batch * context / bandwidth * 1e6}
     totals: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.defaultdict(int)
     for event in prof.key_averages():
@@ -63,23 +95,32 @@ def main() -> None:
         group = group_of(event.key)
         totals[group] += device_us / args.steps
         counts[group] += event.count // args.steps
-    applications = engine.engine_config.loops * engine.config.num_hidden_layers
     step_us = sum(totals.values())
     rows = [{"group": g, "us_per_step": round(totals[g], 1), "kernels_per_step": counts[g],
              "kernels_per_layer_application": round(counts[g] / applications, 2),
-             "share": round(totals[g] / step_us, 3)} for g, _ in GROUPS if g in totals]
+             "share": round(totals[g] / step_us, 3),
+             "floor_us": round(floors_us[g], 1) if g in floors_us else None,
+             "of_floor": round(floors_us[g] / totals[g], 2) if g in floors_us else None}
+            for g, _ in GROUPS if g in totals]
     env = environment()
-    lines = [f"Decode step profile, {path} (bf16), batch {args.batch}, prompt {args.prompt}, CUDA graphs, "
-             f"{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}", "",
-             "| kernels | µs per step | share | kernels per step | per layer application |",
-             "|---|---|---|---|---|"]
+    lines = [f"Decode step profile, {path} (bf16, KV {args.kv_cache_dtype}), batch {args.batch}, prompt "
+             f"{args.prompt}, CUDA graphs, {env['device']}, torch {env['torch']}, triton {env['triton']}, "
+             f"commit {env['commit']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s", "",
+             "| kernels | µs per step | share | kernels per step | per layer application | byte floor µs "
+             "| of floor |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['group']} | {r['us_per_step']} | {r['share']:.0%} | {r['kernels_per_step']} | "
-              f"{r['kernels_per_layer_application']} |" for r in rows]
+              f"{r['kernels_per_layer_application']} | {r['floor_us'] or '-'} | {r['of_floor'] or '-'} |"
+              for r in rows]
     total = sum(counts.values())
-    lines.append(f"| total kernel time | {step_us:.1f} | | {total} | {total / applications:.2f} |")
-    write_results(args.out, {**env, "model": path, "batch": args.batch, "prompt": args.prompt,
-                             "kernel_us_per_step": step_us, "kernels_per_step": total,
-                             "layer_applications_per_step": applications,
+    gap_us = step_wall_us - step_us
+    lines.append(f"| total kernel time | {step_us:.1f} | | {total} | {total / applications:.2f} | | |")
+    lines.append(f"| step (device wall) | {step_wall_us:.1f} | gap {gap_us:.1f} µs "
+                 f"({gap_us / step_wall_us:.0%}) | | | | |")
+    write_results(args.out, {**env, "model": path, "kv_cache_dtype": args.kv_cache_dtype, "batch": args.batch,
+                             "prompt": args.prompt, "copy_bandwidth_bytes_per_s": bandwidth,
+                             "kernel_us_per_step": step_us, "step_wall_us": step_wall_us, "gap_us": gap_us,
+                             "kernels_per_step": total, "layer_applications_per_step": applications,
                              "kernels_per_layer_application": round(total / applications, 2),
                              "rows": rows}, "\n".join(lines))
     print("\n".join(lines))

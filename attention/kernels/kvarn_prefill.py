@@ -129,7 +129,7 @@ def _dequantize(tile_ptr, rows, one, magic, scale, offset, outer, D: tl.constexp
         high = (columns, columns >> 12)
     else:
         high = low
-    return _join_lanes(
+    tile = _join_lanes(
         _lane(low, high, magic, scale[0], offset[0], outer[0], 0, LOW_BITS, HIGH_BITS),
         _lane(low, high, magic, scale[1], offset[1], outer[1], 1, LOW_BITS, HIGH_BITS),
         _lane(low, high, magic, scale[2], offset[2], outer[2], 2, LOW_BITS, HIGH_BITS),
@@ -138,6 +138,10 @@ def _dequantize(tile_ptr, rows, one, magic, scale, offset, outer, D: tl.constexp
         _lane(low, high, magic, scale[5], offset[5], outer[5], 5, LOW_BITS, HIGH_BITS),
         _lane(low, high, magic, scale[6], offset[6], outer[6], 6, LOW_BITS, HIGH_BITS),
         _lane(low, high, magic, scale[7], offset[7], outer[7], 7, LOW_BITS, HIGH_BITS))
+    # Times a 1 the compiler cannot see: an op between the lanes' join and the dot's shared-memory copy.
+    # Without it Triton 3.6 folds the reshape into that copy and fails on sm_90 ("Illegal shared layout",
+    # in TritonGPUOptimizeDotOperands); 3.8 compiles either. Exact: x * 1 == x in fp16.
+    return tile * one.to(tl.float16)
 
 
 @triton.jit
