@@ -183,8 +183,8 @@ def variants() -> list[tuple]:
             constexprs = {**kvarn, "BLOCK_M": block_m, "EXACT_FP32": dtype == "fp32"}
             out.append((kvarn_prefill_kernel, dtype, constexprs, num_warps, None, pointers))
     for base in (False, True):  # KVarN's rotations of the decode query and of its output back
-        out.append((rotate_rows_kernel, "fp32", {"D": 128, "BLOCK_R": 16, "BLOCK_K": 16, "BASE": base}, 4,
-                    None, {"matrix_ptr": "*fp32"}))
+        out.append((rotate_rows_kernel, "fp32", {"D": 128, "BLOCK_R": 16, "BLOCK_K": 16, "BLOCK_N": 16,
+                                                 "BASE": base}, 4, None, {"matrix_ptr": "*fp32"}))
     return out
 
 

@@ -5,7 +5,8 @@ Why a kernel of its own: these products are tiny ([rows x heads, 128] x [128, 12
 (loop, layer) call. cuBLAS runs them in fp32 as one thread block (an ffma kernel of 32 x 128 tiles), 53 µs a
 call on an H200 at batch 1, more than the KVarN decode kernel itself (benchmarks/results/
 latency-kvarn-2026-12-02-97c5a60.md). Here a program takes BLOCK_R rows against the whole matrix, BLOCK_K of
-its rows at a time, so batch 1 (16 rows) is one program and a step of 64 rows 64; the dot is plain fp32
+its rows at a time, for BLOCK_N of its columns: batch 1 (16 rows) is D / BLOCK_N programs (8 at D = 128;
+one program for all 128 columns took 8.3 µs a call on an H200, 192 calls a step); the dot is plain fp32
 ("ieee", no TF32 rounding).
 """
 
@@ -17,20 +18,22 @@ import triton.language as tl
 
 BLOCK_R = 16  # rows per program (tl.dot's smallest M)
 BLOCK_K = 16  # the matrix's rows per step
+BLOCK_N = 16  # the matrix's columns per program
 
 
 # The row count changes with the batch: one compiled kernel for every value.
 @triton.jit(do_not_specialize=["rows"])
 def rotate_rows_kernel(x_ptr, base_ptr, matrix_ptr, out_ptr, rows, stride_mk, stride_mn,
-                       D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BASE: tl.constexpr):
-    """Grid (cdiv(rows, BLOCK_R),). out[r] = x[r] @ M (+ base[r] with BASE), for contiguous [rows, D] x, base
-    and out; M [D, D] at strides (stride_mk, stride_mn)."""
+                       D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BASE: tl.constexpr):
+    """Grid (cdiv(rows, BLOCK_R), D // BLOCK_N). out[r] = x[r] @ M (+ base[r] with BASE), for contiguous
+    [rows, D] x, base and out; M [D, D] at strides (stride_mk, stride_mn)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs_r[:, None] < rows
     offsets = offs_r[:, None].to(tl.int64) * D + offs_d[None, :]
     # K in slices of BLOCK_K: the whole [D, D] matrix as one dot operand spilled (9.5 KB a thread on sm_90).
-    y = tl.zeros([BLOCK_R, D], tl.float32)
+    y = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
     for k0 in tl.range(0, D, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_r[:, None].to(tl.int64) * D + offs_k[None, :], mask=mask, other=0.0)
@@ -53,7 +56,8 @@ def rotate_rows(x: torch.Tensor, matrix: torch.Tensor, base: torch.Tensor | None
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rows = x.numel() // d
     if rows:
-        rotate_rows_kernel[(triton.cdiv(rows, BLOCK_R),)](
+        block_n = min(BLOCK_N, d)
+        rotate_rows_kernel[(triton.cdiv(rows, BLOCK_R), triton.cdiv(d, block_n))](
             x, base if base is not None else x, matrix, out, rows, matrix.stride(0), matrix.stride(1), d,
-            BLOCK_R, BLOCK_K, base is not None, num_warps=4)
+            BLOCK_R, BLOCK_K, block_n, base is not None, num_warps=4)
     return out
