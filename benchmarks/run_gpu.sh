@@ -14,7 +14,7 @@
 #   wave2: every gpu test but the KVarN ones, latency under CUDA graphs (1, 16, 64 x 512 and 2K) and eager (1 x
 #          2K), the batch-1 decode profile, the skinny GEMM with a cold L2
 #   wave2kv: the KV-format and KVarN gpu tests, the KVarN kernels' timing (decode and prefill), TPOT of bf16
-#          against kvarn_k4v2_g64 at 16 x 8K and 64 x 2K, the KVarN batch-1 profile, then the Ouro-shape KL rows
+#          against kvarn_k4v2_g64 at 16 x 8K, the batch-1 profiles (KVarN, bf16), eager TPOT at 1 x 2K
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
 #       the KVarN kernels, then (KVFORMATS=1) the low-bit formats' KL at the Ouro-1.4B shape
@@ -66,6 +66,7 @@ elif [ "$PART" = wave2 ]; then
   timeout "${TEST_LIMIT:-230}" python -m pytest -q -m gpu tests/ --deselect tests/test_kvarn_kernels.py \
     --deselect tests/test_kvarn_graph_step.py -k "not kvarn" --timeout 120 -rfE --durations=10 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 25
+  pkill -f pytest  # what a cut-short test left running must not share the GPU with the timings
   wait
   step 150 python -m benchmarks.latency --preset ouro-1.4b --prompts 512 2048 --batches 1 16 64 --modes graph \
     --out "$OUT/latency.json"
@@ -74,20 +75,20 @@ elif [ "$PART" = wave2 ]; then
   step 45 python -m benchmarks.profile_decode --out "$OUT/profile_decode.json"
   step 100 python -m benchmarks.gemv --ms 1,4,16 --budget 60 --out "$OUT/gemv.json"
 elif [ "$PART" = wave2kv ]; then
-  timeout "${TEST_LIMIT:-200}" python -m pytest -q -m gpu tests/test_kv_cache_dtype.py tests/test_kvarn_kernels.py \
+  timeout "${TEST_LIMIT:-170}" python -m pytest -q -m gpu tests/test_kv_cache_dtype.py tests/test_kvarn_kernels.py \
     tests/test_kvarn_graph_step.py tests/test_kvarn.py --timeout 150 -rfE --durations=10 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 15
+  pkill -f pytest  # what a cut-short test left running must not share the GPU with the timings
   step 70 python -m benchmarks.kvarn_kernels --out "$OUT/kvarn_kernels.json"
   wait
-  step 170 python -m benchmarks.latency --preset ouro-1.4b --modes graph --block-size 64 \
-    --kv-cache-dtypes auto kvarn_k4v2_g64 --prompts 8192 2048 --batches 16 64 --decode-steps 16 \
+  step 150 python -m benchmarks.latency --preset ouro-1.4b --modes graph --block-size 64 \
+    --kv-cache-dtypes auto kvarn_k4v2_g64 --prompts 8192 --batches 16 --decode-steps 16 \
     --out "$OUT/latency-kvarn.json"
   step 45 python -m benchmarks.profile_decode --kv-cache-dtype kvarn_k4v2_g64 --block-size 64 \
     --out "$OUT/profile_decode-kvarn.json"
-  if [ -n "${KVFORMATS:-}" ]; then
-    step "${KVFORMATS_LIMIT:-150}" python -m benchmarks.kv_formats --model /tmp/loop-engine-bench/ouro-1.4b \
-      --device cuda --dtype bfloat16 --prompts 2 --prompt-len 512 --new-tokens 512 --out "$OUT/kv_formats_ouro.json"
-  fi
+  step 45 python -m benchmarks.profile_decode --out "$OUT/profile_decode.json"
+  step 50 python -m benchmarks.latency --preset ouro-1.4b --prompts 2048 --batches 1 --modes eager \
+    --out "$OUT/latency-eager.json"
 elif [ "$PART" = kv ]; then
   timeout "${TEST_LIMIT:-280}" python -m pytest -q -m gpu tests/ --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" \
     | tail -n 25
