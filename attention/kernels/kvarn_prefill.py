@@ -54,18 +54,8 @@ def _plane_columns(tile_ptr, rows, one, ROW_BYTES: tl.constexpr, FIRST_BYTE: tl.
     element of the plane) of the tile rows `rows` [N]: uint32 [N, D / 8], each read whole where the plane's
     rows hold whole elements. one: 1, hidden from the compiler (the kernel says why)."""
     cols = tl.arange(0, D // 8) * one
-    if (ROW_BYTES % WIDTH == 0) and (FIRST_BYTE % WIDTH == 0):
-        if WIDTH == 4:
-            elem = tl.uint32
-        elif WIDTH == 2:
-            elem = tl.uint16
-        else:
-            elem = tl.uint8
-        row_ptrs = (tile_ptr + FIRST_BYTE + rows * ROW_BYTES).to(tl.pointer_type(elem))
-        return tl.load(row_ptrs[:, None] + cols[None, :]).to(tl.uint32)
-    else:
-        return _column(tile_ptr + FIRST_BYTE + rows[:, None] * ROW_BYTES + cols[None, :] * WIDTH, ROW_BYTES,
-                       FIRST_BYTE, WIDTH)
+    return _column(tile_ptr + FIRST_BYTE + rows[:, None] * ROW_BYTES + cols[None, :] * WIDTH, ROW_BYTES,
+                   FIRST_BYTE, WIDTH)
 
 
 @triton.jit
