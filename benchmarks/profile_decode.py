@@ -128,6 +128,9 @@ def main() -> None:
               for r in rows]
     total = sum(counts.values())
     lines.append(f"| kernels, charged | {step_us:.1f} | | {total} | {total / applications:.2f} | | |")
+    in_layers = counts.get(ATTENTION, 0) + counts.get(PROJECTIONS, 0)
+    lines.append(f"| of which in the layers (attention, projections) / outside | | | {in_layers} / "
+                 f"{total - in_layers} | {in_layers / applications:.2f} / - | | |")
     lines.append(f"| gap (no kernel running) | {gap_us:.1f} | {gap_us / span_us:.0%} of the profiled step "
                  "| | | | |")
     lines.append(f"| step: profiled span / CUDA events, no profiler | {span_us:.1f} / {step_wall_us:.1f} "
@@ -138,6 +141,8 @@ def main() -> None:
                              "step_wall_us": step_wall_us,
                              "kernels_per_step": total, "layer_applications_per_step": applications,
                              "kernels_per_layer_application": round(total / applications, 2),
+                             "layer_kernels_per_layer_application": round(in_layers / applications, 2),
+                             "kernels_outside_layers_per_step": total - in_layers,
                              "rows": rows}, "\n".join(lines))
     print("\n".join(lines))
 
