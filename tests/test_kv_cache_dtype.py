@@ -164,8 +164,9 @@ def test_engine_refuses_unsupported_kv_cache_dtypes_before_loading(tmp_path, opt
         Engine(tmp_path / "never-read", verbose=False, **options)
 
 
-def greedy_through(model, prompt, new_tokens, attention):
-    """The engine's model, all loops, last-loop readout, one sequence through an attention callable."""
+def greedy_through(model, prompt, new_tokens, attention, gaps: list | None = None):
+    """The engine's model, all loops, last-loop readout, one sequence through an attention callable. gaps, if
+    given, gets each step's gap between its top two logprobs."""
     tokens = []
     ids, start = prompt, 0
     device = model.embed_tokens.weight.device
@@ -175,7 +176,11 @@ def greedy_through(model, prompt, new_tokens, attention):
             cos, sin = model.rotary(torch.arange(start, start + len(ids), device=device), h.dtype)
             for t in range(model.config.total_ut_steps):
                 h = model.run_loop(h, cos, sin, attention, t)
-            tokens.append(int(model.compute_logits(h)[-1].argmax()))
+            logits = model.compute_logits(h)[-1]
+            tokens.append(int(logits.argmax()))
+            if gaps is not None:
+                top = torch.log_softmax(logits.float(), -1).topk(2).values
+                gaps.append(float(top[0] - top[1]))
             start += len(ids)
             ids = tokens[-1:]
     return tokens
@@ -331,7 +336,11 @@ def test_kvarn_shared_last_engine_greedy_tokens_equal_the_one_sequence_reference
 @pytest.mark.gpu
 def test_kvarn_shared_last_engine_on_cuda_gives_the_one_sequence_reference_tokens(tiny_checkpoint):
     """The kv_sharing="last" reference path on CUDA (eager), as on CPU (2 loops: generated tiles packed across
-    two pages), with prefix caching on."""
+    two pages), with prefix caching on. On CUDA a row's fp32 products depend on the batch's shape (cuBLAS
+    picks kernels by it), and the reference reads each prompt in one call, the engine in chunks beside other
+    rows: where a code sits on a rounding boundary the two pack it one step apart, so a completion may leave
+    the reference's, but only at a near tie of the reference's top two tokens (seen on the H200: one row, at
+    token 106 of 150)."""
     params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
     with kvarn_engine(tiny_checkpoint, "kvarn_k4v2_g64", 16, 32, device="cuda", attention="torch",
                       kv_sharing="last", loops=2, max_num_batched_tokens=40,
@@ -341,7 +350,11 @@ def test_kvarn_shared_last_engine_on_cuda_gives_the_one_sequence_reference_token
         for prompt, output in zip(SHARED_PROMPTS, outputs):
             ids = engine.tokenizer.encode(prompt)
             store = shared_reference(engine, "kvarn_k4v2_g64", ids, 16, 32, device="cuda")
-            assert output.outputs[0].token_ids == greedy_through(engine.model, ids, 150, store)
+            gaps = []
+            want = greedy_through(engine.model, ids, 150, store, gaps)
+            got = output.outputs[0].token_ids
+            parted = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+            assert parted == len(want) or gaps[parted] < 1e-3, (parted, gaps[parted])
 
 
 def admit_at_full_length(manager, prompt: int, generated: int) -> int:
@@ -392,13 +405,13 @@ def test_kvarn_k4v2_with_kv_sharing_holds_ten_times_bf16_in_the_same_budget():
     assert admit_at_full_length(BlockManager(blocks, 64, False, layout, side), 512, 3584) == reported
 
 
-def first_divergence(ids, reference) -> int:
+def first_divergence(ids, reference, near_tie: float = 1e-3) -> int:
     """The first position where a completion's tokens leave the reference completion's (its length if
-    never); there the reference's top two logprobs must be a near tie."""
+    never); there the reference's top two logprobs must be within near_tie."""
     for i, (token, want) in enumerate(zip(ids, reference.token_ids)):
         if token != want:
             top = sorted(entry.logprob for entry in reference.logprobs[i].values())[-2:]
-            assert top[1] - top[0] < 1e-3, (i, token, want, top)
+            assert top[1] - top[0] < near_tie, (i, token, want, top)
             return i
     return len(ids)
 
@@ -447,7 +460,10 @@ def test_kvarn_triton_engine_on_cuda_gives_the_reference_path_tokens(tiny_checkp
             completions[attention, eager] = [o.outputs[0] for o in first + again]
     graphs, eager = completions["triton", False], completions["triton", True]
     assert [c.token_ids for c in graphs] == [c.token_ids for c in eager]
-    reached = [first_divergence(got.token_ids, want)
+    # bf16 logits are multiples of 2^-4 between 8 and 16 (2^-5 between 4 and 8): two paths that round apart
+    # can swap tokens whose logits are a step apart, or equal. fp32 keeps the tight bound.
+    near_tie = 2 ** -4 if dtype == "bfloat16" else 1e-3
+    reached = [first_divergence(got.token_ids, want, near_tie)
                for got, want in zip(eager, completions["torch", True])]
     assert sum(reached) >= len(prompts) * 20, reached
 
