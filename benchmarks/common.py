@@ -96,11 +96,11 @@ def weight_bytes_per_step(engine) -> int:
     return engine.config.total_ut_steps * layer + head
 
 
-def add_random_prompts(engine, batch: int, prompt: int, params, rng) -> None:
-    """`batch` requests of `prompt` random token ids (3 and up: past the special tokens)."""
+def add_random_prompts(engine, batch: int, prompt: int, params, rng) -> list[str]:
+    """`batch` requests of `prompt` random token ids (3 and up: past the special tokens); their ids."""
     vocab = engine.config.vocab_size
-    for _ in range(batch):
-        engine.add_request([rng.randrange(3, vocab) for _ in range(prompt)], params)
+    return [engine.add_request([rng.randrange(3, vocab) for _ in range(prompt)], params)
+            for _ in range(batch)]
 
 
 def prefill_until_first_tokens(engine, batch: int) -> None:

@@ -19,21 +19,41 @@ from cache.kv_format import DENSE, FP8, KVARN_PRESETS
 from engine import Engine, SamplingParams
 
 
+BATCHED_TOKENS = 8192  # max_num_batched_tokens: the engine's default, passed so that head_start knows it
+
+
+def head_start(batch: int, prompt: int, max_num_batched_tokens: int) -> int:
+    """A bound on the tokens a row can decode while the batch's other prompts still prefill: one a step,
+    and chunked prefill of batch x prompt tokens takes at most this many steps."""
+    return -(-batch * prompt // max_num_batched_tokens) + batch + 1
+
+
 def _run(engine: Engine, batch: int, prompt: int, decode_steps: int,
          rng: random.Random) -> tuple[float, float]:
-    """TTFT: until every row's first token is on the host; TPOT: from then until the last token, over the
-    decode_steps tokens each row adds (under async scheduling the next step already runs when the first
-    tokens arrive, so the time is not cut at a device sync there)."""
-    params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
+    """TTFT: until every row's first token is on the host. TPOT: the next decode_steps steps, every row in
+    each of them: rows whose prefill finished early have been decoding beside the later rows' chunks, so
+    their budgets leave room for that head start (were they to finish inside the timed steps, those steps
+    would carry fewer rows than `batch` and the time per step would come out low). The requests are then
+    aborted, untimed. Under async scheduling the next step already runs when the first tokens arrive, so
+    the time is not cut at a device sync there."""
+    limit = decode_steps + 1 + head_start(batch, prompt, engine.engine_config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0, max_tokens=limit, ignore_eos=True)
     sync(engine.device)
     start = time.perf_counter()
-    add_random_prompts(engine, batch, prompt, params, rng)
+    request_ids = add_random_prompts(engine, batch, prompt, params, rng)
     prefill_until_first_tokens(engine, batch)
     first = time.perf_counter()
+    for _ in range(decode_steps):
+        outputs = engine.step()
+        assert not any(o.finished for o in outputs), "a row finished inside the timed steps"
+    sync(engine.device)
+    tpot = (time.perf_counter() - first) * 1e3 / decode_steps
+    for request_id in request_ids:
+        engine.abort(request_id)
     while engine.has_unfinished():
         engine.step()
-    sync(engine.device)
-    return (first - start) * 1e3, (time.perf_counter() - first) * 1e3 / decode_steps
+    return (first - start) * 1e3, tpot
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
@@ -58,8 +78,10 @@ def main() -> None:
     rows = []
     for mode, kv_cache_dtype, overlap in ((m, kv, a) for m in args.modes for kv in args.kv_cache_dtypes
                                           for a in args.async_scheduling):
+        longest = max(args.prompts) + args.decode_steps + 1 + max(
+            head_start(batch, prompt, BATCHED_TOKENS) for batch in args.batches for prompt in args.prompts)
         with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
-                    max_model_len=max(args.prompts) + args.decode_steps + 8, enable_prefix_caching=False,
+                    max_model_len=longest, max_num_batched_tokens=BATCHED_TOKENS, enable_prefix_caching=False,
                     enforce_eager=(mode == "eager"), kv_cache_dtype=kv_cache_dtype,
                     block_size=args.block_size, async_scheduling=overlap == "on", verbose=True) as engine:
             weights = weight_bytes_per_step(engine)
@@ -68,14 +90,17 @@ def main() -> None:
             rng = random.Random(0)
             for prompt in args.prompts:
                 for batch in args.batches:
-                    context = prompt + args.decode_steps // 2  # mean context during the timed decode
+                    # The mean context of a timed step, short of the tokens early rows decoded beside the
+                    # prefill (a lower floor: the ratio errs high)
+                    context = prompt + args.decode_steps // 2
                     floor_ms = (weights + kv_token * batch * context) / bandwidth * 1e3
                     row = {"mode": mode, "kv_cache_dtype": kv_cache_dtype, "async_scheduling": overlap,
                            "batch": batch, "prompt": prompt, "floor_ms": round(floor_ms, 3)}
-                    if batch * (prompt + args.decode_steps + 1) > capacity:
+                    head = head_start(batch, prompt, BATCHED_TOKENS)
+                    needed = batch * (prompt + args.decode_steps + 1 + head)
+                    if needed > capacity:
                         row.update(ttft_ms=None, tpot_ms=None,
-                                   note=f"does not fit: needs "
-                                        f"{batch * (prompt + args.decode_steps) * kv_token / 2**30:.0f}"
+                                   note=f"does not fit: needs {needed * kv_token / 2**30:.0f}"
                                         f" GiB of KV, the pool holds {capacity * kv_token / 2**30:.0f} GiB")
                     else:
                         ttft, tpot = _run(engine, batch, prompt, args.decode_steps, rng)
