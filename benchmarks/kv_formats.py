@@ -216,7 +216,8 @@ def main() -> None:
                 correct += tokenizer.decode(tokens).strip().split("\n")[0].strip() == item["answer"]
             return correct / len(accuracy_items)
 
-        rows = [{"kv_cache_dtype": "auto (fp32, reference)", "sink": 0, "tail": 0,
+        model_dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+        rows = [{"kv_cache_dtype": f"auto ({model_dtype}, reference)", "sink": 0, "tail": 0,
                  "accuracy": accuracy(dense, 0, 0)}]
         print(rows[-1], flush=True)
         for name in args.formats:
