@@ -80,16 +80,18 @@ def split_bounds(split, num_splits, context_len, TILE: tl.constexpr):
 
 
 @triton.jit
-def _key_rows(table, gen_table, first, positions, end, prompt_len, loop, plane_elems, kv_head,
-              WIDTH: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _key_rows(table, gen_table, positions, end, prompt_len, loop, plane_elems, kv_head,
+              BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
               SHARED: tl.constexpr, LOOPS: tl.constexpr, NUM_LAYERS: tl.constexpr):
-    """Offsets of the K/V of `positions` (those below end; WIDTH of them from `first` on, a vector, or one
-    position), from the start of the call's slot plane, 64-bit: a pool plane can exceed 2^31 elements. With
-    SHARED, a run of positions that lies wholly in the prompt takes the paged addressing (a uniform branch),
-    so only tiles that reach the generated tokens pay for the second table."""
+    """Offsets of the K/V of `positions` (those below end; a vector, or one position), from the start of the
+    call's slot plane, 64-bit: a pool plane can exceed 2^31 elements. With SHARED every tile takes the
+    addressing that covers both tables (each load masked to its own positions; for prompt positions the same
+    rows as the paged addressing). A uniform branch that sent prompt-only tiles the paged way made the loop
+    spill on sm_90: 4.9 KB of stack a thread in bf16 under Triton 3.6, 488 bytes under 3.8; without it none
+    under 3.6 (167 registers) and 48 bytes under 3.8 (tests/hopper_compile.py prints them)."""
     PAGE: tl.constexpr = BLOCK_SIZE * KV_HEADS * HEAD_DIM
     inside = positions < end
-    if SHARED and first + WIDTH > prompt_len:
+    if SHARED:
         PAGE_TOKENS: tl.constexpr = LOOPS * BLOCK_SIZE
         in_prompt = positions < prompt_len
         g = tl.maximum(positions - prompt_len, 0)
@@ -230,8 +232,8 @@ def decode_split_kernel(
     if PDL:  # past K/V only (positions below the new token's): no kernel of this step writes them
         first_tile = start + tile
         _prefetch_l2(key_cache_ptr, value_cache_ptr,
-                     _key_rows(table, gen_table, start, first_tile, cached_end, prompt_len, loop, plane_elems,
-                               kv_head, BLOCK_N, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS),
+                     _key_rows(table, gen_table, first_tile, cached_end, prompt_len, loop, plane_elems,
+                               kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS),
                      first_tile < cached_end, HEAD_DIM)
     wait_for_previous(PDL)
     launch_dependents(PDL)
@@ -259,8 +261,8 @@ def decode_split_kernel(
         for n0 in range(start, cached_end, BLOCK_N):
             positions = n0 + tile
             mask_n = positions < cached_end
-            rows = _key_rows(table, gen_table, n0, positions, cached_end, prompt_len, loop, plane_elems,
-                             kv_head, BLOCK_N, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
+            rows = _key_rows(table, gen_table, positions, cached_end, prompt_len, loop, plane_elems, kv_head,
+                             BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
             k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
             v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
             k, v = k.to(q_tile.dtype), v.to(q_tile.dtype)
@@ -285,9 +287,8 @@ def decode_split_kernel(
             if head % GROUP == 0:
                 dst = tl.load(slot_mapping_ptr + token).to(tl.int64) * (KV_HEADS * HEAD_DIM)
                 if SHARED:  # a generated token's slot is -1: it goes to its generated page
-                    generated = _key_rows(table, gen_table, last, last, context_len, prompt_len, loop,
-                                          plane_elems, 0, 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS,
-                                          NUM_LAYERS)
+                    generated = _key_rows(table, gen_table, last, context_len, prompt_len, loop, plane_elems,
+                                          0, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
                     dst = tl.where(dst >= 0, dst, generated)
                 dst += kv_head * HEAD_DIM + offs_d
                 tl.store(key_cache_ptr + dst, k_new)
