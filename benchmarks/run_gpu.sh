@@ -16,6 +16,7 @@
 #   wave2kv: the KV-format and KVarN gpu tests, the KVarN kernels' timing (decode and prefill), TPOT of bf16
 #          against kvarn_k4v2_g64 at 16 x 8K, the batch-1 profiles (KVarN, bf16), eager TPOT at 1 x 2K
 #   wave2kl: the KVarN presets' KL at the Ouro-1.4B shape, 64 sink + 64 tail first, then none
+#   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
 #       the KVarN kernels, then (KVFORMATS=1) the low-bit formats' KL at the Ouro-1.4B shape
@@ -90,6 +91,9 @@ elif [ "$PART" = wave2kv ]; then
   step 45 python -m benchmarks.profile_decode --out "$OUT/profile_decode.json"
   step 50 python -m benchmarks.latency --preset ouro-1.4b --prompts 2048 --batches 1 --modes eager \
     --out "$OUT/latency-eager.json"
+elif [ "$PART" = gputests ]; then
+  timeout "${TEST_LIMIT:-560}" python -m pytest -q -m gpu tests/ --timeout 150 -rfE --durations=25 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -n 60
 elif [ "$PART" = wave2kl ]; then
   wait
   step "${KVFORMATS_LIMIT:-330}" python -m benchmarks.kv_formats --model /tmp/loop-engine-bench/ouro-1.4b \
