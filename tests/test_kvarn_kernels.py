@@ -187,6 +187,26 @@ def test_pack_matches_the_torch_codec(key_bits, value_bits, group, head_dim, dty
                 assert torch.equal(kvarn.dequantize_values(one_head(got_values, head)), x_v)
 
 
+def test_pack_rotates_unrotated_bf16_rows_as_the_codec_does():
+    """The engine's side-block pack: unrotated bf16 rows, rotated in the kernel (rotation=H), at the tiny
+    model's tile (G 64, head_dim 32), against the codec over the rows rotated in fp32."""
+    key_bits, value_bits, group, head_dim, kv_heads = 4, 2, 64, 32, 2
+    src_k = pack_source(group, kv_heads, head_dim, seed=3).to(torch.bfloat16)
+    src_v = pack_source(group, kv_heads, head_dim, seed=4).flip(-1).to(torch.bfloat16)
+    pool = empty_pool(1, kv_heads, group, head_dim, key_bits, value_bits)
+    rotation = kvarn.hadamard(head_dim, device=DEVICE)
+    pack_tiles(src_k.to(DEVICE), src_v.to(DEVICE), torch.arange(group, device=DEVICE)[None],
+               torch.zeros(1, dtype=torch.int32, device=DEVICE), *pool, key_bits, value_bits, rotation=rotation)
+    pool = [t.cpu() for t in pool]
+    got_keys = unpack_keys(pool[0], pool[2], 0, key_bits, head_dim)
+    got_values = unpack_values(pool[1], pool[3], 0, value_bits, head_dim, group)
+    for head in range(kv_heads):
+        x_k, x_v = (rotate(src[:, head]) for src in (src_k, src_v))
+        keys, values = kvarn.quantize_keys(x_k, key_bits), kvarn.quantize_values(x_v, value_bits)
+        check_packed_tile(key_bits, value_bits, x_k, keys, one_head(got_keys, head), x_v, values,
+                          one_head(got_values, head))
+
+
 def test_pack_refuses_a_pool_of_the_wrong_shape():
     pool = empty_pool(2, 2, 16, 32, 4, 2)
     src = torch.zeros(16, 2, 32, device=DEVICE)

@@ -321,7 +321,11 @@ def kvarn_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for i in range(0, masked_pieces):  # each starts below the sink or ends past the first window
+    # Not software-pipelined (num_stages=1). Pipelined (Triton's default here), this loop gave wrong outputs
+    # on an H200 under Triton 3.6 at head_dim 32 with bf16 rows (fp16 dots), while fp32 rows and head_dim
+    # 128 were right; unpipelined, every case is (tests/test_kvarn_kernels.py, the bf16 cases at head_dim
+    # 32). The loop takes a few pieces a program (the sink's and the diagonal's), so little is lost.
+    for i in tl.range(0, masked_pieces, num_stages=1):  # each starts below the sink or ends past the window
         c0 = _masked_piece(i, low_pieces, fast_hi, N)
         side_block = tl.maximum(tl.load(side_blocks + c0 // TILE), 0).to(tl.int64)
         m_i, l_i, acc = _exact_piece(
