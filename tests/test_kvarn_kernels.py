@@ -195,8 +195,9 @@ def test_pack_rotates_unrotated_bf16_rows_as_the_codec_does():
     src_v = pack_source(group, kv_heads, head_dim, seed=4).flip(-1).to(torch.bfloat16)
     pool = empty_pool(1, kv_heads, group, head_dim, key_bits, value_bits)
     rotation = kvarn.hadamard(head_dim, device=DEVICE)
-    pack_tiles(src_k.to(DEVICE), src_v.to(DEVICE), torch.arange(group, device=DEVICE)[None],
-               torch.zeros(1, dtype=torch.int32, device=DEVICE), *pool, key_bits, value_bits, rotation=rotation)
+    rows, blocks = torch.arange(group, device=DEVICE)[None], torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    pack_tiles(src_k.to(DEVICE), src_v.to(DEVICE), rows, blocks, *pool, key_bits, value_bits,
+               rotation=rotation)
     pool = [t.cpu() for t in pool]
     got_keys = unpack_keys(pool[0], pool[2], 0, key_bits, head_dim)
     got_values = unpack_values(pool[1], pool[3], 0, value_bits, head_dim, group)
