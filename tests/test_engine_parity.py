@@ -82,6 +82,7 @@ def test_cli_reports_a_bad_model_path_clearly(tmp_path):
     assert result.returncode != 0 and "does not exist" in result.stderr
 
 
+@pytest.mark.interpreter
 def test_triton_backend_gives_the_torch_backends_greedy_tokens_fp32(tiny_checkpoint):
     """On CPU the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set in conftest)."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -15,6 +15,8 @@ from tests.numerics import assert_within_noise
 from tests.reference import ReferenceOuro
 from tests.test_engine_parity import PROMPTS
 
+pytestmark = pytest.mark.interpreter  # the model's kernels on CPU tensors (on CUDA: tests/test_gemv*.py, gpu)
+
 
 def dense_causal_attention(q, k, v, slot):
     qq, kk, vv = (x.transpose(0, 1)[None] for x in (q, k, v))

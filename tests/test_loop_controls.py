@@ -208,6 +208,7 @@ def test_kv_sharing_last_matches_reference_fp32(tiny_checkpoint, loops, policy):
     (4, "early:0.5", "none"),
     (3, "early:0.7", "last"),
 ])
+@pytest.mark.interpreter
 def test_triton_backend_matches_reference_under_loop_controls_fp32(tiny_checkpoint, loops, policies,
                                                                    kv_sharing):
     """The Triton kernels, in the interpreter on CPU: mixed prefill + decode steps, exits that shrink the
@@ -224,6 +225,7 @@ def test_triton_backend_matches_reference_under_loop_controls_fp32(tiny_checkpoi
         assert_traces_match(completion, trace, tolerance)
 
 
+@pytest.mark.interpreter
 def test_triton_shared_last_decode_over_a_long_prompt_matches_the_torch_backend(tiny_checkpoint):
     """kv_sharing="last" decode tiles that lie wholly in the prompt take the kernel's paged addressing; a
     prompt of several tiles (decode tiles are 32 keys in fp32) puts tiles on both sides of the boundary."""

@@ -1,6 +1,7 @@
 """The eager decode workspace: reuse on a hit, grow-only, at most 16 entries with the oldest evicted
 first, and safe when it crosses torch.inference_mode boundaries."""
 
+import pytest
 import torch
 
 from attention.workspace import MAX_ENTRIES, Workspace, current_stream
@@ -56,6 +57,7 @@ def _multi_split_backend(case):
     return backend
 
 
+@pytest.mark.interpreter
 def test_workspace_made_in_inference_mode_serves_decode_outside_it():
     case = make_case([1, 1], [17, 30])
     expected, _ = reference(case)
@@ -71,6 +73,7 @@ def test_workspace_made_in_inference_mode_serves_decode_outside_it():
     assert not entry.tickets.any()  # the merging split put every ticket back to 0
 
 
+@pytest.mark.interpreter
 def test_workspace_made_outside_inference_mode_serves_decode_inside_it():
     case = make_case([1, 1], [17, 30])
     backend = _multi_split_backend(case)
