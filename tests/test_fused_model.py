@@ -15,8 +15,6 @@ from tests.numerics import assert_within_noise
 from tests.reference import ReferenceOuro
 from tests.test_engine_parity import PROMPTS
 
-pytestmark = pytest.mark.interpreter  # the model's kernels on CPU tensors (on CUDA: tests/test_gemv*.py, gpu)
-
 
 def dense_causal_attention(q, k, v, slot):
     qq, kk, vv = (x.transpose(0, 1)[None] for x in (q, k, v))
@@ -90,6 +88,7 @@ def test_a_decode_sized_layer_is_four_model_launches(tiny_checkpoint, monkeypatc
     assert names == ["rmsnorm_kernel"] + layer * config.num_hidden_layers
 
 
+@pytest.mark.interpreter
 def test_engine_on_the_epilogue_path_gives_the_oracles_greedy_tokens_fp32(tiny_checkpoint, coarse_gemm_tiles):
     """The Triton backend with the fused kernels (the CUDA configuration, here under the interpreter): the
     steps' rows (a prefill of two prompts, then two decode rows) all take the epilogue GEMMs."""

@@ -67,7 +67,7 @@ def test_fp8_codec_saturates_and_rounds_to_nearest():
     assert fp8.dequantize(fp8.quantize(x, 4.0), 4.0)[4] == 1.0
 
 
-@pytest.mark.parametrize("name", ["torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("name", ["torch", "triton"])
 def test_fp8_pool_is_stored_and_read_through_its_scales(name):
     case, scales = fp8_case()
     backend = bind(name, case, scales)
@@ -81,7 +81,6 @@ def test_fp8_pool_is_stored_and_read_through_its_scales(name):
         assert torch.equal(backend.value_cache.float(), reference.value_cache.float())
 
 
-@pytest.mark.interpreter
 def test_fp8_triton_decode_rows_in_bf16_match_the_reference_backend():
     case, scales = fp8_case(torch.bfloat16, query_lens=[1, 1, 1], context_lens=[3, 17, 40])
     out = run(bind("triton", case, scales), case, SLOT).float()
@@ -89,7 +88,6 @@ def test_fp8_triton_decode_rows_in_bf16_match_the_reference_backend():
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.interpreter
 def test_fp8_triton_graph_mode_decode_is_bitwise_equal_to_eager():
     """Graph mode (capture_begin: the grid sized to the block table, the instance's partials and tickets)
     gives the eager bits for an fp8 pool too."""
