@@ -1,85 +1,115 @@
-"""Host work of an eager decode step, apart from the GPU: the engine's step at batch 1 on the CPU with every
-Triton launch replaced by a no-op (attention.launch.CompiledLaunch, through which the model's and the
-attention backend's kernels all launch), so what is timed is Python, the plans' lookups and torch's dispatch
-of the step's allocations and small ops. An eager step on CUDA costs this plus its launches (about 19 µs each
-on the H200's host, docs/h200.md) and whatever the GPU does not hide. The lm_head product still runs, as a
-real CPU matmul; its time is measured apart and left out of the host figure.
+"""Host time per decode step on CPU, with the network's loops stubbed out: what scheduling, preparing the
+step's tensors, reading out, sampling, updating and building outputs cost, at 256 rows and at 512 and 4K
+tokens of context. It must grow with rows, not with context.
 
-    python -m benchmarks.host_overhead [--layers 24] [--steps 20] [--out FILE.json]
+    python -m benchmarks.host_overhead --out benchmarks/results/host_overhead.json
+    python -m benchmarks.host_overhead --tree /path/to/an/older/checkout --label before --out ...
 
-Runs on a CPU only (the Triton interpreter is switched on, and never entered). The figure depends on the
-machine's single-thread speed: compare runs on one machine, and say which.
+The stub replaces OuroForCausalLM.run_loop on this engine's model with the identity, so no attention or
+projection runs and the KV pool is never written (its memory is never touched); embedding, lm_head on
+the sampling rows and greedy sampling still run. The model is the tiny random preset with Ouro's 65536
+positions. --tree imports the engine from another checkout of this
+repository, so that the same measurement runs against an earlier commit.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the backend then accepts CPU tensors
+ROOT = Path(__file__).resolve().parent.parent
 
-import argparse  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
 
-import torch  # noqa: E402
+def measure(engine, rows: int, context: int, steps: int, seed: int) -> float:
+    """Mean host ms per decode step of `rows` rows whose prompts are `context` tokens long. Requests run
+    until aborted, so that no row finishes while the later ones are still prefilling: every timed step
+    decodes all `rows` rows."""
+    from engine import SamplingParams
 
-from attention.launch import CompiledLaunch  # noqa: E402
-from benchmarks.common import environment, write_results  # noqa: E402
-from engine import Engine, SamplingParams  # noqa: E402
-from model.tiny import write_checkpoint  # noqa: E402
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    ids = [engine.add_request([rng.randrange(3, engine.config.vocab_size) for _ in range(context)], params)
+           for _ in range(rows)]
+    produced = 0
+    while produced < rows:  # prefill (stubbed loops) until every row has its first token
+        produced += sum(1 for out in engine.step() if len(out.outputs[0].token_ids) == 1)
+    for _ in range(4):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        decoded = len(engine.step())
+        if decoded != rows:
+            raise RuntimeError(f"a timed step decoded {decoded} rows, not {rows}")
+    elapsed = time.perf_counter() - start
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed * 1e3 / steps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=24, help="layers of the Ouro-1.4B shape (24: all)")
-    parser.add_argument("--steps", type=int, default=20, help="timed decode steps")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--tree", default=str(ROOT),
+                        help="the checkout whose engine to measure (default: this one)")
+    parser.add_argument("--label", default="after")
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--out", default=None, help="JSON to append this run's rows to")
+    parser.add_argument("--in-tree", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if torch.cuda.is_available():
-        raise SystemExit("host_overhead runs on a CPU machine (it stubs the kernels it would launch)")
-    CompiledLaunch.__call__ = lambda self, stream, launch_args: None  # every Triton launch: host work only
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = write_checkpoint(tmp, preset="ouro-1.4b", layers=args.layers, dtype=args.dtype)
-        with Engine(checkpoint, device="cpu", dtype=args.dtype, attention="triton", enforce_eager=True,
-                    num_kv_blocks=64, max_model_len=512, verbose=False) as engine:
-            engine.model.fused_kernels = True  # the CUDA configuration: the fused layer and its launches
-            logits_ms = []
-            compute_logits = engine.model.compute_logits
+    tree = Path(args.tree).resolve()
+    if tree != ROOT and not args.in_tree:
+        # Another checkout: measure in a child whose engine is that tree's. -P keeps this script's directory
+        # and the working directory off sys.path, so the engine comes from PYTHONPATH.
+        command = [sys.executable, "-P", __file__, *sys.argv[1:], "--in-tree"]
+        sys.exit(subprocess.run(command, env={**os.environ, "PYTHONPATH": str(tree)}).returncode)
+    import torch
 
-            def timed_logits(hidden):
-                start = time.perf_counter()
-                out = compute_logits(hidden)
-                logits_ms.append((time.perf_counter() - start) * 1e3)
-                return out
+    from benchmarks.common import commit, environment
+    from engine import Engine
+    from model.tiny import write_checkpoint
 
-            engine.model.compute_logits = timed_logits
-            engine.add_request([5] * 12, SamplingParams(temperature=0, max_tokens=args.steps + 8,
-                                                         ignore_eos=True))
-            for _ in range(4):  # the prefill step and warm decode steps: plans built, caches filled
-                engine.step()
-            logits_ms.clear()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                engine.step()
-            step_ms = (time.perf_counter() - start) * 1e3 / args.steps
-            layers = engine.config.num_hidden_layers * engine.config.total_ut_steps
-    lm_head_ms = sum(logits_ms) / len(logits_ms)
-    host_ms = step_ms - lm_head_ms
-    row = {"layers": args.layers, "dtype": args.dtype, "steps": args.steps, "step_ms": round(step_ms, 3),
-           "lm_head_cpu_ms": round(lm_head_ms, 3), "host_ms": round(host_ms, 3),
-           "host_us_per_layer_application": round(host_ms * 1e3 / layers, 1)}
-    print(row)
+    torch.set_num_threads(1)
+    path = Path(write_checkpoint(Path(tempfile.mkdtemp()), preset="tiny", seed=0))
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 65536  # Ouro's; the tiny preset's 4096 would cap a 4K context
+    (path / "config.json").write_text(json.dumps(config))
+    # The first rows decode while the last ones prefill (8192 tokens a step), then 4 + steps more.
+    longest = max(args.contexts) + -(-args.rows * max(args.contexts) // 8192) + args.steps + 16
+    blocks = args.rows * -(-longest // 16) + 16
+    rows = []
+    with Engine(path, device="cpu", dtype="float32", max_num_seqs=args.rows, max_num_batched_tokens=8192,
+                max_model_len=longest, num_kv_blocks=blocks, enable_prefix_caching=False,
+                verbose=False) as engine:
+        engine.model.run_loop = lambda h, cos, sin, attention, t: h
+        for context in args.contexts:
+            ms = measure(engine, args.rows, context, args.steps, seed=context)
+            rows.append({"label": args.label, "commit": commit(), "rows": args.rows, "context": context,
+                         "host_ms_per_step": round(ms, 3), "us_per_row": round(ms * 1e3 / args.rows, 2)})
+            print(rows[-1], flush=True)
     if args.out:
-        payload = {**environment(), "cpu_threads": torch.get_num_threads(), "rows": [row]}
-        table = (f"Host work of an eager batch-1 decode step, launches stubbed, on {payload['device']} "
-                 f"({payload['cpu_threads']} threads), commit {payload['commit']}\n\n"
-                 "| layers | dtype | step ms | lm_head (CPU) ms | host ms | µs per layer application |\n"
-                 "|---|---|---|---|---|---|\n"
-                 f"| {args.layers} | {args.dtype} | {row['step_ms']} | {row['lm_head_cpu_ms']} | "
-                 f"{row['host_ms']} | {row['host_us_per_layer_application']} |")
-        write_results(args.out, payload, table)
+        out = Path(args.out)
+        previous = json.loads(out.read_text()) if out.exists() else {"rows": []}
+        payload = {**environment(), "device": "cpu (host work only; model loops stubbed)",
+                   "rows": previous["rows"] + rows}
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+        lines = ["| label | commit | rows | context | host ms / step | us / row |",
+                 "|---|---|---|---|---|---|"]
+        lines += [f"| {r['label']} | {r['commit']} | {r['rows']} | {r['context']} | "
+                  f"{r['host_ms_per_step']} | {r['us_per_row']} |" for r in payload["rows"]]
+        out.with_suffix(".md").write_text(
+            f"Host time per decode step, loops stubbed, CPU, torch {payload['torch']}.\n\n"
+            + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
