@@ -28,16 +28,16 @@ def head_start(batch: int, prompt: int, max_num_batched_tokens: int) -> int:
     return -(-batch * prompt // max_num_batched_tokens) + batch + 1
 
 
-def _run(engine: Engine, batch: int, prompt: int, decode_steps: int,
+def _run(engine: Engine, batch: int, prompt: int, decode_steps: int, head: int,
          rng: random.Random) -> tuple[float, float]:
     """TTFT: until every row's first token is on the host. TPOT: the next decode_steps steps, every row in
     each of them: rows whose prefill finished early have been decoding beside the later rows' chunks, so
     their budgets leave room for that head start (were they to finish inside the timed steps, those steps
     would carry fewer rows than `batch` and the time per step would come out low). The requests are then
-    aborted, untimed. Under async scheduling the next step already runs when the first tokens arrive, so
-    the time is not cut at a device sync there."""
-    limit = decode_steps + 1 + head_start(batch, prompt, engine.engine_config.max_num_batched_tokens)
-    params = SamplingParams(temperature=0, max_tokens=limit, ignore_eos=True)
+    aborted, untimed. head: head_start(batch, prompt, the engine's max_num_batched_tokens). Under async
+    scheduling the next step already runs when the first tokens arrive, so the time is not cut at a device
+    sync there."""
+    params = SamplingParams(temperature=0, max_tokens=decode_steps + 1 + head, ignore_eos=True)
     sync(engine.device)
     start = time.perf_counter()
     request_ids = add_random_prompts(engine, batch, prompt, params, rng)
@@ -103,7 +103,7 @@ def main() -> None:
                                    note=f"does not fit: needs {needed * kv_token / 2**30:.0f}"
                                         f" GiB of KV, the pool holds {capacity * kv_token / 2**30:.0f} GiB")
                     else:
-                        ttft, tpot = _run(engine, batch, prompt, args.decode_steps, rng)
+                        ttft, tpot = _run(engine, batch, prompt, args.decode_steps, head, rng)
                         achieved = (weights + kv_token * batch * context) / (tpot / 1e3) / 1e9
                         row.update(ttft_ms=round(ttft, 2), tpot_ms=round(tpot, 3),
                                    gbps=round(achieved, 1), ratio=round(tpot / floor_ms, 2))
