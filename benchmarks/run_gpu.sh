@@ -16,7 +16,7 @@
 #   wave2kv: the KV-format and KVarN gpu tests, the KVarN kernels' timing (decode and prefill), TPOT of bf16
 #          against kvarn_k4v2_g64 at 16 x 8K, the batch-1 profiles (KVarN, bf16), eager TPOT at 1 x 2K
 #   wave2kl: the KVarN presets' KL at the Ouro-1.4B shape, 64 sink + 64 tail first, then none
-#   wave3kv: TPOT (CUDA graphs) of fp8_e4m3, kvarn_k4v4_g64 and kvarn_k5v5_g64 at 16 x 8K, then 64 x 2K (issue 13's
+#   wave3kv: TPOT (CUDA graphs) of fp8_e4m3, kvarn_k4v4_g64, kvarn_k5v5_g64 (then bf16, for a same-run baseline) at 16 x 8K, then 64 x 2K (issue 13's
 #            per-format TPOT; bf16 and k4v2 are in latency-kvarn-*-2026-12-03-bfdee90)
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
@@ -98,7 +98,7 @@ elif [ "$PART" = wave3kv ]; then
   for shape in "8192 16" "2048 64"; do
     set -- $shape
     step 280 python -m benchmarks.latency --preset ouro-1.4b --modes graph --block-size 64 \
-      --kv-cache-dtypes fp8_e4m3 kvarn_k4v4_g64 kvarn_k5v5_g64 --prompts "$1" --batches "$2" --decode-steps 16 \
+      --kv-cache-dtypes fp8_e4m3 kvarn_k4v4_g64 kvarn_k5v5_g64 bf16 --prompts "$1" --batches "$2" --decode-steps 16 \
       --out "$OUT/latency-kv-$2x$1.json"
   done
 elif [ "$PART" = gputests ]; then
