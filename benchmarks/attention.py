@@ -247,10 +247,11 @@ def main() -> None:
               "triton": triton.__version__, "commit": common_commit(),
               "copy_gbps": copy_gbps, "kv_cache_dtype": args.kv_cache_dtype, "rows": rows_out,
               "tunables": tunables, "host": host, "host_target_us": HOST_TARGET_US}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")  # the rows stay if the sweep is cut short
     if not args.no_sweep:
         result["sweep"] = sweep(steps, copy_gbps)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)
 
 

@@ -20,10 +20,16 @@ MIXED_ROWS = {"query_lens": [1, 20, 7, 1, 5], "context_lens": [9, 33, 7, 30, 5]}
 SLOT = 1
 
 
-def fp8_case(dtype=torch.float32, **rows):
-    """A paged step whose pool is fp8 with distinct scales per (slot, kv head, key or value)."""
-    case = make_case(**(rows or MIXED_ROWS), dtype=dtype, heads=4, kv_heads=2, head_dim=32, device=DEVICE)
-    scales = torch.tensor([[[0.5, 2.0], [0.25, 4.0]], [[0.75, 1.5], [3.0, 0.125]]], device=DEVICE)
+def fp8_case(dtype=torch.float32, shape=None, **rows):
+    """A paged step whose pool is fp8 with distinct scales per (slot, kv head, key or value); shape: make_case's
+    head and page sizes (4 heads over 2 kv heads of 32, pages of 4 by default)."""
+    shape = shape or {"heads": 4, "kv_heads": 2, "head_dim": 32}
+    case = make_case(**(rows or MIXED_ROWS), dtype=dtype, **shape, device=DEVICE)
+    if shape["kv_heads"] == 2:
+        scales = torch.tensor([[[0.5, 2.0], [0.25, 4.0]], [[0.75, 1.5], [3.0, 0.125]]], device=DEVICE)
+    else:  # powers of two from 1/8 to 4, a different one per (slot, key or value, kv head)
+        exponents = torch.randint(-3, 3, (2, 2, shape["kv_heads"]), generator=torch.Generator().manual_seed(0))
+        scales = torch.exp2(exponents.float()).to(DEVICE)
     case.key_cache = fp8.quantize(case.key_cache, scales[:, 0, None, None, :, None])
     case.value_cache = fp8.quantize(case.value_cache, scales[:, 1, None, None, :, None])
     return case, scales
@@ -86,6 +92,27 @@ def test_fp8_triton_decode_rows_in_bf16_match_the_reference_backend():
     out = run(bind("triton", case, scales), case, SLOT).float()
     expected = run(bind("torch", case, scales), case, SLOT).float()
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode_block_n", [64, 128])
+def test_fp8_triton_decode_at_ouro_shape_in_bf16_matches_the_fp8_reference(decode_block_n):
+    """bf16 queries over an fp8 pool at Ouro's shape (16 heads x 128, pages of 16) with the backend's own split
+    rule and key tiles of 64 or 128: the half-precision path, where keys widen to fp16 for the dot and values
+    are loaded as 32-bit words and widened by inline PTX (attention/kernels/decode.py). Its errors are P's and
+    the output's rounding (2^-11, 2^-9 relative); a value read in the wrong byte order or lane is an O(1)
+    error, the one-key row's output being that key's value itself."""
+    from attention.base import select
+
+    contexts = [1, 2, 17, 100, 513, 2048, 4100]
+    case, scales = fp8_case(torch.bfloat16, {"heads": 16, "kv_heads": 16, "head_dim": 128, "block_size": 16},
+                            query_lens=[1] * len(contexts), context_lens=contexts)
+    backend = select("triton", case.key_cache.device)
+    backend.bind(case.key_cache.clone(), case.value_cache.clone(), case.scale, scales)
+    backend.decode_block_n = decode_block_n
+    out = run(backend, case, SLOT).float()
+    expected = fp8_expected(case, scales)
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-3)
 
 
 def test_fp8_triton_graph_mode_decode_is_bitwise_equal_to_eager():

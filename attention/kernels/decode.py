@@ -127,6 +127,20 @@ def _prefetch_lines(ptrs, wanted):
 
 
 @triton.jit
+def _widen_e4m3(words, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """fp8 e4m3 values loaded as int32 words (four a word, little-endian) to a [ROWS, COLS] fp16 tile, exactly,
+    two values per PTX cvt. A plain .to() on the fp8 tile lets Triton fold the conversion into the dot's
+    operand load, which reads a transposed 8-bit V tile from shared memory one byte at a time (there is no
+    8-bit ldmatrix.trans); widened here, the fp16 tile is what goes through shared memory."""
+    a, b, c, d = tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 x, lo; "
+        "cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
+        "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+        pack=1)
+    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), (ROWS, COLS))
+
+
+@triton.jit
 def _merge_splits(partials_ptr, out_ptr, first, num_splits, num_partials, HEAD_DIM: tl.constexpr):
     """Combines splits first .. first + num_splits - 1 into out_ptr[:HEAD_DIM], MERGE_LANES of them a round,
     each round's states loaded at once and reduced in a fixed order: the bits depend on num_splits and the
@@ -264,8 +278,14 @@ def decode_split_kernel(
             rows = _key_rows(table, gen_table, positions, cached_end, prompt_len, loop, plane_elems, kv_head,
                              BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
             k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-            v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-            k, v = k.to(q_tile.dtype), v.to(q_tile.dtype)
+            k = k.to(q_tile.dtype)
+            if FP16_DOT and not DOT_FP32:
+                words = tl.load(value_cache_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] // 4
+                                + tl.arange(0, HEAD_DIM // 4)[None, :], mask=mask_n[:, None], other=0)
+                v = _widen_e4m3(words, BLOCK_N, HEAD_DIM)
+            else:
+                v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+                v = v.to(q_tile.dtype)
             s = _dot(q_tile, tl.trans(k), DOT_FP32) * qk_scale
             s = tl.where(mask_n[None, :], s, float("-inf"))
             # Every tile holds at least one key, so m_new is finite here.
