@@ -194,6 +194,13 @@ class TritonBackend(AttentionBackend):
         self.decode_block_n = (128 if wide else 64) // narrow
         self.decode_num_warps = 4
         self.decode_num_stages = 3
+        if self.quantized:
+            # An fp8 pool: the best geometric mean over 1 x 512, 64 x 2K and 16 x 8K of the H200 sweep
+            # (benchmarks/results/attention-fp8-2026-12-03-69b050d.md, graph mode, µs a call against the
+            # bf16 defaults above): 5.4 (8.9), 227.7 (253.7), 217.4 (237.3). Each row still splits by its
+            # own length only.
+            self.split_min_keys, self.short_context, self.short_split_keys = 1024, 512, 64
+            self.decode_num_stages = 2
         # Prefill: query tiles of 128 against key tiles of 64, 4 warps, 3 stages, the fastest at head_dim
         # 128 in bf16 on an H200 (346-351 TFLOP/s against 232-234 for 64 x 64 with 8 warps and 2 stages;
         # benchmarks/prefill.py --sweep); head_dim 256 keeps smaller tiles and 8 warps.

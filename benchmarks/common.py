@@ -103,6 +103,16 @@ def add_random_prompts(engine, batch: int, prompt: int, params, rng) -> list[str
             for _ in range(batch)]
 
 
+# max_num_batched_tokens: the engine's default, passed by the benchmarks so that head_start knows it
+BATCHED_TOKENS = 8192
+
+
+def head_start(batch: int, prompt: int, max_num_batched_tokens: int) -> int:
+    """A bound on the tokens a row can decode while the batch's other prompts still prefill: one a step,
+    and chunked prefill of batch x prompt tokens takes at most this many steps."""
+    return -(-batch * prompt // max_num_batched_tokens) + batch + 1
+
+
 def prefill_until_first_tokens(engine, batch: int) -> None:
     """Step until each of the `batch` newest requests has its first token (its prefill is done)."""
     produced = 0

@@ -12,20 +12,13 @@ import random
 import time
 
 
-from benchmarks.common import (add_random_prompts, checkpoint, copy_bandwidth, environment,
-                               prefill_until_first_tokens, sync, weight_bytes_per_step,
+from benchmarks.common import (BATCHED_TOKENS, add_random_prompts, checkpoint, copy_bandwidth, environment,
+                               head_start, prefill_until_first_tokens, sync, weight_bytes_per_step,
                                write_results)
 from cache.kv_format import DENSE, FP8, KVARN_PRESETS
 from engine import Engine, SamplingParams
 
 
-BATCHED_TOKENS = 8192  # max_num_batched_tokens: the engine's default, passed so that head_start knows it
-
-
-def head_start(batch: int, prompt: int, max_num_batched_tokens: int) -> int:
-    """A bound on the tokens a row can decode while the batch's other prompts still prefill: one a step,
-    and chunked prefill of batch x prompt tokens takes at most this many steps."""
-    return -(-batch * prompt // max_num_batched_tokens) + batch + 1
 
 
 def _run(engine: Engine, batch: int, prompt: int, decode_steps: int, head: int,

@@ -21,14 +21,15 @@ SLOT = 1
 
 
 def fp8_case(dtype=torch.float32, shape=None, **rows):
-    """A paged step whose pool is fp8 with distinct scales per (slot, kv head, key or value); shape: make_case's
-    head and page sizes (4 heads over 2 kv heads of 32, pages of 4 by default)."""
+    """A paged step whose pool is fp8 with distinct scales per (slot, kv head, key or value); shape:
+    make_case's head and page sizes (4 heads over 2 kv heads of 32, pages of 4 by default)."""
     shape = shape or {"heads": 4, "kv_heads": 2, "head_dim": 32}
     case = make_case(**(rows or MIXED_ROWS), dtype=dtype, **shape, device=DEVICE)
     if shape["kv_heads"] == 2:
         scales = torch.tensor([[[0.5, 2.0], [0.25, 4.0]], [[0.75, 1.5], [3.0, 0.125]]], device=DEVICE)
     else:  # powers of two from 1/8 to 4, a different one per (slot, key or value, kv head)
-        exponents = torch.randint(-3, 3, (2, 2, shape["kv_heads"]), generator=torch.Generator().manual_seed(0))
+        generator = torch.Generator().manual_seed(0)
+        exponents = torch.randint(-3, 3, (2, 2, shape["kv_heads"]), generator=generator)
         scales = torch.exp2(exponents.float()).to(DEVICE)
     case.key_cache = fp8.quantize(case.key_cache, scales[:, 0, None, None, :, None])
     case.value_cache = fp8.quantize(case.value_cache, scales[:, 1, None, None, :, None])
@@ -97,11 +98,11 @@ def test_fp8_triton_decode_rows_in_bf16_match_the_reference_backend():
 @pytest.mark.gpu
 @pytest.mark.parametrize("decode_block_n", [64, 128])
 def test_fp8_triton_decode_at_ouro_shape_in_bf16_matches_the_fp8_reference(decode_block_n):
-    """bf16 queries over an fp8 pool at Ouro's shape (16 heads x 128, pages of 16) with the backend's own split
-    rule and key tiles of 64 or 128: the half-precision path, where keys widen to fp16 for the dot and values
-    are loaded as 32-bit words and widened by inline PTX (attention/kernels/decode.py). Its errors are P's and
-    the output's rounding (2^-11, 2^-9 relative); a value read in the wrong byte order or lane is an O(1)
-    error, the one-key row's output being that key's value itself."""
+    """bf16 queries over an fp8 pool at Ouro's shape (16 heads x 128, pages of 16) with the backend's own
+    split rule and key tiles of 64 or 128: the half-precision path, where keys widen to fp16 for the dot and
+    values are loaded as 32-bit words and widened by inline PTX (attention/kernels/decode.py). Its errors are
+    P's and the output's rounding (2^-11, 2^-9 relative); a value read in the wrong byte order or lane is an
+    O(1) error, the one-key row's output being that key's value itself."""
     from attention.base import select
 
     contexts = [1, 2, 17, 100, 513, 2048, 4100]

@@ -128,10 +128,12 @@ def _prefetch_lines(ptrs, wanted):
 
 @triton.jit
 def _widen_e4m3(words, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """fp8 e4m3 values loaded as int32 words (four a word, little-endian) to a [ROWS, COLS] fp16 tile, exactly,
-    two values per PTX cvt. A plain .to() on the fp8 tile lets Triton fold the conversion into the dot's
-    operand load, which reads a transposed 8-bit V tile from shared memory one byte at a time (there is no
-    8-bit ldmatrix.trans); widened here, the fp16 tile is what goes through shared memory."""
+    """fp8 e4m3 values loaded as int32 words (four a word, little-endian) to a [ROWS, COLS] fp16 tile,
+    exactly, two values per PTX cvt. A plain .to() on the fp8 tile lets Triton fold the conversion into the
+    dot's operand load, which reads a transposed 8-bit V tile from shared memory one byte at a time (there is
+    no 8-bit ldmatrix.trans); widened here, the fp16 tile is what goes through shared memory (ldmatrix.trans).
+    On an H200 that took an fp8 decode call at 16 x 8K from 255 to 238 µs
+    (benchmarks/results/attention-fp8-2026-12-03-69b050d.md)."""
     a, b, c, d = tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 x, lo; "
         "cvt.rn.f16x2.e4m3x2 y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
@@ -284,8 +286,8 @@ def decode_split_kernel(
                                 + tl.arange(0, HEAD_DIM // 4)[None, :], mask=mask_n[:, None], other=0)
                 v = _widen_e4m3(words, BLOCK_N, HEAD_DIM)
             else:
-                v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-                v = v.to(q_tile.dtype)
+                v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None],
+                            other=0.0).to(q_tile.dtype)
             s = _dot(q_tile, tl.trans(k), DOT_FP32) * qk_scale
             s = tl.where(mask_n[None, :], s, float("-inf"))
             # Every tile holds at least one key, so m_new is finite here.
