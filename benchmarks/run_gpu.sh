@@ -19,6 +19,8 @@
 #   wave3kv: TPOT (CUDA graphs) of fp8_e4m3, kvarn_k4v4_g64, kvarn_k5v5_g64 (then bf16, for a same-run baseline) at 16 x 8K, then 64 x 2K (issue 13's
 #            per-format TPOT; bf16 and k4v2 are in latency-kvarn-*-2026-12-03-bfdee90)
 #   fp8: the fp8 tests (on CUDA), then fp8 decode attention at 1 x 512, 64 x 2K and 16 x 8K with the tunables sweep
+#   fp8tpot: TPOT (CUDA graphs) of fp8_e4m3 at 16 x 8K and 64 x 2K, then the decode-step profiles of fp8 and bf16 at
+#            16 x 8K
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
@@ -106,6 +108,14 @@ elif [ "$PART" = fp8 ]; then
   step 130 python -m pytest -q tests/test_kv_cache_dtype.py tests/test_gpu_engine.py -k fp8 --timeout 120 -rfE
   step 300 python -m benchmarks.attention --kv-cache-dtype fp8_e4m3 --shapes 1x512 64x2048 16x8192 \
     --out "$OUT/attention-fp8.json"
+elif [ "$PART" = fp8tpot ]; then
+  wait
+  step 150 python -m benchmarks.latency --preset ouro-1.4b --modes graph --block-size 64 \
+    --kv-cache-dtypes fp8_e4m3 --prompts 8192 2048 --batches 16 64 --decode-steps 16 --out "$OUT/latency-fp8.json"
+  for kv in fp8_e4m3 bf16; do
+    step 100 python -m benchmarks.profile_decode --model /tmp/loop-engine-bench/ouro-1.4b --batch 16 \
+      --prompt 8192 --steps 3 --kv-cache-dtype $kv --block-size 64 --out "$OUT/profile-16x8k-$kv.json"
+  done
 elif [ "$PART" = gputests ]; then
   timeout "${TEST_LIMIT:-560}" python -m pytest -q -m gpu tests/ --timeout 150 -rfE --durations=25 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 60
