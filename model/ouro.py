@@ -67,6 +67,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+# What the fused layer reads, in _forward_epilogues' order: the four projections, then the post-norm of
+# attention, the MLP's pre-norm and its post-norm (input_layernorm is the launch before's next_weight).
+_FUSED_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "input_layernorm_2",
+                  "post_attention_layernorm", "post_attention_layernorm_2")
+
+
 class OuroLayer(nn.Module):
     """One sandwich layer: each sublayer is pre-normed and post-normed before the residual add."""
 
@@ -84,6 +90,14 @@ class OuroLayer(nn.Module):
         self.input_layernorm_2 = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm_2 = RMSNorm(hidden, eps)
+        self.eps = eps
+
+    def _fused_weights(self) -> tuple[torch.Tensor, ...]:
+        """The weights of _FUSED_WEIGHTS, read through the module dicts on every call (never cached, so a
+        reassigned parameter is seen): attribute access on an nn.Module (Module.__getattr__) costs about
+        1.3 µs of host time each, and an eager decode step makes 96 layer applications of 7 of them."""
+        modules = self._modules
+        return tuple(modules[name]._parameters["weight"] for name in _FUSED_WEIGHTS)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention,
                 slot: int) -> torch.Tensor:
@@ -120,16 +134,14 @@ class OuroLayer(nn.Module):
     def _forward_epilogues(self, h: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            attention: Attention, slot: int,
                            next_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n, eps = h.shape[0], self.input_layernorm.eps
-        q, k, v = gemv_epilogues.qkv_rope(normed, self.qkv_proj.weight, cos, sin, self.num_heads,
-                                          self.num_kv_heads, self.head_dim)
+        n, eps = h.shape[0], self.eps
+        qkv, o, gate_up, down, attention_norm, pre_mlp_norm, mlp_norm = self._fused_weights()
+        q, k, v = gemv_epilogues.qkv_rope(normed, qkv, cos, sin, self.num_heads, self.num_kv_heads,
+                                          self.head_dim)
         attn = attention(q, k, v, slot).reshape(n, self.q_size)
-        h, normed = gemv_epilogues.linear_add_norms(attn, self.o_proj.weight, h,
-                                                    self.input_layernorm_2.weight,
-                                                    self.post_attention_layernorm.weight, eps)
-        act = gemv_epilogues.gate_up_silu(normed, self.gate_up_proj.weight)
-        return gemv_epilogues.linear_add_norms(act, self.down_proj.weight, h,
-                                               self.post_attention_layernorm_2.weight, next_weight, eps)
+        h, normed = gemv_epilogues.linear_add_norms(attn, o, h, attention_norm, pre_mlp_norm, eps)
+        act = gemv_epilogues.gate_up_silu(normed, gate_up)
+        return gemv_epilogues.linear_add_norms(act, down, h, mlp_norm, next_weight, eps)
 
 
 @dataclasses.dataclass(slots=True)
@@ -188,6 +200,8 @@ class OuroForCausalLM(nn.Module):
         norm, which is the loop's output and readout."""
         layers = self.layers
         epilogues = self.fused_epilogues and gemv_epilogues.fits(h, layers[0].qkv_proj.weight)
+        if epilogues:  # the [M, D] views qkv_rope takes, made once for the loop's layers
+            cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
         normed = fused.rmsnorm(h, layers[0].input_layernorm.weight, self.norm.eps)
         next_weights = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
         for index, (layer, next_weight) in enumerate(zip(layers, next_weights)):

@@ -264,13 +264,15 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
              num_kv_heads: int, head_dim: int, config: GemvConfig | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The qkv projection of x [M, K] by weight [(H + 2 Hkv) D, K] with RoPE on q and k, as
-    fused.rope_qkv(linear(x, weight), ..) gives it; cos, sin [M, 1, D]. Returns q [M, H, D], k and v
-    [M, Hkv, D]: views into one [M, (H + 2 Hkv) D] buffer (row stride (H + 2 Hkv) D)."""
+    fused.rope_qkv(linear(x, weight), ..) gives it; cos, sin [M, 1, D] or [M, D] (a layer stack passes the
+    2-D views, made once for all its layers). Returns q [M, H, D], k and v [M, Hkv, D]: views into one
+    [M, (H + 2 Hkv) D] buffer (row stride (H + 2 Hkv) D)."""
     m, n = x.shape[0], weight.shape[0]
     y = x.new_empty(m, n)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     if m:
-        cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
+        if cos.dim() != 2:
+            cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
 
         def check() -> None:
             if n != q_size + 2 * kv_size or head_dim % 2:
@@ -285,9 +287,12 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
                      + scalars, x, weight, y.stride(0), config, check)
         plan.launch(current_stream(x.device),
                     (x, weight, y, plan.partials, plan.tickets, cos, sin) + plan.tail + scalars)
-    q, k, v = y.split([q_size, kv_size, kv_size], dim=1)
-    return (q.view(m, num_heads, head_dim), k.view(m, num_kv_heads, head_dim),
-            v.view(m, num_kv_heads, head_dim))
+    if n != q_size + 2 * kv_size:  # also where m == 0, which builds no plan
+        raise ValueError(f"weight has {n} rows, not (heads {num_heads} + 2 x kv heads {num_kv_heads}) x "
+                         f"head_dim {head_dim}")
+    # One split of a [M, H + 2 Hkv, D] view: the host cost of this runs 96 times a decode step.
+    return torch.split_with_sizes(y.view(m, num_heads + 2 * num_kv_heads, head_dim),
+                                  [num_heads, num_kv_heads, num_kv_heads], 1)
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
@@ -324,7 +329,7 @@ def linear_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
                                      f"{tuple(vector.shape)} in {vector.dtype}")
 
         pointers = (x, weight, normed, residual, norm_weight, next_weight, out)
-        scalars = (residual.stride(0), out.stride(0), eps, n, triton.next_power_of_2(n), PRECISE)
+        scalars = (residual.stride(0), out.stride(0), eps, n, 1 << (n - 1).bit_length(), PRECISE)  # pow2 >= n
         key_args = pointers + (x.stride(0), weight.stride(0), normed.stride(0)) + scalars
         plan = _plan(skinny_gemm_add_norms_kernel, key_args, x, weight, normed.stride(0), config, check,
                      row_ticket=True)
