@@ -19,8 +19,6 @@ from cache.kv_format import DENSE, FP8, KVARN_PRESETS
 from engine import Engine, SamplingParams
 
 
-
-
 def _run(engine: Engine, batch: int, prompt: int, decode_steps: int, head: int,
          rng: random.Random) -> tuple[float, float]:
     """TTFT: until every row's first token is on the host. TPOT: the next decode_steps steps, every row in

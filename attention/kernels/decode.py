@@ -17,7 +17,8 @@ own (loop, layer) plane, (group - loop) * num_layers planes away.
 Cached keys go through tensor cores (tl.dot), the query padded to 16 rows; DOT_FP32 multiplies in fp32 (fp32
 inputs, and bf16 under the interpreter, as the prefill kernels do). With QUANTIZED (an fp8 pool,
 attention/fp8.py) the slot's key scale of the kv head folds into the score scale and its value scale into the
-output, and the raw fp8 keys and values widen to fp16 for the dots (FP16_DOT; the query is cast to fp16).
+output, and the raw fp8 keys and values widen to fp16 for the dots (FP16_DOT; the query is cast to fp16; values
+are loaded as 32-bit words and widened by `_widen_e4m3`, so the fp16 tile, not an 8-bit one, is transposed).
 
 With PDL (attention/pdl.py) a program reads the step's metadata (context lengths, block tables, row map:
 inputs copied before the step's first kernel) and asks L2 for its first key tile's past K/V before it waits
@@ -281,7 +282,7 @@ def decode_split_kernel(
                              BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
             k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
             k = k.to(q_tile.dtype)
-            if FP16_DOT and not DOT_FP32:
+            if FP16_DOT and not DOT_FP32:  # an fp8 pool: rows are whole head_dim rows, so 4-byte aligned
                 words = tl.load(value_cache_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] // 4
                                 + tl.arange(0, HEAD_DIM // 4)[None, :], mask=mask_n[:, None], other=0)
                 v = _widen_e4m3(words, BLOCK_N, HEAD_DIM)
