@@ -17,8 +17,9 @@ own (loop, layer) plane, (group - loop) * num_layers planes away.
 Cached keys go through tensor cores (tl.dot), the query padded to 16 rows; DOT_FP32 multiplies in fp32 (fp32
 inputs, and bf16 under the interpreter, as the prefill kernels do). With QUANTIZED (an fp8 pool,
 attention/fp8.py) the slot's key scale of the kv head folds into the score scale and its value scale into the
-output, and the raw fp8 keys and values widen to fp16 for the dots (FP16_DOT; the query is cast to fp16; values
-are loaded as 32-bit words and widened by `_widen_e4m3`, so the fp16 tile, not an 8-bit one, is transposed).
+output, and the raw fp8 keys and values widen to fp16 for the dots (FP16_DOT; the query is cast to fp16;
+values are loaded as 32-bit words and widened by `_widen_e4m3`, so the fp16 tile, not an 8-bit one, is
+transposed).
 
 With PDL (attention/pdl.py) a program reads the step's metadata (context lengths, block tables, row map:
 inputs copied before the step's first kernel) and asks L2 for its first key tile's past K/V before it waits
