@@ -187,6 +187,43 @@ def test_the_launch_cache_keys_on_what_triton_specializes_on():
         assert specialization(other) != base
 
 
+def test_direct_launches_pass_only_registered_launch_hooks():
+    """A direct launch hands Triton's launcher None for an empty hook chain (which Triton would call, with
+    metadata built for it, at every launch) and the chain itself once a hook is registered."""
+    from triton.knobs import HookChain
+
+    from attention.launch import _registered
+
+    chain = HookChain()
+    assert _registered(chain) is None and _registered(None) is None
+    chain.add(print)
+    assert _registered(chain) is chain
+    assert _registered(print) is print  # a Triton whose hooks are plain callables
+
+
+@pytest.mark.gpu
+def test_direct_launches_still_call_a_registered_launch_hook():
+    import triton
+
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(256, device="cuda", dtype=torch.bfloat16)
+    rmsnorm(x, weight, EPS)  # the JIT-dispatched first call: later ones launch directly
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        rmsnorm(x, weight, EPS)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert seen and "rmsnorm" in seen[-1]
+    rmsnorm(x, weight, EPS)
+    assert len(seen) == 1
+
+
 @pytest.mark.gpu
 def test_cached_launches_give_the_jit_launch_results():
     """The fused kernels' direct launches (after each shape's first call) give what the first, JIT-dispatched
