@@ -16,8 +16,9 @@
 #   wave2kv: the KV-format and KVarN gpu tests, the KVarN kernels' timing (decode and prefill), TPOT of bf16
 #          against kvarn_k4v2_g64 at 16 x 8K, the batch-1 profiles (KVarN, bf16), eager TPOT at 1 x 2K
 #   wave2kl: the KVarN presets' KL at the Ouro-1.4B shape, 64 sink + 64 tail first, then none
-#   wave3kv: TPOT (CUDA graphs) of fp8_e4m3, kvarn_k4v4_g64, kvarn_k5v5_g64 (then bf16, for a same-run baseline) at 16 x 8K, then 64 x 2K (issue 13's
-#            per-format TPOT; bf16 and k4v2 are in latency-kvarn-*-2026-12-03-bfdee90)
+#   wave3kv: TPOT (CUDA graphs) of fp8_e4m3, kvarn_k4v4_g64, kvarn_k5v5_g64, then bf16 (the same run's
+#            baseline), at 16 x 8K, then 64 x 2K (issue 13's per-format TPOT; k4v2 is in
+#            latency-kvarn-*-2026-12-03-bfdee90)
 #   fp8: the fp8 tests (on CUDA), then fp8 decode attention at 1 x 512, 64 x 2K and 16 x 8K with the tunables sweep
 #   fp8tpot: TPOT (CUDA graphs) of fp8_e4m3 at 16 x 8K and 64 x 2K, then the decode-step profiles of fp8 and bf16 at
 #            16 x 8K

@@ -268,16 +268,15 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
     2-D views, made once for all its layers). Returns q [M, H, D], k and v [M, Hkv, D]: views into one
     [M, (H + 2 Hkv) D] buffer (row stride (H + 2 Hkv) D)."""
     m, n = x.shape[0], weight.shape[0]
+    if n != (num_heads + 2 * num_kv_heads) * head_dim or head_dim % 2:  # every call: the split below needs it
+        raise ValueError(f"weight has {n} rows, not (heads {num_heads} + 2 x kv heads {num_kv_heads}) x "
+                         f"head_dim {head_dim} with an even head_dim")
     y = x.new_empty(m, n)
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     if m:
         if cos.dim() != 2:
             cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
 
         def check() -> None:
-            if n != q_size + 2 * kv_size or head_dim % 2:
-                raise ValueError(f"weight has {n} rows, not (heads {num_heads} + 2 x kv heads "
-                                 f"{num_kv_heads}) x head_dim {head_dim} with an even head_dim")
             _check_rows("cos", cos, m, head_dim, cos.dtype)
             _check_rows("sin", sin, m, head_dim, cos.dtype)
 
@@ -287,9 +286,6 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
                      + scalars, x, weight, y.stride(0), config, check)
         plan.launch(current_stream(x.device),
                     (x, weight, y, plan.partials, plan.tickets, cos, sin) + plan.tail + scalars)
-    if n != q_size + 2 * kv_size:  # also where m == 0, which builds no plan
-        raise ValueError(f"weight has {n} rows, not (heads {num_heads} + 2 x kv heads {num_kv_heads}) x "
-                         f"head_dim {head_dim}")
     # One split of a [M, H + 2 Hkv, D] view: the host cost of this runs 96 times a decode step.
     return torch.split_with_sizes(y.view(m, num_heads + 2 * num_kv_heads, head_dim),
                                   [num_heads, num_kv_heads, num_kv_heads], 1)
