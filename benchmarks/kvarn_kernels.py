@@ -39,9 +39,6 @@ FORMATS = ["kvarn_k4v2_g64", "kvarn_k4v4_g64", "kvarn_k5v5_g64"]
 SHAPES = [(16, 8192), (64, 2048), (1, 2048)]  # rows x context
 WINDOWS = [(0, 0), (64, 64)]  # (sink, tail) high-precision positions
 NUM_WARPS = [2, 4]  # the decode kernel splits a tile into 4 warp slots (8 warps would repeat work)
-# The decode kernel's two ways through a packed tile: codes widened to fp16 tiles for tensor-core dots, and
-# codes taken apart lane by lane in fp32 registers.
-DECODE_PATHS = {"mma": True, "lanes": False}
 PACK_TILES = [16, 64, 1024]
 # Prefill calls: (rows, prefix, new): fresh prompts, and a chunk after stored positions.
 PREFILL_SHAPES = [(1, 0, 2048), (1, 0, 8192), (16, 0, 2048), (16, 0, 8192), (1, 6144, 2048)]
@@ -124,13 +121,13 @@ class PackedStep:
                       + 2 * self.block_tables.numel() * 4 + rows * 4),
         }
 
-    def __call__(self, num_warps: int = 4, mma: bool = True) -> torch.Tensor:
+    def __call__(self, num_warps: int = 4) -> torch.Tensor:
         from attention.kernels.kvarn_decode import kvarn_decode
 
         return kvarn_decode(self.q, self.key_codes, self.value_codes, self.key_scales, self.value_scales,
                             self.side_k, self.side_v, self.block_tables, self.side_tables, self.context_lens,
                             self.fmt.key_bits, self.fmt.value_bits, sink=self.sink, tail=self.tail,
-                            max_context_len=self.context, out=self.out, num_warps=num_warps, mma=mma)
+                            max_context_len=self.context, out=self.out, num_warps=num_warps)
 
 
 def decode_rows(timer: EventTimer, formats: list[str]) -> list[dict]:
@@ -142,13 +139,11 @@ def decode_rows(timer: EventTimer, formats: list[str]) -> list[dict]:
                 if not torch.isfinite(step()).all():
                     raise RuntimeError(f"{name} {rows} x {context}: the decode output is not finite")
                 total = sum(step.bytes.values())
-                for path, mma in DECODE_PATHS.items():
-                    for num_warps in NUM_WARPS:
-                        us = timer(lambda: step(num_warps, mma))
-                        results.append({"kv_cache_dtype": name, "rows": rows, "context": context,
-                                        "sink": sink, "tail": tail, "path": path, "num_warps": num_warps,
-                                        "us": us, "bytes": total, "bytes_by_kind": step.bytes,
-                                        "gbps": total / us / 1e3})
+                for num_warps in NUM_WARPS:
+                    us = timer(lambda: step(num_warps))
+                    results.append({"kv_cache_dtype": name, "rows": rows, "context": context, "sink": sink,
+                                    "tail": tail, "num_warps": num_warps, "us": us, "bytes": total,
+                                    "bytes_by_kind": step.bytes, "gbps": total / us / 1e3})
     return results
 
 
@@ -299,13 +294,13 @@ def table(payload: dict) -> str:
     lines = [f"{payload['device']}, torch {payload['torch']}, triton {payload['triton']}, commit "
              f"{payload['commit']}; heads {HEADS}, kv heads {KV_HEADS}, head_dim {HEAD_DIM}, bf16 side pool",
              "",
-             "| kv_cache_dtype | rows x context | sink, tail | path | num_warps | µs | MB read | GB/s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| kv_cache_dtype | rows x context | sink, tail | num_warps | µs | MB read | GB/s |",
+             "|---|---|---|---|---|---|---|"]
     for r in payload["dense"] + payload["decode"]:
         window = f"{r['sink']}, {r['tail']}" if "sink" in r else "-"
         lines.append(f"| {r['kv_cache_dtype']} | {r['rows']} x {r['context']} | {window} | "
-                     f"{r.get('path', '-')} | {r.get('num_warps', '-')} | {r['us']:.1f} | "
-                     f"{r['bytes'] / 1e6:.1f} | {r['gbps']:.0f} |")
+                     f"{r.get('num_warps', '-')} | {r['us']:.1f} | {r['bytes'] / 1e6:.1f} | "
+                     f"{r['gbps']:.0f} |")
     lines += ["", "Prefill (one call; bf16: the Triton backend's paged prefill, its KV store included)", "",
               "| kv_cache_dtype | rows x (prefix + new) | sink, tail | block_m | ms | TFLOP/s | tokens/s | "
               "x bf16 time |", "|---|---|---|---|---|---|---|---|"]

@@ -22,8 +22,6 @@
 #   fp8: the fp8 tests (on CUDA), then fp8 decode attention at 1 x 512, 64 x 2K and 16 x 8K with the tunables sweep
 #   fp8tpot: TPOT (CUDA graphs) of fp8_e4m3 at 16 x 8K and 64 x 2K, then the decode-step profiles of fp8 and bf16 at
 #            16 x 8K
-#   mma: the KVarN gpu tests, the KVarN decode kernel's two paths (mma, lanes) timed, then TPOT (CUDA graphs)
-#        of the KVarN formats and bf16 at 16 x 8K
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
@@ -119,15 +117,6 @@ elif [ "$PART" = fp8tpot ]; then
     step 100 python -m benchmarks.profile_decode --model /tmp/loop-engine-bench/ouro-1.4b --batch 16 \
       --prompt 8192 --steps 3 --kv-cache-dtype $kv --block-size 64 --out "$OUT/profile-16x8k-$kv.json"
   done
-elif [ "$PART" = mma ]; then
-  timeout 200 python -m pytest -q -m gpu tests/test_kvarn_kernels.py tests/test_kvarn.py tests/test_kvarn_graph_step.py \
-    tests/test_kv_cache_dtype.py --timeout 150 -rfE --durations=5 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
-  pkill -f "pytest -q -m gpu"  # what a cut-short test left running must not share the GPU with the timings
-  step 120 python -m benchmarks.kvarn_kernels --decode-only --no-dense --out "$OUT/kvarn_kernels.json"
-  wait
-  step 240 python -m benchmarks.latency --preset ouro-1.4b --modes graph --block-size 64 --kv-cache-dtypes \
-    kvarn_k5v5_g64 kvarn_k4v4_g64 kvarn_k4v2_g64 bf16 --prompts 8192 --batches 16 --decode-steps 16 \
-    --out "$OUT/latency-kv-16x8192.json"
 elif [ "$PART" = gputests ]; then
   timeout "${TEST_LIMIT:-560}" python -m pytest -q -m gpu tests/ --timeout 150 -rfE --durations=25 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 60

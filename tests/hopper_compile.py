@@ -174,9 +174,8 @@ def variants() -> list[tuple]:
         planes = {"K_LOW_BITS": k_low, "K_HIGH_BITS": k_high, "V_LOW_BITS": v_low, "V_HIGH_BITS": v_high}
         kvarn = {**OURO, "TILE": tile, **planes}
         if (key_bits, value_bits, tile) in ((4, 2, 64), (5, 5, 64)):
-            constexprs = {**kvarn, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16, "TWO_BASES": True, "MMA": True,
-                          "DOT_FP32": False}
-            out.append((kvarn_decode_split_kernel, "bf16", constexprs, 4, None, KVARN_POINTERS))
+            out.append((kvarn_decode_split_kernel, "bf16", {**kvarn, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16,
+                                                            "TWO_BASES": True}, 4, None, KVARN_POINTERS))
         prefills = [(128, 8, "bf16")]
         if (key_bits, value_bits, tile) == (4, 2, 64):
             prefills.append((128, 8, "fp32"))

@@ -318,6 +318,23 @@ def test_decode_with_unrotated_side_rows_gives_the_unrotated_output(group, sink,
     assert float((out.cpu() - want).abs().max()) <= 1e-4 * float(want.abs().max())
 
 
+def test_decode_of_one_row_takes_a_query_view_whose_row_stride_differs():
+    """One decode row's unrotated query is a view of the model's qkv (row stride 3 x heads x D; contiguous()
+    keeps a size-1 dim's stride), its rotation a fresh tensor: the strides differ only where the size is 1,
+    which the kernel never steps along."""
+    inputs, reads = packed_history([77], 2, 32, 16, 4, 2, torch.float32, 8, 20)
+    rotation = kvarn.hadamard(32, device=DEVICE)
+    inputs["side_k"], inputs["side_v"] = rotate(inputs["side_k"]), rotate(inputs["side_v"])
+    qkv = torch.randn(1, 3 * 4, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    q = qkv[:, :4].contiguous()
+    assert q.stride(0) == 3 * 4 * 32
+    q_r = rotate(q).contiguous()
+    out = kvarn_decode(q_r, **inputs, key_bits=4, value_bits=2, sink=8, tail=20, num_splits=2,
+                       split_min_keys=16, q=q, rotation=rotation)
+    want = attend(q_r.cpu(), reads, 32 ** -0.5)
+    assert float((out.cpu() - rotate(want)).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
 def test_decode_of_an_empty_row_gives_zeros_and_leaves_the_others_alone():
     inputs, reads = packed_history([0, 33], 2, 32, 16, 4, 2, torch.float32, 0, 0)
     q = torch.randn(2, 2, 32, generator=torch.Generator().manual_seed(2))

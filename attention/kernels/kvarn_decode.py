@@ -37,59 +37,11 @@ import triton.language as tl
 
 from attention.kernels.decode import (decode_merge_kernel, host_split_count, split_bounds, split_cap,
                                       split_count)
-from attention.kernels.prefill import _dot
 from attention.kernels.rotate import rotate_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # (low plane width, high plane width or 0) per code width: the codec's bit planes (kvarn.PLANES).
 PLANE_WIDTHS = {2: (2, 0), 4: (4, 0), 5: (4, 1), 8: (4, 4)}
-
-
-def _bit_reversed(index: int, bits: int) -> int:
-    return int(format(index, f"0{bits}b")[::-1], 2)
-
-
-def _fp16_bits(value: float) -> int:
-    return int(torch.tensor(value, dtype=torch.float16).view(torch.int16)) & 0xFFFF
-
-
-def widen_codes_ptx(width: int) -> tuple[str, str]:
-    """PTX (and its constraints) that turns one uint32 word of a `width`-bit plane (codes of 32 / width
-    consecutive channels, channel k at bit width * k) into its codes as fp16, exactly, two at a time: a
-    code's bits masked in place and or'ed into the mantissa of 1024.0 (one LOP3 gives a pair, one in each
-    16-bit half), then 1024 subtracted, and where the code sat at bit b > 0 of its half, the pair scaled by
-    2^-b in the same instruction (fma: (1024 + 2^b c) 2^-b - 2^(10 - b) = c, exact). Fields are taken from
-    bits 0-7 of each half, of the word and of the word shifted right by 8, so a word of n codes costs one
-    shift, n / 2 LOP3s and n / 2 half2 adds or fmas (the int4-to-fp16 conversion of FasterTransformer, Kim et
-    al., arXiv 2211.10017, which needs no int-to-float conversion). Output o holds channel bit-reversed(o):
-    `_tree` joins the outputs back into channel order."""
-    codes = 32 // width
-    per_byte = 8 // width  # fields in bits 0-7 of a half
-    lines = ["{", ".reg .b32 shifted, magic, unit, offset, pair;", f"shr.b32 shifted, ${codes}, 8;",
-             "mov.b32 magic, 0x64006400;"]
-    for group, source in enumerate((f"${codes}", "shifted")):
-        for field in range(per_byte):
-            mask = ((1 << width) - 1) << (width * field)
-            lines.append(f"lop3.b32 pair, {source}, {mask | mask << 16:#010x}, 0x64006400, 0xEA;")
-            if field == 0:
-                lines.append("sub.f16x2 pair, pair, magic;")
-            else:
-                shift = width * field
-                unit = _fp16_bits(2.0 ** -shift) * 0x10001
-                offset = _fp16_bits(-(2.0 ** (10 - shift))) * 0x10001
-                lines += [f"mov.b32 unit, {unit:#010x};", f"mov.b32 offset, {offset:#010x};",
-                          "fma.rn.f16x2 pair, pair, unit, offset;"]
-            low = per_byte * group + field  # the low half's channel; the high half's is 16 / width further
-            outputs = [_bit_reversed(channel, codes.bit_length() - 1) for channel in (low, low + codes // 2)]
-            lines.append(f"mov.b32 {{${outputs[0]}, ${outputs[1]}}}, pair;")
-    lines.append("}")
-    return " ".join(lines), ",".join(["=h"] * codes + ["r"])
-
-
-WIDEN_4, WIDEN_4_CONSTRAINTS = (tl.constexpr(text) for text in widen_codes_ptx(4))
-WIDEN_2, WIDEN_2_CONSTRAINTS = (tl.constexpr(text) for text in widen_codes_ptx(2))
-WIDEN_1, WIDEN_1_CONSTRAINTS = (tl.constexpr(text) for text in widen_codes_ptx(1))
-FP16_8, FP16_16, FP16_32 = (tl.constexpr((tl.float16,) * n) for n in (8, 16, 32))
 
 
 # Decode's lane-split form of a packed tile. A column is 8 codes of one token row, channels 8c .. 8c + 7:
@@ -342,127 +294,6 @@ def _attend_side(q_side, m_side, l_side, acc_side, c0, lo, hi, side_block, kv_he
     return m_new, l_side, acc_side
 
 
-@triton.jit
-def _tree2(x, o: tl.constexpr):
-    return tl.join(x[o], x[o + 1])
-
-
-@triton.jit
-def _tree4(x, o: tl.constexpr):
-    return tl.join(_tree2(x, o), _tree2(x, o + 2))
-
-
-@triton.jit
-def _tree8(x, o: tl.constexpr):
-    return tl.join(_tree4(x, o), _tree4(x, o + 4))
-
-
-@triton.jit
-def _tree16(x, o: tl.constexpr):
-    return tl.join(_tree8(x, o), _tree8(x, o + 8))
-
-
-@triton.jit
-def _tree32(x):
-    """x: 32 tensors of one shape S, as one [*S, 2, 2, 2, 2, 2]: x[o] at the bit-reversed index of o (each
-    join adds a last dim, the first join's the most significant)."""
-    return tl.join(_tree16(x, 0), _tree16(x, 16))
-
-
-@triton.jit
-def _code_tile(tile_ptr, FIRST_BYTE: tl.constexpr, ROW_BYTES: tl.constexpr, WIDTH: tl.constexpr,
-               G: tl.constexpr, D: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One bit plane of a packed tile as a [G, D] tile of its codes, exact: fp32 with DOT_FP32, else fp16,
-    widened by PTX (widen_codes_ptx) where the plane's rows are whole 32-bit words."""
-    PLANE_BYTES: tl.constexpr = D * WIDTH // 8
-    rows = tl.arange(0, G)[:, None]
-    if (not DOT_FP32) and (ROW_BYTES % 4 == 0) and (FIRST_BYTE % 4 == 0) and (PLANE_BYTES % 4 == 0):
-        words = tl.load((tile_ptr + FIRST_BYTE).to(tl.pointer_type(tl.int32)) + rows * (ROW_BYTES // 4)
-                        + tl.arange(0, PLANE_BYTES // 4)[None, :])
-        if WIDTH == 4:
-            codes = _tree8(tl.inline_asm_elementwise(WIDEN_4, WIDEN_4_CONSTRAINTS, [words], dtype=FP16_8,
-                                                     is_pure=True, pack=1), 0)
-        elif WIDTH == 2:
-            codes = _tree16(tl.inline_asm_elementwise(WIDEN_2, WIDEN_2_CONSTRAINTS, [words], dtype=FP16_16,
-                                                      is_pure=True, pack=1), 0)
-        else:
-            codes = _tree32(tl.inline_asm_elementwise(WIDEN_1, WIDEN_1_CONSTRAINTS, [words], dtype=FP16_32,
-                                                      is_pure=True, pack=1))
-        return tl.reshape(codes, [G, D])
-    else:
-        CODES_PER_BYTE: tl.constexpr = 8 // WIDTH
-        plane = tl.load(tile_ptr + FIRST_BYTE + rows * ROW_BYTES + tl.arange(0, PLANE_BYTES)[None, :])
-        shifts = (tl.arange(0, CODES_PER_BYTE) * WIDTH)[None, None, :]
-        codes = tl.reshape((plane.to(tl.int32)[:, :, None] >> shifts) & ((1 << WIDTH) - 1), [G, D])
-        return codes.to(tl.float32 if DOT_FP32 else tl.float16)
-
-
-@triton.jit
-def _power_of_two(exponent):
-    """2^exponent as fp32, built from its bits (exact), for exponents in [-126, 127]."""
-    return (tl.minimum(tl.maximum(exponent + 127, 1), 254) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _attend_packed_mma(q_unit, inv_unit, m_i, l_i, acc, t0, end, sink, side_from, block, kv_head,
-                       key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr,
-                       KV_HEADS: tl.constexpr, D: tl.constexpr, G: tl.constexpr, K_LOW_BITS: tl.constexpr,
-                       K_HIGH_BITS: tl.constexpr, V_LOW_BITS: tl.constexpr, V_HIGH_BITS: tl.constexpr,
-                       DOT_FP32: tl.constexpr, MASKED: tl.constexpr):
-    """The packed positions of tile t0 .. t0 + G - 1 into the running (max [16], sum [16], acc [16, D]) of a
-    16-row query tile whose row 0 is the query (the other rows are dropped at the end): all of them, or with
-    MASKED those in range and not side rows. The codes go through tensor cores as exact fp16 (or fp32) tiles:
-        score_i = r_i (sum_j (q_j s_j) code_ij + q . z)
-        out_j   = c_j (sum_i (p_i t_i) code_ij + sum_i p_i u_i)
-    with q s rounded to fp16 (q_unit: the query over a power of two that puts it below 1, so that q s stays
-    below fp16's largest value, s being fp16; inv_unit undoes it) and p t rounded to fp16 (p <= 1), as
-    flash attention rounds P. A high plane adds its codes times 2^(low plane's width) after its own dot."""
-    DOT_DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.float16
-    offs_d = tl.arange(0, D)
-    offs_g = tl.arange(0, G)
-    query_row = tl.arange(0, 16) == 0
-    slot = block * KV_HEADS + kv_head
-    key_scales = key_scales_ptr + slot * (2 * D + G)
-    value_scales = value_scales_ptr + slot * (D + 2 * G)
-    K_ROW: tl.constexpr = D * (K_LOW_BITS + K_HIGH_BITS) // 8
-    V_ROW: tl.constexpr = D * (V_LOW_BITS + V_HIGH_BITS) // 8
-    key_tile = key_codes_ptr + slot * (G * K_ROW)
-    value_tile = value_codes_ptr + slot * (G * V_ROW)
-
-    folded = q_unit * tl.load(key_scales + offs_d).to(tl.float32)
-    zero_part = tl.sum(q_unit * tl.load(key_scales + D + offs_d).to(tl.float32), 0)
-    token_scale = tl.load(key_scales + 2 * D + offs_g).to(tl.float32) * inv_unit
-    q_tile = tl.where(query_row[:, None], folded[None, :], 0.0).to(DOT_DTYPE)
-    s = _dot(q_tile, tl.trans(_code_tile(key_tile, 0, K_ROW, K_LOW_BITS, G, D, DOT_FP32)), DOT_FP32)
-    if K_HIGH_BITS > 0:
-        s += _dot(q_tile, tl.trans(_code_tile(key_tile, D * K_LOW_BITS // 8, K_ROW, K_HIGH_BITS, G, D,
-                                              DOT_FP32)), DOT_FP32) * (1 << K_LOW_BITS)
-    s = (s + zero_part) * token_scale[None, :]
-    if MASKED:
-        positions = t0 + offs_g
-        s = tl.where(((positions < end) & (positions >= sink) & (positions < side_from))[None, :], s,
-                     float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED:  # no packed position yet: keep exp2's arguments finite
-        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
-    else:
-        m_ref = m_new
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(s - m_ref[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-
-    v_token_scale = tl.load(value_scales + D + offs_g).to(tl.float32)
-    v_token_zero = tl.load(value_scales + D + G + offs_g).to(tl.float32)
-    weighted = (p * v_token_scale[None, :]).to(DOT_DTYPE)
-    out = _dot(weighted, _code_tile(value_tile, 0, V_ROW, V_LOW_BITS, G, D, DOT_FP32), DOT_FP32)
-    if V_HIGH_BITS > 0:
-        out += _dot(weighted, _code_tile(value_tile, D * V_LOW_BITS // 8, V_ROW, V_HIGH_BITS, G, D, DOT_FP32),
-                    DOT_FP32) * (1 << V_LOW_BITS)
-    out += tl.sum(p * v_token_zero[None, :], 1)[:, None]
-    acc = acc * alpha[:, None] + tl.load(value_scales + offs_d).to(tl.float32)[None, :] * out
-    return m_new, l_i, acc
-
-
 # The table strides (the step's longest tables) change per step: one compiled kernel for every value.
 @triton.jit(do_not_specialize=["stride_bt", "stride_st"])
 def kvarn_decode_split_kernel(
@@ -472,8 +303,7 @@ def kvarn_decode_split_kernel(
     sink, tail, scale, stride_qn, stride_qh, stride_bt, stride_st,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
     K_LOW_BITS: tl.constexpr, K_HIGH_BITS: tl.constexpr, V_LOW_BITS: tl.constexpr, V_HIGH_BITS: tl.constexpr,
-    SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr, TWO_BASES: tl.constexpr, MMA: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr, TWO_BASES: tl.constexpr,
 ):
     """Grid (grid_splits, HEADS, rows). Program (s, h, r) attends query head h of row r over split s of
     its context, whole tiles of TILE positions. A row with one split writes its output; otherwise the
@@ -510,19 +340,9 @@ def kvarn_decode_split_kernel(
         magic = MAGIC + tl.minimum(context_len, 0).to(tl.uint32)
         # An online softmax per slot over its packed positions (_attend_packed) and one over the side rows
         # (_attend_side), each with its own max, merged at the end.
-        if MMA:
-            q_full = tl.load(q_ptr + q_offset + offs_d).to(tl.float32) * (scale * LOG2E)
-            # The query's largest magnitude is 1.m 2^exponent: q_unit = q 2^-(exponent + 1) lies below 1.
-            exponent = ((tl.max(tl.abs(q_full), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-            q_unit = q_full * _power_of_two(-exponent - 1)
-            inv_unit = _power_of_two(exponent + 1)
-            m_slot = tl.full([16], float("-inf"), tl.float32)
-            l_slot = tl.zeros([16], tl.float32)
-            acc_slot = tl.zeros([16, HEAD_DIM], tl.float32)
-        else:
-            m_slot = tl.full([SLOTS, COLS], float("-inf"), tl.float32)
-            l_slot = tl.zeros([SLOTS, HALVES, COLS], tl.float32)
-            acc_slot = tl.zeros([SLOTS, HALVES, COLS, 8], tl.float32)
+        m_slot = tl.full([SLOTS, COLS], float("-inf"), tl.float32)
+        l_slot = tl.zeros([SLOTS, HALVES, COLS], tl.float32)
+        acc_slot = tl.zeros([SLOTS, HALVES, COLS, 8], tl.float32)
         m_side = tl.full([], float("-inf"), tl.float32)
         l_side = tl.zeros([], tl.float32)
         acc_side = tl.zeros([HEAD_DIM], tl.float32)
@@ -536,23 +356,10 @@ def kvarn_decode_split_kernel(
                 # A packed position lies below L - L % G, in a full tile, which has its block; a tile
                 # without one (the unfilled tile) may have none, and its packed loads are skipped.
                 if tl.maximum(t0, sink) < tl.minimum(tl.minimum(t0 + TILE, end), side_from):
-                    if MMA:
-                        m_slot, l_slot, acc_slot = _attend_packed_mma(
-                            q_unit, inv_unit, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block,
-                            kv_head, key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr,
-                            KV_HEADS, HEAD_DIM, TILE, K_LOW_BITS, K_HIGH_BITS, V_LOW_BITS, V_HIGH_BITS,
-                            DOT_FP32, True)
-                    else:
-                        m_slot, l_slot, acc_slot = _attend_packed(
-                            q, magic, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block, kv_head,
-                            key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, KV_HEADS,
-                            HEAD_DIM, TILE, K_LOW_BITS, K_HIGH_BITS, V_LOW_BITS, V_HIGH_BITS, SLOTS, HALVES,
-                            True)
-            elif MMA:
-                m_slot, l_slot, acc_slot = _attend_packed_mma(
-                    q_unit, inv_unit, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block, kv_head,
-                    key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, KV_HEADS, HEAD_DIM,
-                    TILE, K_LOW_BITS, K_HIGH_BITS, V_LOW_BITS, V_HIGH_BITS, DOT_FP32, False)
+                    m_slot, l_slot, acc_slot = _attend_packed(
+                        q, magic, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block, kv_head,
+                        key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, KV_HEADS,
+                        HEAD_DIM, TILE, K_LOW_BITS, K_HIGH_BITS, V_LOW_BITS, V_HIGH_BITS, SLOTS, HALVES, True)
             else:
                 m_slot, l_slot, acc_slot = _attend_packed(
                     q, magic, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block, kv_head,
@@ -577,24 +384,14 @@ def kvarn_decode_split_kernel(
 
         # The merge: one max over the slots and the side rows (an empty split keeps -inf, and zeros).
         # m_slot's and l_slot's columns hold copies; acc_slot holds each half's share, in lanes.
-        if MMA:  # row 0 of the query tile
-            query_row = tl.arange(0, 16) == 0
-            m_packed = tl.max(tl.where(query_row, m_slot, float("-inf")), 0)
-            m_i = tl.maximum(m_packed, m_side)
-            m_ref = tl.where(m_i > float("-inf"), m_i, 0.0)
-            packed_weight = tl.exp2(m_packed - m_ref)
-            side_weight = tl.exp2(m_side - m_ref)
-            l_i = tl.sum(tl.where(query_row, l_slot, 0.0), 0) * packed_weight + l_side * side_weight
-            acc = tl.sum(tl.where(query_row[:, None], acc_slot, 0.0), 0) * packed_weight
-        else:
-            m_slot = tl.max(m_slot, 1)
-            m_i = tl.maximum(tl.max(m_slot, 0), m_side)
-            m_ref = tl.where(m_i > float("-inf"), m_i, 0.0)
-            slot_weight = tl.exp2(m_slot - m_ref)
-            side_weight = tl.exp2(m_side - m_ref)
-            l_i = tl.sum(tl.max(tl.sum(l_slot, 1), 1) * slot_weight, 0) + l_side * side_weight
-            acc = tl.sum(tl.sum(acc_slot * slot_weight[:, None, None, None], 1), 0)
-            acc = tl.reshape(acc, [HEAD_DIM])  # channel 8c + k from [c, k]
+        m_slot = tl.max(m_slot, 1)
+        m_i = tl.maximum(tl.max(m_slot, 0), m_side)
+        m_ref = tl.where(m_i > float("-inf"), m_i, 0.0)
+        slot_weight = tl.exp2(m_slot - m_ref)
+        side_weight = tl.exp2(m_side - m_ref)
+        l_i = tl.sum(tl.max(tl.sum(l_slot, 1), 1) * slot_weight, 0) + l_side * side_weight
+        acc = tl.sum(tl.sum(acc_slot * slot_weight[:, None, None, None], 1), 0)
+        acc = tl.reshape(acc, [HEAD_DIM])  # channel 8c + k from [c, k]
         acc_side = acc_side * side_weight
         if not TWO_BASES:
             acc += acc_side
@@ -623,11 +420,11 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
                  scale: float | None = None, num_splits: int | None = None, split_min_keys: int = 512,
                  max_context_len: int | None = None, out: torch.Tensor | None = None,
                  num_warps: int = 4, q: torch.Tensor | None = None,
-                 rotation: torch.Tensor | None = None, mma: bool = True) -> torch.Tensor:
+                 rotation: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one rotated query per row over its packed history; the rotated output [rows, heads, D].
-    With q (the unrotated query, q_r = q H, of q_r's shape and strides) the side rows are unrotated (the
-    engine's side pool keeps them as the model made them) and the result is the unrotated output: the side
-    rows' share plus the packed tiles' share rotated back with `rotation` (H, D x D fp32).
+    With q (the unrotated query, q_r = q H, of q_r's shape and strides, but for dims of size 1) the side rows
+    are unrotated (the engine's side pool keeps them as the model made them) and the result is the unrotated
+    output: the side rows' share plus the packed tiles' share rotated back with `rotation` (H, D x D fp32).
 
     q_r [rows, heads, D] (any float dtype; last dim contiguous). The pool tensors of one (loop, layer) slot
     are contiguous: key_codes/value_codes uint8 [NB, KVH, G, D * bits / 8], key_scales fp16 [NB, KVH, 2D + G],
@@ -657,7 +454,9 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
     if split_min_keys % group or q_r.stride(2) != 1:
         raise ValueError(f"split_min_keys ({split_min_keys}) must be a multiple of the tile ({group}), and "
                          "q_r's last dim contiguous")
-    if q is not None and (q.shape != q_r.shape or q.stride() != q_r.stride() or out is not None
+    # The kernel reads q at q_r's strides; a dim of size 1 (one row) may have any stride.
+    if q is not None and (q.shape != q_r.shape or out is not None
+                          or any(a != b for a, b, n in zip(q.stride(), q_r.stride(), q.shape) if n > 1)
                           or rotation is None or rotation.shape != (head_dim, head_dim)):
         raise ValueError(f"q must have q_r's shape {list(q_r.shape)} and strides {q_r.stride()} (got "
                          f"{list(q.shape)}, {q.stride()}), come with the rotation [{head_dim}, {head_dim}], "
@@ -686,8 +485,8 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
         block_tables, side_tables, context_lens,
         sink, tail, head_dim ** -0.5 if scale is None else scale, q_r.stride(0), q_r.stride(1),
         block_tables.stride(0), side_tables.stride(0),
-        heads, kv_heads, head_dim, group, k_low, k_high, v_low, v_high, split_min_keys, cap, two_bases, mma,
-        not q_r.is_cuda or side_k.dtype == torch.float32, num_warps=num_warps,
+        heads, kv_heads, head_dim, group, k_low, k_high, v_low, v_high, split_min_keys, cap, two_bases,
+        num_warps=num_warps,
     )
     if grid_splits > 1:
         for target, state in ((out, partials), (out_side, partials_side))[:1 + two_bases]:
