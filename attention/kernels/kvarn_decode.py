@@ -195,7 +195,7 @@ def _plane_values(columns, weighted, magic, WIDTH: tl.constexpr, SLOTS: tl.const
 
 
 @triton.jit
-def _attend_packed(q, magic, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block,
+def _attend_packed(q, magic, column_step, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block,
                    kv_head, key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr,
                    KV_HEADS: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                    K_LOW_BITS: tl.constexpr, K_HIGH_BITS: tl.constexpr, V_LOW_BITS: tl.constexpr,
@@ -211,6 +211,7 @@ def _attend_packed(q, magic, m_slot, l_slot, acc_slot, t0, end, sink, side_from,
     PART_ROWS: tl.constexpr = SLOTS * HALVES * 8
     lane = tl.arange(0, 8)[None, None, None, :]
     offs_c = tl.arange(0, COLS)[None, None, :]
+    columns_at = offs_c * column_step  # the plane loads' column offsets, of no contiguity the compiler sees
     channel_of = tl.broadcast_to(offs_c[:, :, :, None] * 8 + lane, SHAPE)  # a column's channels
     slot = block * KV_HEADS + kv_head
     key_scales = key_scales_ptr + slot * (2 * D + G)
@@ -234,10 +235,10 @@ def _attend_packed(q, magic, m_slot, l_slot, acc_slot, t0, end, sink, side_from,
         row_of = tl.broadcast_to(rows[:, :, :, None] + lane, SHAPE)  # a thread's rows, copies per column
         token_scale = tl.load(key_scales + 2 * D + row_of).to(tl.float32)
         parts = (zero_part, zero_part, zero_part, zero_part, zero_part, zero_part, zero_part, zero_part)
-        columns = _plane_columns(key_tile, rows, offs_c, K_ROW, 0, K_LOW_BITS)
+        columns = _plane_columns(key_tile, rows, columns_at, K_ROW, 0, K_LOW_BITS)
         parts = _plane_scores(parts, columns, folded_low, magic, K_LOW_BITS, SLOTS, HALVES, COLS)
         if K_HIGH_BITS > 0:
-            columns = _plane_columns(key_tile, rows, offs_c, K_ROW, D * K_LOW_BITS // 8, K_HIGH_BITS)
+            columns = _plane_columns(key_tile, rows, columns_at, K_ROW, D * K_LOW_BITS // 8, K_HIGH_BITS)
             parts = _plane_scores(parts, columns, folded_high, magic, K_HIGH_BITS, SLOTS, HALVES, COLS)
         scores = _stack(parts[0], parts[1], parts[2], parts[3], parts[4], parts[5], parts[6], parts[7], SLOTS,
                         HALVES, COLS)
@@ -259,11 +260,11 @@ def _attend_packed(q, magic, m_slot, l_slot, acc_slot, t0, end, sink, side_from,
         v_token_zero = tl.load(value_scales + D + G + row_of).to(tl.float32)
         weighted = p * v_token_scale
         zero_term = tl.sum(p * v_token_zero, 3)[:, :, :, None]
-        columns = _plane_columns(value_tile, rows, offs_c, V_ROW, 0, V_LOW_BITS)
+        columns = _plane_columns(value_tile, rows, columns_at, V_ROW, 0, V_LOW_BITS)
         tile_out = (_plane_values(columns, weighted, magic, V_LOW_BITS, SLOTS, HALVES, COLS)
                     * _lane_units(V_LOW_BITS, 1.0)[None, None, None, :] + zero_term)
         if V_HIGH_BITS > 0:
-            columns = _plane_columns(value_tile, rows, offs_c, V_ROW, D * V_LOW_BITS // 8, V_HIGH_BITS)
+            columns = _plane_columns(value_tile, rows, columns_at, V_ROW, D * V_LOW_BITS // 8, V_HIGH_BITS)
             tile_out += (_plane_values(columns, weighted, magic, V_HIGH_BITS, SLOTS, HALVES, COLS)
                          * _lane_units(V_HIGH_BITS, 1 << V_LOW_BITS)[None, None, None, :])
         acc_slot = acc_slot * alpha[:, :, :, None] + v_channel_scale * tile_out
@@ -338,6 +339,12 @@ def kvarn_decode_split_kernel(
         # (never negative) context length, so each LOP3 keeps its immediate for a lane's mask instead of
         # rematerializing eight masks per tile.
         magic = MAGIC + tl.minimum(context_len, 0).to(tl.uint32)
+        # 1, as a value the compiler cannot see: the plane loads' column offsets are multiplied by it. Where
+        # it sees that a plane row's bytes are contiguous (the 1-bit plane of k5v5, loaded a byte a column) it
+        # vectorizes those loads in a layout of their own, and every code and partial score of the plane then
+        # crosses to the other layout through shared memory: under Triton 3.6 on sm_90, 119 layout
+        # conversions in the k5v5 kernel against 9 in k4v2's, and 276 barriers against 50.
+        column_step = 1 + tl.minimum(context_len, 0)
         # An online softmax per slot over its packed positions (_attend_packed) and one over the side rows
         # (_attend_side), each with its own max, merged at the end.
         m_slot = tl.full([SLOTS, COLS], float("-inf"), tl.float32)
@@ -357,12 +364,12 @@ def kvarn_decode_split_kernel(
                 # without one (the unfilled tile) may have none, and its packed loads are skipped.
                 if tl.maximum(t0, sink) < tl.minimum(tl.minimum(t0 + TILE, end), side_from):
                     m_slot, l_slot, acc_slot = _attend_packed(
-                        q, magic, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block, kv_head,
-                        key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, KV_HEADS,
+                        q, magic, column_step, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block,
+                        kv_head, key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, KV_HEADS,
                         HEAD_DIM, TILE, K_LOW_BITS, K_HIGH_BITS, V_LOW_BITS, V_HIGH_BITS, SLOTS, HALVES, True)
             else:
                 m_slot, l_slot, acc_slot = _attend_packed(
-                    q, magic, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block, kv_head,
+                    q, magic, column_step, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block, kv_head,
                     key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr, KV_HEADS, HEAD_DIM,
                     TILE, K_LOW_BITS, K_HIGH_BITS, V_LOW_BITS, V_HIGH_BITS, SLOTS, HALVES, False)
         # The side rows (the first `sink` positions and those from side_from on) in loops of their own,
