@@ -185,9 +185,9 @@ def _decode(step: KVarNStep, pool, slot: int, query: torch.Tensor, scale: float,
             split_min_keys: int) -> torch.Tensor:
     """The decode rows' attention (query fp32 [R, heads, D], unrotated): the unrotated output, fp32."""
     fmt, rotation, query = pool.fmt, pool.rotation, query.contiguous()
-    # 2 warps for 4-bit codes (171.6 against 227.3 µs at 16 x 8K for k4v2 on an H200), 4 for k5v5 (317.7
-    # against 333.2): benchmarks/results/kvarn_kernels-2026-12-02-97c5a60.md
-    num_warps = 2 if max(fmt.key_bits, fmt.value_bits) <= 4 else 4
+    # 2 warps: 170.1 against 226.0 µs at 16 x 8K for k4v2 on an H200 (kvarn_kernels-mma-2026-12-03-1d0806f,
+    # its lane rows), 231.3 against 303.6 for k5v5 (kvarn_kernels-k5v5-2026-12-03-74b4895)
+    num_warps = 2
     return kvarn_decode(rotate_rows(query, rotation), pool.key_codes[slot], pool.value_codes[slot],
                         pool.key_scales[slot], pool.value_scales[slot], pool.side_keys[slot],
                         pool.side_values[slot], step.block_tables, step.decode_side_tables, step.context_lens,
