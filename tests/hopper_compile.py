@@ -175,7 +175,7 @@ def variants() -> list[tuple]:
         kvarn = {**OURO, "TILE": tile, **planes}
         if (key_bits, value_bits, tile) in ((4, 2, 64), (5, 5, 64)):
             out.append((kvarn_decode_split_kernel, "bf16", {**kvarn, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16,
-                                                            "TWO_BASES": True}, 4, None, KVARN_POINTERS))
+                                                            "TWO_BASES": True}, 2, None, KVARN_POINTERS))
         prefills = [(128, 8, "bf16")]
         if (key_bits, value_bits, tile) == (4, 2, 64):
             prefills.append((128, 8, "fp32"))

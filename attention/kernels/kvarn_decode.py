@@ -81,10 +81,11 @@ def _stack(x0, x1, x2, x3, x4, x5, x6, x7, SLOTS: tl.constexpr, HALVES: tl.const
 
 
 @triton.jit
-def _lane_units(WIDTH: tl.constexpr, FACTOR: tl.constexpr):
+def _lane_units(WIDTH: tl.constexpr, FACTOR: tl.constexpr, PAIRED: tl.constexpr):
     """[8] fp32: FACTOR * 2^-(the bit _lane_code leaves lane k's code at), what undoes its shift (exact: a
-    power of two, built from its bits)."""
-    k = tl.arange(0, 8)
+    power of two, built from its bits). PAIRED: 5-bit codes a byte (_five_bit_column), lanes 2j and 2j + 1
+    both at byte j of their words."""
+    k = tl.arange(0, 8) // 2 if PAIRED else tl.arange(0, 8)
     shift = tl.where(WIDTH * k >= 16, WIDTH * k - 12, WIDTH * k)
     return ((127 - shift) << 23).to(tl.float32, bitcast=True) * FACTOR
 
@@ -194,6 +195,83 @@ def _plane_values(columns, weighted, magic, WIDTH: tl.constexpr, SLOTS: tl.const
                   SLOTS, HALVES, COLS)
 
 
+# k5v5: a code's 4-bit and 1-bit planes merged before its lanes are taken apart. Taken plane by plane, a
+# 1-bit code costs what a 4-bit one does (a mask, an add and an FMA a lane); merged, each column costs a
+# few integer operations and each code one mask, add and FMA.
+SPREAD = tl.constexpr(0x410410)  # 2^4 + 2^10 + 2^16 + 2^22
+
+
+@triton.jit
+def _five_bit_column(low, high):
+    """A 4-bit plane's column (lane k at bit 4k) and the 1-bit plane's of the same channels (lane k at bit
+    k) as two words of four 5-bit codes, one a byte: lanes 0, 2, 4, 6 (even) and 1, 3, 5, 7 (odd), lane 2j
+    or 2j + 1 at bit 8j. A multiply moves high bit 2j (2j + 1) to bit 8j + 4: the products of distinct bits
+    land on distinct bits there, and no carry reaches them."""
+    even = (low & 0x0F0F0F0F) | (((high & 0x55) * SPREAD) & 0x10101010)
+    odd = ((low >> 4) & 0x0F0F0F0F) | (((high & 0xAA) * (SPREAD >> 1)) & 0x10101010)
+    return even, odd
+
+
+@triton.jit
+def _five_bit_columns(lows, highs):
+    """_five_bit_column of a thread's 8 rows: (evens, odds), 8 words each."""
+    e0, o0 = _five_bit_column(lows[0], highs[0])
+    e1, o1 = _five_bit_column(lows[1], highs[1])
+    e2, o2 = _five_bit_column(lows[2], highs[2])
+    e3, o3 = _five_bit_column(lows[3], highs[3])
+    e4, o4 = _five_bit_column(lows[4], highs[4])
+    e5, o5 = _five_bit_column(lows[5], highs[5])
+    e6, o6 = _five_bit_column(lows[6], highs[6])
+    e7, o7 = _five_bit_column(lows[7], highs[7])
+    return (e0, e1, e2, e3, e4, e5, e6, e7), (o0, o1, o2, o3, o4, o5, o6, o7)
+
+
+@triton.jit
+def _row_score_five(part, even, odd, lanes, magic):
+    """_row_score over one row's merged 5-bit column: lane 2j from byte j of `even`, 2j + 1 of `odd`."""
+    even_high = even >> 12
+    odd_high = odd >> 12
+    for j in tl.static_range(4):
+        part += lanes[2 * j] * _lane_code(even, even_high, magic, j, 8)
+        part += lanes[2 * j + 1] * _lane_code(odd, odd_high, magic, j, 8)
+    return part
+
+
+@triton.jit
+def _five_bit_scores(parts, evens, odds, folded, magic, SLOTS: tl.constexpr, HALVES: tl.constexpr,
+                     COLS: tl.constexpr):
+    """_plane_scores over merged 5-bit columns; folded with _lane_units(8, 1.0, True)."""
+    lanes = _lanes(folded, SLOTS, HALVES, COLS)
+    return (_row_score_five(parts[0], evens[0], odds[0], lanes, magic),
+            _row_score_five(parts[1], evens[1], odds[1], lanes, magic),
+            _row_score_five(parts[2], evens[2], odds[2], lanes, magic),
+            _row_score_five(parts[3], evens[3], odds[3], lanes, magic),
+            _row_score_five(parts[4], evens[4], odds[4], lanes, magic),
+            _row_score_five(parts[5], evens[5], odds[5], lanes, magic),
+            _row_score_five(parts[6], evens[6], odds[6], lanes, magic),
+            _row_score_five(parts[7], evens[7], odds[7], lanes, magic))
+
+
+@triton.jit
+def _five_bit_values(evens, odds, weighted, magic, SLOTS: tl.constexpr, HALVES: tl.constexpr,
+                     COLS: tl.constexpr):
+    """_plane_values over merged 5-bit columns (each lane times its _lane_units(8, 1.0, True) shift)."""
+    weights = _lanes(weighted, SLOTS, HALVES, COLS)
+    even_highs = (evens[0] >> 12, evens[1] >> 12, evens[2] >> 12, evens[3] >> 12,
+                  evens[4] >> 12, evens[5] >> 12, evens[6] >> 12, evens[7] >> 12)
+    odd_highs = (odds[0] >> 12, odds[1] >> 12, odds[2] >> 12, odds[3] >> 12,
+                 odds[4] >> 12, odds[5] >> 12, odds[6] >> 12, odds[7] >> 12)
+    return _stack(_lane_sum(evens, even_highs, weights, magic, 0, 8),
+                  _lane_sum(odds, odd_highs, weights, magic, 0, 8),
+                  _lane_sum(evens, even_highs, weights, magic, 1, 8),
+                  _lane_sum(odds, odd_highs, weights, magic, 1, 8),
+                  _lane_sum(evens, even_highs, weights, magic, 2, 8),
+                  _lane_sum(odds, odd_highs, weights, magic, 2, 8),
+                  _lane_sum(evens, even_highs, weights, magic, 3, 8),
+                  _lane_sum(odds, odd_highs, weights, magic, 3, 8),
+                  SLOTS, HALVES, COLS)
+
+
 @triton.jit
 def _attend_packed(q, magic, column_step, m_slot, l_slot, acc_slot, t0, end, sink, side_from, block,
                    kv_head, key_codes_ptr, value_codes_ptr, key_scales_ptr, value_scales_ptr,
@@ -225,8 +303,13 @@ def _attend_packed(q, magic, column_step, m_slot, l_slot, acc_slot, t0, end, sin
     channel_scale = tl.load(key_scales + channel_of).to(tl.float32)
     zero_part = tl.sum(q * tl.load(key_scales + D + channel_of).to(tl.float32), 3)
     folded = q * channel_scale  # times each plane's _lane_units, exact (the high plane's 2^K_LOW_BITS too)
-    folded_low = folded * _lane_units(K_LOW_BITS, 1.0)[None, None, None, :]
-    folded_high = folded * _lane_units(K_HIGH_BITS, 1 << K_LOW_BITS)[None, None, None, :]
+    K_FIVE: tl.constexpr = (K_LOW_BITS == 4) and (K_HIGH_BITS == 1)
+    V_FIVE: tl.constexpr = (V_LOW_BITS == 4) and (V_HIGH_BITS == 1)
+    if K_FIVE:
+        folded_five = folded * _lane_units(8, 1.0, True)[None, None, None, :]
+    else:
+        folded_low = folded * _lane_units(K_LOW_BITS, 1.0, False)[None, None, None, :]
+        folded_high = folded * _lane_units(K_HIGH_BITS, 1 << K_LOW_BITS, False)[None, None, None, :]
     # out_j = c_j (sum_i (p_i t_i) code_ij + sum_i p_i u_i), each half over its own rows.
     v_channel_scale = tl.load(value_scales + channel_of).to(tl.float32)
     for part in tl.static_range(G // PART_ROWS):
@@ -235,11 +318,16 @@ def _attend_packed(q, magic, column_step, m_slot, l_slot, acc_slot, t0, end, sin
         row_of = tl.broadcast_to(rows[:, :, :, None] + lane, SHAPE)  # a thread's rows, copies per column
         token_scale = tl.load(key_scales + 2 * D + row_of).to(tl.float32)
         parts = (zero_part, zero_part, zero_part, zero_part, zero_part, zero_part, zero_part, zero_part)
-        columns = _plane_columns(key_tile, rows, columns_at, K_ROW, 0, K_LOW_BITS)
-        parts = _plane_scores(parts, columns, folded_low, magic, K_LOW_BITS, SLOTS, HALVES, COLS)
-        if K_HIGH_BITS > 0:
-            columns = _plane_columns(key_tile, rows, columns_at, K_ROW, D * K_LOW_BITS // 8, K_HIGH_BITS)
-            parts = _plane_scores(parts, columns, folded_high, magic, K_HIGH_BITS, SLOTS, HALVES, COLS)
+        if K_FIVE:
+            evens, odds = _five_bit_columns(_plane_columns(key_tile, rows, columns_at, K_ROW, 0, 4),
+                                            _plane_columns(key_tile, rows, columns_at, K_ROW, D // 2, 1))
+            parts = _five_bit_scores(parts, evens, odds, folded_five, magic, SLOTS, HALVES, COLS)
+        else:
+            columns = _plane_columns(key_tile, rows, columns_at, K_ROW, 0, K_LOW_BITS)
+            parts = _plane_scores(parts, columns, folded_low, magic, K_LOW_BITS, SLOTS, HALVES, COLS)
+            if K_HIGH_BITS > 0:
+                columns = _plane_columns(key_tile, rows, columns_at, K_ROW, D * K_LOW_BITS // 8, K_HIGH_BITS)
+                parts = _plane_scores(parts, columns, folded_high, magic, K_HIGH_BITS, SLOTS, HALVES, COLS)
         scores = _stack(parts[0], parts[1], parts[2], parts[3], parts[4], parts[5], parts[6], parts[7], SLOTS,
                         HALVES, COLS)
         s = tl.sum(scores, 2, keep_dims=True) * token_scale  # each row's score, copies across its columns
@@ -260,13 +348,20 @@ def _attend_packed(q, magic, column_step, m_slot, l_slot, acc_slot, t0, end, sin
         v_token_zero = tl.load(value_scales + D + G + row_of).to(tl.float32)
         weighted = p * v_token_scale
         zero_term = tl.sum(p * v_token_zero, 3)[:, :, :, None]
-        columns = _plane_columns(value_tile, rows, columns_at, V_ROW, 0, V_LOW_BITS)
-        tile_out = (_plane_values(columns, weighted, magic, V_LOW_BITS, SLOTS, HALVES, COLS)
-                    * _lane_units(V_LOW_BITS, 1.0)[None, None, None, :] + zero_term)
-        if V_HIGH_BITS > 0:
-            columns = _plane_columns(value_tile, rows, columns_at, V_ROW, D * V_LOW_BITS // 8, V_HIGH_BITS)
-            tile_out += (_plane_values(columns, weighted, magic, V_HIGH_BITS, SLOTS, HALVES, COLS)
-                         * _lane_units(V_HIGH_BITS, 1 << V_LOW_BITS)[None, None, None, :])
+        if V_FIVE:
+            evens, odds = _five_bit_columns(_plane_columns(value_tile, rows, columns_at, V_ROW, 0, 4),
+                                            _plane_columns(value_tile, rows, columns_at, V_ROW, D // 2, 1))
+            tile_out = (_five_bit_values(evens, odds, weighted, magic, SLOTS, HALVES, COLS)
+                        * _lane_units(8, 1.0, True)[None, None, None, :] + zero_term)
+        else:
+            columns = _plane_columns(value_tile, rows, columns_at, V_ROW, 0, V_LOW_BITS)
+            tile_out = (_plane_values(columns, weighted, magic, V_LOW_BITS, SLOTS, HALVES, COLS)
+                        * _lane_units(V_LOW_BITS, 1.0, False)[None, None, None, :] + zero_term)
+            if V_HIGH_BITS > 0:
+                columns = _plane_columns(value_tile, rows, columns_at, V_ROW, D * V_LOW_BITS // 8,
+                                         V_HIGH_BITS)
+                tile_out += (_plane_values(columns, weighted, magic, V_HIGH_BITS, SLOTS, HALVES, COLS)
+                             * _lane_units(V_HIGH_BITS, 1 << V_LOW_BITS, False)[None, None, None, :])
         acc_slot = acc_slot * alpha[:, :, :, None] + v_channel_scale * tile_out
     return m_slot, l_slot, acc_slot
 
