@@ -29,6 +29,7 @@ from benchmarks.common import (BATCHED_TOKENS, checkpoint, copy_bandwidth, envir
 from cache.kv_format import DENSE, FP8, KVARN_PRESETS
 from engine import Engine, SamplingParams
 
+TOP_KERNELS = 12
 ATTENTION, PROJECTIONS = "attention", "projections (skinny GEMM, with or without an epilogue)"
 GROUPS = [(ATTENTION, ("decode_split", "decode_merge", "prefill", "kv_store", "kvarn", "rotate", "pack")),
           (PROJECTIONS, ("skinny_gemm",)),
@@ -42,24 +43,28 @@ def group_of(name: str) -> str:
     return next(group for group, keys in GROUPS if any(key in lowered for key in keys))
 
 
-def charged_time(prof, steps: int) -> tuple[dict[str, float], dict[str, int], float, float]:
+def charged_time(prof, steps: int) -> tuple[dict[str, float], dict[str, int], float, float, dict[str, float]]:
     """Per group, the device µs a step charged to its kernels (each from its predecessor's end, or its own
-    start if later, to its own end) and their count a step; the gap µs a step (no kernel running) and
-    the profiled span a step."""
+    start if later, to its own end) and their count a step; the gap µs a step (no kernel running), the
+    profiled span a step, and the µs a step charged per kernel name."""
     kernels = sorted((event for event in prof.events() if event.device_type == DeviceType.CUDA),
                      key=lambda event: event.time_range.start)
     totals: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.defaultdict(int)
+    by_name: dict[str, float] = collections.defaultdict(float)
     gap, previous_end = 0.0, kernels[0].time_range.start
     for event in kernels:
         start, end = event.time_range.start, event.time_range.end
         gap += max(0.0, start - previous_end)
         group = group_of(event.name)
-        totals[group] += max(0.0, end - max(start, previous_end)) / steps
+        charged = max(0.0, end - max(start, previous_end)) / steps
+        totals[group] += charged
+        by_name[event.name] += charged
         counts[group] += 1
         previous_end = max(previous_end, end)
     span = previous_end - kernels[0].time_range.start
-    return totals, {group: count // steps for group, count in counts.items()}, gap / steps, span / steps
+    return (totals, {group: count // steps for group, count in counts.items()}, gap / steps, span / steps,
+            by_name)
 
 
 def projection_bytes(engine) -> int:
@@ -115,7 +120,7 @@ def main() -> None:
         context = args.prompt + 2.5 * args.steps
         floors_us = {PROJECTIONS: projection_bytes(engine) / bandwidth * 1e6,
                      ATTENTION: engine.kv_pool.bytes_per_token * args.batch * context / bandwidth * 1e6}
-    totals, counts, gap_us, span_us = charged_time(prof, args.steps)
+    totals, counts, gap_us, span_us, by_name = charged_time(prof, args.steps)
     step_us = sum(totals.values())
     rows = [{"group": g, "us_per_step": round(totals[g], 1), "kernels_per_step": counts[g],
              "kernels_per_layer_application": round(counts[g] / applications, 2),
@@ -142,6 +147,10 @@ def main() -> None:
                  "| | | | |")
     lines.append(f"| step: profiled span / CUDA events, no profiler | {span_us:.1f} / {step_wall_us:.1f} "
                  "| | | | | |")
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_KERNELS]
+    lines += ["", f"The {len(top)} kernels charged the most time", "", "| kernel | µs per step |",
+              "|---|---|"]
+    lines += [f"| `{name[:90]}` | {us:.1f} |" for name, us in top]
     write_results(args.out, {**env, "model": path, "kv_cache_dtype": args.kv_cache_dtype, "batch": args.batch,
                              "prompt": args.prompt, "copy_bandwidth_bytes_per_s": bandwidth,
                              "kernel_us_per_step": step_us, "gap_us": gap_us, "profiled_step_us": span_us,
@@ -150,7 +159,9 @@ def main() -> None:
                              "kernels_per_layer_application": round(total / applications, 2),
                              "layer_kernels_per_layer_application": round(in_layers / applications, 2),
                              "kernels_outside_layers_per_step": total - in_layers,
-                             "rows": rows}, "\n".join(lines))
+                             "rows": rows,
+                             "top_kernels": [{"kernel": k, "us_per_step": round(us, 1)} for k, us in top]},
+                  "\n".join(lines))
     print("\n".join(lines))
 
 
