@@ -15,7 +15,11 @@ These foldings make attention cheap over codes: a score is r_i (sum_j (q_j s_j) 
 output channel is c_j (sum_i (p_i t_i) code_ij + sum_i p_i u_i) (`packed_scores`, `packed_output`).
 
 Codes pack along the channels of each token row, into bit planes of 4, 2 or 1 bits: 4 bits one nibble
-plane, 2 bits one crumb plane, 5 bits a nibble plane and a one-bit plane.
+plane, 2 bits one crumb plane, 8 bits two nibble planes. 5 bits take a plane of D / 2 bytes and one of
+D / 8 bytes too, but not bit by bit: each column of 8 codes (channels 8c .. 8c + 7) is one 40-bit integer,
+code k at bit 5k, whose low 32 bits are the first plane's bytes 4c .. 4c + 3 (little-endian) and whose
+high 8 bits are the second plane's byte c. The decode kernel then takes every code out of a word in place
+(attention/kernels/kvarn_decode.py) instead of merging a code's bits from two planes.
 """
 
 from __future__ import annotations
@@ -164,9 +168,12 @@ def packed_output(p: torch.Tensor, values: QuantizedValues) -> torch.Tensor:
 
 def pack_codes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
     """codes [..., D] uint8 < 2^bits into bit planes, each [..., D * width / 8] uint8: plane 0 holds the low
-    `width` bits, value j of a byte in bits j * width onward (little-endian within the byte)."""
+    `width` bits, value j of a byte in bits j * width onward (little-endian within the byte); 5-bit codes
+    as 40-bit columns (the module docstring)."""
     if bits not in PLANES:
         raise ValueError(f"codes of {bits} bits do not pack; supported: {sorted(PLANES)}")
+    if bits == 5:
+        return _pack_five_bit_columns(codes)
     planes, shift = [], 0
     for width in PLANES[bits]:
         per_byte = 8 // width
@@ -182,6 +189,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
 
 
 def unpack_codes(planes: list[torch.Tensor], bits: int) -> torch.Tensor:
+    if bits == 5:
+        return _unpack_five_bit_columns(*planes)
     codes, shift = None, 0
     for plane, width in zip(planes, PLANES[bits]):
         per_byte = 8 // width
@@ -190,6 +199,26 @@ def unpack_codes(planes: list[torch.Tensor], bits: int) -> torch.Tensor:
         codes = part << shift if codes is None else codes | (part << shift)
         shift += width
     return codes.to(torch.uint8)
+
+
+def _pack_five_bit_columns(codes: torch.Tensor) -> list[torch.Tensor]:
+    """5-bit codes [..., D] as the 40-bit columns' low 4 bytes [..., D / 2] and high byte [..., D / 8]."""
+    if codes.shape[-1] % 8:
+        raise ValueError(f"a row of {codes.shape[-1]} codes does not fill whole 40-bit columns of 5-bit "
+                         "values")
+    shifts = torch.arange(0, 40, 5, dtype=torch.int64, device=codes.device)
+    column = ((codes.to(torch.int64) & 31).view(*codes.shape[:-1], -1, 8) << shifts).sum(-1)  # [..., D / 8]
+    byte_shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=codes.device)
+    low = ((column[..., None] >> byte_shifts) & 255).flatten(-2)
+    return [low.to(torch.uint8), (column >> 32).to(torch.uint8)]
+
+
+def _unpack_five_bit_columns(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    byte_shifts = torch.arange(0, 32, 8, dtype=torch.int64, device=low.device)
+    words = (low.to(torch.int64).view(*low.shape[:-1], -1, 4) << byte_shifts).sum(-1)
+    column = words | (high.to(torch.int64) << 32)
+    shifts = torch.arange(0, 40, 5, dtype=torch.int64, device=low.device)
+    return ((column[..., None] >> shifts) & 31).flatten(-2).to(torch.uint8)
 
 
 def fp8_scale(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

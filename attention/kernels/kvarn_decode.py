@@ -45,8 +45,9 @@ PLANE_WIDTHS = {2: (2, 0), 4: (4, 0), 5: (4, 1), 8: (4, 4)}
 
 
 # Decode's lane-split form of a packed tile. A column is 8 codes of one token row, channels 8c .. 8c + 7:
-# one element of a bit plane (a uint32 word of 4-bit codes, uint16 of 2-bit, uint8 of 1-bit), so each
-# plane's row is D / 8 columns and one code tensor per plane serves all widths. The tile's rows are cut
+# one element of a bit plane (a uint32 word of 4-bit codes, uint16 of 2-bit, uint8 of 1-bit; 5-bit codes
+# a uint32 word of the first plane and a uint8 of the second, their 40-bit column), so each plane's row is
+# D / 8 columns and one code tensor per plane serves all widths. The tile's rows are cut
 # into SLOTS slots of HALVES * 8 rows (SLOTS = 4, one per warp at num_warps 4, from G = 64 on; HALVES = 2
 # from G = 16 on; a tile of more rows is taken 64 at a time); a thread holds one column of 8 rows of its
 # slot (row (slot * HALVES + half) * 8 + r). So every per-tile tensor is [SLOTS, HALVES, D / 8, 8], warps
@@ -81,28 +82,44 @@ def _stack(x0, x1, x2, x3, x4, x5, x6, x7, SLOTS: tl.constexpr, HALVES: tl.const
 
 
 @triton.jit
-def _lane_units(WIDTH: tl.constexpr, FACTOR: tl.constexpr, PAIRED: tl.constexpr):
+def _lane_units(WIDTH: tl.constexpr, FACTOR: tl.constexpr):
     """[8] fp32: FACTOR * 2^-(the bit _lane_code leaves lane k's code at), what undoes its shift (exact: a
-    power of two, built from its bits). PAIRED: 5-bit codes a byte (_five_bit_column), lanes 2j and 2j + 1
-    both at byte j of their words."""
-    k = tl.arange(0, 8) // 2 if PAIRED else tl.arange(0, 8)
-    shift = tl.where(WIDTH * k >= 16, WIDTH * k - 12, WIDTH * k)
+    power of two, built from its bits)."""
+    k = tl.arange(0, 8)
+    if WIDTH == 5:
+        shift = tl.where(k >= 6, 5 * k - 30, tl.where(k >= 4, 5 * k - 12, 5 * k))
+    else:
+        shift = tl.where(WIDTH * k >= 16, WIDTH * k - 12, WIDTH * k)
     return ((127 - shift) << 23).to(tl.float32, bitcast=True) * FACTOR
 
 
 @triton.jit
-def _lane_code(column, high_part, magic, k: tl.constexpr, WIDTH: tl.constexpr):
+def _lane_code(column, high_part, top_part, magic, k: tl.constexpr, WIDTH: tl.constexpr):
     """Code k of each column (uint32 holding 8 WIDTH-bit codes, code k at bit WIDTH * k) as fp32, times
     2^(the bit it is read at; _lane_units undoes it): its bits masked in place and or'ed into the mantissa
     of 2^23 (magic, the bits of 2^23), minus 2^23. Exact, one LOP3 and one FADD, no int-to-float conversion
     (a quarter-rate instruction on Hopper). A code must sit below bit 23: 4-bit lanes 4..7 are read from
     high_part = column >> 12 (one shift per column), at bits 4 .. 16 (not 0: ptxas would turn that mask
-    into a second shift)."""
-    if WIDTH * k >= 16:
+    into a second shift). 5-bit codes (a 40-bit column: column holds its low 32 bits, _top_part the rest):
+    lanes 0..3 in place, 4 and 5 from high_part at bits 8 and 13, 6 and 7 from top_part at bits 0 and 5."""
+    if WIDTH == 5:
+        if k >= 6:
+            bits = top_part & (31 << (5 * k - 30))
+        elif k >= 4:
+            bits = high_part & (31 << (5 * k - 12))
+        else:
+            bits = column & (31 << (5 * k))
+    elif WIDTH * k >= 16:
         bits = high_part & (((1 << WIDTH) - 1) << (WIDTH * k - 12))
     else:
         bits = column & (((1 << WIDTH) - 1) << (WIDTH * k))
     return (bits | magic).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _top_part(low, high):
+    """Bits 30 .. 39 of 40-bit columns of 5-bit codes (codes 6 and 7), from their low word and high byte."""
+    return (low >> 30) | (high << 2)
 
 
 @triton.jit
@@ -143,133 +160,74 @@ def _plane_columns(tile_ptr, rows, offs_c, ROW_BYTES: tl.constexpr, FIRST_BYTE: 
 
 
 @triton.jit
-def _row_score(part, column, lanes, magic, WIDTH: tl.constexpr):
+def _row_score(part, column, top_part, lanes, magic, WIDTH: tl.constexpr):
     """part + sum_k lanes[k] code_k over one row's column: 8 FFMAs on the codes as _lane_code makes them."""
     high_part = column >> 12
     for k in tl.static_range(8):
-        part += lanes[k] * _lane_code(column, high_part, magic, k, WIDTH)
+        part += lanes[k] * _lane_code(column, high_part, top_part, magic, k, WIDTH)
     return part
 
 
 @triton.jit
-def _plane_scores(parts, columns, folded, magic, WIDTH: tl.constexpr, SLOTS: tl.constexpr,
+def _plane_scores(parts, columns, tops, folded, magic, WIDTH: tl.constexpr, SLOTS: tl.constexpr,
                   HALVES: tl.constexpr, COLS: tl.constexpr):
     """parts (8 rows) + each row's share of sum_j folded_j code_ij over its column. columns: a plane's 8
-    rows (_plane_columns); folded [SLOTS, HALVES, COLS, 8]: lanes in the last dim, with _lane_units."""
+    rows (_plane_columns); tops: their _top_part (5-bit codes; any 8 tensors otherwise); folded [SLOTS,
+    HALVES, COLS, 8]: lanes in the last dim, with _lane_units."""
     lanes = _lanes(folded, SLOTS, HALVES, COLS)
-    return (_row_score(parts[0], columns[0], lanes, magic, WIDTH),
-            _row_score(parts[1], columns[1], lanes, magic, WIDTH),
-            _row_score(parts[2], columns[2], lanes, magic, WIDTH),
-            _row_score(parts[3], columns[3], lanes, magic, WIDTH),
-            _row_score(parts[4], columns[4], lanes, magic, WIDTH),
-            _row_score(parts[5], columns[5], lanes, magic, WIDTH),
-            _row_score(parts[6], columns[6], lanes, magic, WIDTH),
-            _row_score(parts[7], columns[7], lanes, magic, WIDTH))
+    return (_row_score(parts[0], columns[0], tops[0], lanes, magic, WIDTH),
+            _row_score(parts[1], columns[1], tops[1], lanes, magic, WIDTH),
+            _row_score(parts[2], columns[2], tops[2], lanes, magic, WIDTH),
+            _row_score(parts[3], columns[3], tops[3], lanes, magic, WIDTH),
+            _row_score(parts[4], columns[4], tops[4], lanes, magic, WIDTH),
+            _row_score(parts[5], columns[5], tops[5], lanes, magic, WIDTH),
+            _row_score(parts[6], columns[6], tops[6], lanes, magic, WIDTH),
+            _row_score(parts[7], columns[7], tops[7], lanes, magic, WIDTH))
 
 
 @triton.jit
-def _lane_sum(columns, high_parts, weights, magic, k: tl.constexpr, WIDTH: tl.constexpr):
+def _lane_sum(columns, high_parts, tops, weights, magic, k: tl.constexpr, WIDTH: tl.constexpr):
     """sum_r weights[r] code_k of row r's column, lane k over a thread's 8 rows: an FFMA chain."""
-    total = weights[0] * _lane_code(columns[0], high_parts[0], magic, k, WIDTH)
+    total = weights[0] * _lane_code(columns[0], high_parts[0], tops[0], magic, k, WIDTH)
     for r in tl.static_range(1, 8):
-        total += weights[r] * _lane_code(columns[r], high_parts[r], magic, k, WIDTH)
+        total += weights[r] * _lane_code(columns[r], high_parts[r], tops[r], magic, k, WIDTH)
     return total
 
 
 @triton.jit
-def _plane_values(columns, weighted, magic, WIDTH: tl.constexpr, SLOTS: tl.constexpr, HALVES: tl.constexpr,
-                  COLS: tl.constexpr):
+def _plane_values(columns, tops, weighted, magic, WIDTH: tl.constexpr, SLOTS: tl.constexpr,
+                  HALVES: tl.constexpr, COLS: tl.constexpr):
     """sum_i weighted_i code_ij over each thread's 8 rows, per lane: [SLOTS, HALVES, COLS, 8] (lanes in the
-    last dim, each times its _lane_code shift). columns: a plane's 8 rows; weighted [.., 8]: rows."""
+    last dim, each times its _lane_code shift). columns: a plane's 8 rows, tops as _plane_scores';
+    weighted [.., 8]: rows."""
     weights = _lanes(weighted, SLOTS, HALVES, COLS)
     high_parts = (columns[0] >> 12, columns[1] >> 12, columns[2] >> 12, columns[3] >> 12,
                   columns[4] >> 12, columns[5] >> 12, columns[6] >> 12, columns[7] >> 12)
-    return _stack(_lane_sum(columns, high_parts, weights, magic, 0, WIDTH),
-                  _lane_sum(columns, high_parts, weights, magic, 1, WIDTH),
-                  _lane_sum(columns, high_parts, weights, magic, 2, WIDTH),
-                  _lane_sum(columns, high_parts, weights, magic, 3, WIDTH),
-                  _lane_sum(columns, high_parts, weights, magic, 4, WIDTH),
-                  _lane_sum(columns, high_parts, weights, magic, 5, WIDTH),
-                  _lane_sum(columns, high_parts, weights, magic, 6, WIDTH),
-                  _lane_sum(columns, high_parts, weights, magic, 7, WIDTH),
+    return _stack(_lane_sum(columns, high_parts, tops, weights, magic, 0, WIDTH),
+                  _lane_sum(columns, high_parts, tops, weights, magic, 1, WIDTH),
+                  _lane_sum(columns, high_parts, tops, weights, magic, 2, WIDTH),
+                  _lane_sum(columns, high_parts, tops, weights, magic, 3, WIDTH),
+                  _lane_sum(columns, high_parts, tops, weights, magic, 4, WIDTH),
+                  _lane_sum(columns, high_parts, tops, weights, magic, 5, WIDTH),
+                  _lane_sum(columns, high_parts, tops, weights, magic, 6, WIDTH),
+                  _lane_sum(columns, high_parts, tops, weights, magic, 7, WIDTH),
                   SLOTS, HALVES, COLS)
 
 
-# k5v5: a code's 4-bit and 1-bit planes merged before its lanes are taken apart. Taken plane by plane, a
-# 1-bit code costs what a 4-bit one does (a mask, an add and an FMA a lane); merged, each column costs a
-# few integer operations and each code one mask, add and FMA.
-SPREAD = tl.constexpr(0x410410)  # 2^4 + 2^10 + 2^16 + 2^22
-
-
 @triton.jit
-def _five_bit_column(low, high):
-    """A 4-bit plane's column (lane k at bit 4k) and the 1-bit plane's of the same channels (lane k at bit
-    k) as two words of four 5-bit codes, one a byte: lanes 0, 2, 4, 6 (even) and 1, 3, 5, 7 (odd), lane 2j
-    or 2j + 1 at bit 8j. A multiply moves high bit 2j (2j + 1) to bit 8j + 4: the products of distinct bits
-    land on distinct bits there, and no carry reaches them."""
-    even = (low & 0x0F0F0F0F) | (((high & 0x55) * SPREAD) & 0x10101010)
-    odd = ((low >> 4) & 0x0F0F0F0F) | (((high & 0xAA) * (SPREAD >> 1)) & 0x10101010)
-    return even, odd
-
-
-@triton.jit
-def _five_bit_columns(lows, highs):
-    """_five_bit_column of a thread's 8 rows: (evens, odds), 8 words each."""
-    e0, o0 = _five_bit_column(lows[0], highs[0])
-    e1, o1 = _five_bit_column(lows[1], highs[1])
-    e2, o2 = _five_bit_column(lows[2], highs[2])
-    e3, o3 = _five_bit_column(lows[3], highs[3])
-    e4, o4 = _five_bit_column(lows[4], highs[4])
-    e5, o5 = _five_bit_column(lows[5], highs[5])
-    e6, o6 = _five_bit_column(lows[6], highs[6])
-    e7, o7 = _five_bit_column(lows[7], highs[7])
-    return (e0, e1, e2, e3, e4, e5, e6, e7), (o0, o1, o2, o3, o4, o5, o6, o7)
-
-
-@triton.jit
-def _row_score_five(part, even, odd, lanes, magic):
-    """_row_score over one row's merged 5-bit column: lane 2j from byte j of `even`, 2j + 1 of `odd`."""
-    even_high = even >> 12
-    odd_high = odd >> 12
-    for j in tl.static_range(4):
-        part += lanes[2 * j] * _lane_code(even, even_high, magic, j, 8)
-        part += lanes[2 * j + 1] * _lane_code(odd, odd_high, magic, j, 8)
-    return part
-
-
-@triton.jit
-def _five_bit_scores(parts, evens, odds, folded, magic, SLOTS: tl.constexpr, HALVES: tl.constexpr,
-                     COLS: tl.constexpr):
-    """_plane_scores over merged 5-bit columns; folded with _lane_units(8, 1.0, True)."""
-    lanes = _lanes(folded, SLOTS, HALVES, COLS)
-    return (_row_score_five(parts[0], evens[0], odds[0], lanes, magic),
-            _row_score_five(parts[1], evens[1], odds[1], lanes, magic),
-            _row_score_five(parts[2], evens[2], odds[2], lanes, magic),
-            _row_score_five(parts[3], evens[3], odds[3], lanes, magic),
-            _row_score_five(parts[4], evens[4], odds[4], lanes, magic),
-            _row_score_five(parts[5], evens[5], odds[5], lanes, magic),
-            _row_score_five(parts[6], evens[6], odds[6], lanes, magic),
-            _row_score_five(parts[7], evens[7], odds[7], lanes, magic))
-
-
-@triton.jit
-def _five_bit_values(evens, odds, weighted, magic, SLOTS: tl.constexpr, HALVES: tl.constexpr,
-                     COLS: tl.constexpr):
-    """_plane_values over merged 5-bit columns (each lane times its _lane_units(8, 1.0, True) shift)."""
-    weights = _lanes(weighted, SLOTS, HALVES, COLS)
-    even_highs = (evens[0] >> 12, evens[1] >> 12, evens[2] >> 12, evens[3] >> 12,
-                  evens[4] >> 12, evens[5] >> 12, evens[6] >> 12, evens[7] >> 12)
-    odd_highs = (odds[0] >> 12, odds[1] >> 12, odds[2] >> 12, odds[3] >> 12,
-                 odds[4] >> 12, odds[5] >> 12, odds[6] >> 12, odds[7] >> 12)
-    return _stack(_lane_sum(evens, even_highs, weights, magic, 0, 8),
-                  _lane_sum(odds, odd_highs, weights, magic, 0, 8),
-                  _lane_sum(evens, even_highs, weights, magic, 1, 8),
-                  _lane_sum(odds, odd_highs, weights, magic, 1, 8),
-                  _lane_sum(evens, even_highs, weights, magic, 2, 8),
-                  _lane_sum(odds, odd_highs, weights, magic, 2, 8),
-                  _lane_sum(evens, even_highs, weights, magic, 3, 8),
-                  _lane_sum(odds, odd_highs, weights, magic, 3, 8),
-                  SLOTS, HALVES, COLS)
+def _code_columns(tile_ptr, rows, columns_at, ROW_BYTES: tl.constexpr, LOW_BITS: tl.constexpr,
+                  HIGH_BITS: tl.constexpr):
+    """A tile's first plane's columns of a thread's 8 rows and, for 5-bit codes, their _top_part from the
+    second plane (else the columns again, unread): (columns, tops), 8 tensors each."""
+    low = _plane_columns(tile_ptr, rows, columns_at, ROW_BYTES, 0, LOW_BITS)
+    if (LOW_BITS == 4) and (HIGH_BITS == 1):
+        high = _plane_columns(tile_ptr, rows, columns_at, ROW_BYTES, ROW_BYTES * 4 // 5, 1)  # after D / 2
+        tops = (_top_part(low[0], high[0]), _top_part(low[1], high[1]), _top_part(low[2], high[2]),
+                _top_part(low[3], high[3]), _top_part(low[4], high[4]), _top_part(low[5], high[5]),
+                _top_part(low[6], high[6]), _top_part(low[7], high[7]))
+    else:
+        tops = low
+    return low, tops
 
 
 @triton.jit
@@ -305,11 +263,11 @@ def _attend_packed(q, magic, column_step, m_slot, l_slot, acc_slot, t0, end, sin
     folded = q * channel_scale  # times each plane's _lane_units, exact (the high plane's 2^K_LOW_BITS too)
     K_FIVE: tl.constexpr = (K_LOW_BITS == 4) and (K_HIGH_BITS == 1)
     V_FIVE: tl.constexpr = (V_LOW_BITS == 4) and (V_HIGH_BITS == 1)
-    if K_FIVE:
-        folded_five = folded * _lane_units(8, 1.0, True)[None, None, None, :]
-    else:
-        folded_low = folded * _lane_units(K_LOW_BITS, 1.0, False)[None, None, None, :]
-        folded_high = folded * _lane_units(K_HIGH_BITS, 1 << K_LOW_BITS, False)[None, None, None, :]
+    K_WIDTH: tl.constexpr = 5 if K_FIVE else K_LOW_BITS  # the width the first plane's columns are read at
+    V_WIDTH: tl.constexpr = 5 if V_FIVE else V_LOW_BITS
+    folded_low = folded * _lane_units(K_WIDTH, 1.0)[None, None, None, :]
+    if K_HIGH_BITS > 0 and not K_FIVE:
+        folded_high = folded * _lane_units(K_HIGH_BITS, 1 << K_LOW_BITS)[None, None, None, :]
     # out_j = c_j (sum_i (p_i t_i) code_ij + sum_i p_i u_i), each half over its own rows.
     v_channel_scale = tl.load(value_scales + channel_of).to(tl.float32)
     for part in tl.static_range(G // PART_ROWS):
@@ -318,16 +276,12 @@ def _attend_packed(q, magic, column_step, m_slot, l_slot, acc_slot, t0, end, sin
         row_of = tl.broadcast_to(rows[:, :, :, None] + lane, SHAPE)  # a thread's rows, copies per column
         token_scale = tl.load(key_scales + 2 * D + row_of).to(tl.float32)
         parts = (zero_part, zero_part, zero_part, zero_part, zero_part, zero_part, zero_part, zero_part)
-        if K_FIVE:
-            evens, odds = _five_bit_columns(_plane_columns(key_tile, rows, columns_at, K_ROW, 0, 4),
-                                            _plane_columns(key_tile, rows, columns_at, K_ROW, D // 2, 1))
-            parts = _five_bit_scores(parts, evens, odds, folded_five, magic, SLOTS, HALVES, COLS)
-        else:
-            columns = _plane_columns(key_tile, rows, columns_at, K_ROW, 0, K_LOW_BITS)
-            parts = _plane_scores(parts, columns, folded_low, magic, K_LOW_BITS, SLOTS, HALVES, COLS)
-            if K_HIGH_BITS > 0:
-                columns = _plane_columns(key_tile, rows, columns_at, K_ROW, D * K_LOW_BITS // 8, K_HIGH_BITS)
-                parts = _plane_scores(parts, columns, folded_high, magic, K_HIGH_BITS, SLOTS, HALVES, COLS)
+        columns, tops = _code_columns(key_tile, rows, columns_at, K_ROW, K_LOW_BITS, K_HIGH_BITS)
+        parts = _plane_scores(parts, columns, tops, folded_low, magic, K_WIDTH, SLOTS, HALVES, COLS)
+        if K_HIGH_BITS > 0 and not K_FIVE:
+            columns = _plane_columns(key_tile, rows, columns_at, K_ROW, D * K_LOW_BITS // 8, K_HIGH_BITS)
+            parts = _plane_scores(parts, columns, columns, folded_high, magic, K_HIGH_BITS, SLOTS, HALVES,
+                                  COLS)
         scores = _stack(parts[0], parts[1], parts[2], parts[3], parts[4], parts[5], parts[6], parts[7], SLOTS,
                         HALVES, COLS)
         s = tl.sum(scores, 2, keep_dims=True) * token_scale  # each row's score, copies across its columns
@@ -348,20 +302,13 @@ def _attend_packed(q, magic, column_step, m_slot, l_slot, acc_slot, t0, end, sin
         v_token_zero = tl.load(value_scales + D + G + row_of).to(tl.float32)
         weighted = p * v_token_scale
         zero_term = tl.sum(p * v_token_zero, 3)[:, :, :, None]
-        if V_FIVE:
-            evens, odds = _five_bit_columns(_plane_columns(value_tile, rows, columns_at, V_ROW, 0, 4),
-                                            _plane_columns(value_tile, rows, columns_at, V_ROW, D // 2, 1))
-            tile_out = (_five_bit_values(evens, odds, weighted, magic, SLOTS, HALVES, COLS)
-                        * _lane_units(8, 1.0, True)[None, None, None, :] + zero_term)
-        else:
-            columns = _plane_columns(value_tile, rows, columns_at, V_ROW, 0, V_LOW_BITS)
-            tile_out = (_plane_values(columns, weighted, magic, V_LOW_BITS, SLOTS, HALVES, COLS)
-                        * _lane_units(V_LOW_BITS, 1.0, False)[None, None, None, :] + zero_term)
-            if V_HIGH_BITS > 0:
-                columns = _plane_columns(value_tile, rows, columns_at, V_ROW, D * V_LOW_BITS // 8,
-                                         V_HIGH_BITS)
-                tile_out += (_plane_values(columns, weighted, magic, V_HIGH_BITS, SLOTS, HALVES, COLS)
-                             * _lane_units(V_HIGH_BITS, 1 << V_LOW_BITS, False)[None, None, None, :])
+        columns, tops = _code_columns(value_tile, rows, columns_at, V_ROW, V_LOW_BITS, V_HIGH_BITS)
+        tile_out = (_plane_values(columns, tops, weighted, magic, V_WIDTH, SLOTS, HALVES, COLS)
+                    * _lane_units(V_WIDTH, 1.0)[None, None, None, :] + zero_term)
+        if V_HIGH_BITS > 0 and not V_FIVE:
+            columns = _plane_columns(value_tile, rows, columns_at, V_ROW, D * V_LOW_BITS // 8, V_HIGH_BITS)
+            tile_out += (_plane_values(columns, columns, weighted, magic, V_HIGH_BITS, SLOTS, HALVES, COLS)
+                         * _lane_units(V_HIGH_BITS, 1 << V_LOW_BITS)[None, None, None, :])
         acc_slot = acc_slot * alpha[:, :, :, None] + v_channel_scale * tile_out
     return m_slot, l_slot, acc_slot
 

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.kvarn_decode import MAGIC, PLANE_WIDTHS, _column, _lane_code
+from attention.kernels.kvarn_decode import MAGIC, PLANE_WIDTHS, _column, _lane_code, _top_part
 from attention.kernels.prefill import chunk_of_work_item
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -84,7 +84,14 @@ def _join_lanes(x0, x1, x2, x3, x4, x5, x6, x7):
 @triton.jit
 def _unit(k: tl.constexpr, WIDTH: tl.constexpr, FACTOR: tl.constexpr):
     """FACTOR / 2^(the bit _lane_code leaves lane k's code at): what undoes its shift (a power of two)."""
-    if WIDTH * k >= 16:
+    if WIDTH == 5:
+        if k >= 6:
+            return FACTOR / (1 << (5 * k - 30))
+        elif k >= 4:
+            return FACTOR / (1 << (5 * k - 12))
+        else:
+            return FACTOR / (1 << (5 * k))
+    elif WIDTH * k >= 16:
         return FACTOR / (1 << (WIDTH * k - 12))
     else:
         return FACTOR / (1 << (WIDTH * k))
@@ -94,12 +101,14 @@ def _unit(k: tl.constexpr, WIDTH: tl.constexpr, FACTOR: tl.constexpr):
 def _lane(low, high, magic, scale, offset, outer, k: tl.constexpr, LOW_BITS: tl.constexpr,
           HIGH_BITS: tl.constexpr):
     """Lane k of a tile (channels 8c + k) dequantized, fp16 [N, D / 8]: (code scale + offset) outer in fp32,
-    the code from the low plane's columns and the high plane's, if any (each a pair: the columns, and the
-    columns >> 12 for _lane_code). Keys: scale and offset per channel, outer per token; values the other
-    way round."""
-    x = _lane_code(low[0], low[1], magic, k, LOW_BITS) * (scale * _unit(k, LOW_BITS, 1.0)) + offset
-    if HIGH_BITS > 0:
-        x += (_lane_code(high[0], high[1], magic, k, HIGH_BITS)
+    the code from the low plane's columns and the high plane's, if any (each a triple for _lane_code: the
+    columns, the columns >> 12, and for 5-bit codes, read whole from `low`, their _top_part). Keys: scale
+    and offset per channel, outer per token; values the other way round."""
+    FIVE: tl.constexpr = (LOW_BITS == 4) and (HIGH_BITS == 1)
+    WIDTH: tl.constexpr = 5 if FIVE else LOW_BITS  # the width the low plane's columns are read at
+    x = _lane_code(low[0], low[1], low[2], magic, k, WIDTH) * (scale * _unit(k, WIDTH, 1.0)) + offset
+    if HIGH_BITS > 0 and not FIVE:
+        x += (_lane_code(high[0], high[1], high[2], magic, k, HIGH_BITS)
               * (scale * _unit(k, HIGH_BITS, 1 << LOW_BITS)))
     return (x * outer).to(tl.float16)
 
@@ -113,11 +122,12 @@ def _dequantize(tile_ptr, rows, one, magic, scale, offset, outer, D: tl.constexp
     [k] by lane."""
     ROW_BYTES: tl.constexpr = D * (LOW_BITS + HIGH_BITS) // 8
     columns = _plane_columns(tile_ptr, rows, one, ROW_BYTES, 0, LOW_BITS, D)
-    low = (columns, columns >> 12)
     if HIGH_BITS > 0:
-        columns = _plane_columns(tile_ptr, rows, one, ROW_BYTES, D * LOW_BITS // 8, HIGH_BITS, D)
-        high = (columns, columns >> 12)
+        high_columns = _plane_columns(tile_ptr, rows, one, ROW_BYTES, D * LOW_BITS // 8, HIGH_BITS, D)
+        high = (high_columns, high_columns >> 12, high_columns)
+        low = (columns, columns >> 12, _top_part(columns, high_columns))
     else:
+        low = (columns, columns >> 12, columns)
         high = low
     tile = _join_lanes(
         _lane(low, high, magic, scale[0], offset[0], outer[0], 0, LOW_BITS, HIGH_BITS),
