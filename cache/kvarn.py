@@ -20,6 +20,11 @@ D / 8 bytes too, but not bit by bit: each column of 8 codes (channels 8c .. 8c +
 code k at bit 5k, whose low 32 bits are the first plane's bytes 4c .. 4c + 3 (little-endian) and whose
 high 8 bits are the second plane's byte c. The decode kernel then takes every code out of a word in place
 (attention/kernels/kvarn_decode.py) instead of merging a code's bits from two planes.
+
+A pool record (one tile of G rows, [G, D * bits / 8] bytes) holds its rows' planes side by side, a row
+after a row, except at 5 bits (record_codes): first every row's 4-byte words (row r at r * D / 2), then
+the high bytes by 8-row groups, column-major within a group (row r, column c at G * D / 2 + (r // 8) * D +
+8c + r % 8), so that a kernel reads the 8 high bytes of 8 consecutive rows of a column in one load.
 """
 
 from __future__ import annotations
@@ -219,6 +224,32 @@ def _unpack_five_bit_columns(low: torch.Tensor, high: torch.Tensor) -> torch.Ten
     column = words | (high.to(torch.int64) << 32)
     shifts = torch.arange(0, 40, 5, dtype=torch.int64, device=low.device)
     return ((column[..., None] >> shifts) & 31).flatten(-2).to(torch.uint8)
+
+
+def record_codes(codes: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Code rows [..., n, D * bits / 8] (encode_tiles' layout, n <= group) as a pool record of `group` rows
+    (the module docstring; rows from n on are zero)."""
+    rows = codes.shape[-2]
+    if rows < group:
+        codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-2], group - rows, codes.shape[-1])], -2)
+    if bits != 5:
+        return codes
+    if group % 8:
+        raise ValueError(f"5-bit codes need tiles of a multiple of 8 rows, got {group}")
+    low, high = codes[..., :codes.shape[-1] * 4 // 5], codes[..., codes.shape[-1] * 4 // 5:]
+    grouped = high.reshape(*high.shape[:-2], group // 8, 8, high.shape[-1]).transpose(-1, -2)
+    return torch.cat([low.flatten(-2), grouped.flatten(-3)], -1).view(codes.shape)
+
+
+def row_codes(record: torch.Tensor, bits: int) -> torch.Tensor:
+    """record_codes' inverse: a pool record [..., G, D * bits / 8] as code rows (encode_tiles' layout)."""
+    if bits != 5:
+        return record
+    group, width = record.shape[-2:]
+    flat = record.flatten(-2)
+    low = flat[..., :group * width * 4 // 5].unflatten(-1, (group, width * 4 // 5))
+    high = flat[..., group * width * 4 // 5:].unflatten(-1, (group // 8, width // 5, 8)).transpose(-1, -2)
+    return torch.cat([low, high.flatten(-3, -2)], -1)
 
 
 def fp8_scale(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

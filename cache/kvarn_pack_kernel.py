@@ -11,7 +11,7 @@ which only some completed their tile in the step being replayed.
 
 Pool layout of one (loop, layer) slot, NB blocks:
     key_codes    uint8 [NB, KVH, G, D * key_bits / 8]    a token row's bit planes, in kvarn.PLANES order
-    value_codes  uint8 [NB, KVH, G, D * value_bits / 8]  (5 bits: D / 2 bytes, then D / 8: 40-bit columns)
+    value_codes  uint8 [NB, KVH, G, D * value_bits / 8]  (5 bits: 40-bit columns, kvarn.record_codes)
     key_scales   fp16  [NB, KVH, 2 D + G]    channel scale [D], channel zero [D], token scale [G]
     value_scales fp16  [NB, KVH, D + 2 G]    channel scale [D], token scale [G], token zero [G]
 
@@ -139,7 +139,7 @@ def _store_codes(codes, tile_ptr, offs_g, LOW_BITS: tl.constexpr, HIGH_BITS: tl.
     """A tile's codes [G, D] into its rows of planes: the low plane, then (if HIGH_BITS) the high one."""
     ROW_BYTES: tl.constexpr = D * (LOW_BITS + HIGH_BITS) // 8
     if (LOW_BITS == 4) and (HIGH_BITS == 1):
-        _store_five_bit_columns(codes, tile_ptr, offs_g, ROW_BYTES, G, D)
+        _store_five_bit_columns(codes, tile_ptr, offs_g, G, D)
     else:
         _store_plane(codes, tile_ptr, offs_g, ROW_BYTES, 0, LOW_BITS, G, D)
         if HIGH_BITS > 0:
@@ -147,18 +147,19 @@ def _store_codes(codes, tile_ptr, offs_g, LOW_BITS: tl.constexpr, HIGH_BITS: tl.
 
 
 @triton.jit
-def _store_five_bit_columns(codes, row_ptr, offs_g, ROW_BYTES: tl.constexpr, G: tl.constexpr,
-                            D: tl.constexpr):
-    """5-bit codes [G, D] as kvarn.pack_codes lays them out: each column of 8 a 40-bit integer (code k at
-    bit 5k), its low 4 bytes in the first plane and its high byte in the second."""
+def _store_five_bit_columns(codes, tile_ptr, offs_g, G: tl.constexpr, D: tl.constexpr):
+    """5-bit codes [G, D] as kvarn.record_codes lays them out: each column of 8 a 40-bit integer (code k at
+    bit 5k); every row's low 4 bytes of its columns first, then the high bytes by 8-row groups, row r's of
+    column c at G * D / 2 + (r // 8) * D + 8c + r % 8."""
     part = tl.reshape(codes.to(tl.int64), [G, D // 8, 8])
     column = tl.sum(part << (tl.arange(0, 8) * 5)[None, None, :], 2)  # [G, D / 8]
     offs_c = tl.arange(0, D // 8)
     low = (column[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 255
-    low_ptrs = (row_ptr + offs_g[:, None, None] * ROW_BYTES + offs_c[None, :, None] * 4
+    low_ptrs = (tile_ptr + offs_g[:, None, None] * (D // 2) + offs_c[None, :, None] * 4
                 + tl.arange(0, 4)[None, None, :])
     tl.store(low_ptrs, low.to(tl.uint8))
-    tl.store(row_ptr + offs_g[:, None] * ROW_BYTES + D // 2 + offs_c[None, :], (column >> 32).to(tl.uint8))
+    high_at = G * (D // 2) + (offs_g[:, None] // 8) * D + offs_c[None, :] * 8 + offs_g[:, None] % 8
+    tl.store(tile_ptr + high_at, (column >> 32).to(tl.uint8))
 
 
 @triton.jit

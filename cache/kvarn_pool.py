@@ -3,7 +3,7 @@
 torch (cache/kvarn.py's codec), which the torch attention backend stores and reads through; and, for the
 Triton backend's decode rows, `write_side_rows` and `pack_side_blocks` (the Triton pack kernel).
 
-    key_codes    uint8 [T*L, blocks, kv_heads, G, D * key_bits / 8]    (cache/kvarn.py: encode_tiles)
+    key_codes    uint8 [T*L, blocks, kv_heads, G, D * key_bits / 8]    (cache/kvarn.py: record_codes)
     value_codes  uint8 [T*L, blocks, kv_heads, G, D * value_bits / 8]
     key_scales   fp16  [T*L, blocks, kv_heads, 2 D + G]
     value_scales fp16  [T*L, blocks, kv_heads, D + 2 G]
@@ -107,13 +107,13 @@ class KVarNPool:
     def _pack(self, plane: int, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """One tile of rows (k, v [r, kv_heads, D], r <= G) into the record at (plane, block). A short tile
         (the prompt's last, under kv_sharing="last") is quantized over its r rows alone; its codes and
-        per-token scales take the places of a full tile's first r rows."""
+        per-token scales take the places of a full tile's first r rows (kvarn.record_codes)."""
         for rows, codes, scales, bits, keys in (
                 (k, self.key_codes, self.key_scales, self.fmt.key_bits, True),
                 (v, self.value_codes, self.value_scales, self.fmt.value_bits, False)):
             tile = rows.to(self.side_keys.dtype).transpose(0, 1)  # [kv_heads, r, D]
             tile_codes, tile_scales = kvarn.encode_tiles(tile, bits, keys, self.rotation, self.iterations)
-            codes[plane, block, :, :tile.shape[1]] = tile_codes
+            codes[plane, block] = kvarn.record_codes(tile_codes, bits, self.block_size)
             scales[plane, block, :, self._scale_columns(keys, tile.shape[1])] = tile_scales
 
     def _scale_columns(self, keys: bool, rows: int) -> list[int]:
@@ -157,13 +157,14 @@ class KVarNPool:
                 (self.value_codes, self.value_scales, self.fmt.value_bits, False, out_v)):
             if full:
                 records = (planes[:full], blocks[:full])
-                tiles = kvarn.decode_tiles(codes[records], scales[records], bits, keys,
-                                           self.rotation)  # [full, kv_heads, G, D]
+                tiles = kvarn.decode_tiles(kvarn.row_codes(codes[records], bits), scales[records], bits,
+                                           keys, self.rotation)  # [full, kv_heads, G, D]
                 out[:full * g] = tiles.transpose(1, 2).flatten(0, 1)
             if len(planes) > full:  # a short last tile
                 rows, record = length - full * g, (int(planes[full]), int(blocks[full]))
                 columns = self._scale_columns(keys, rows)
-                tile = kvarn.decode_tiles(codes[record][:, :rows], scales[record][:, columns], bits, keys,
+                tile = kvarn.decode_tiles(kvarn.row_codes(codes[record], bits)[:, :rows],
+                                          scales[record][:, columns], bits, keys,
                                           self.rotation)  # [kv_heads, rows, D]
                 out[full * g:] = tile.transpose(0, 1)
         return out_k, out_v

@@ -58,8 +58,9 @@ def check_rotating_pack(fmt: KVFormat, kv_heads: int, head_dim: int, dtype: torc
             want = exact[rows[tile]].transpose(0, 1).float()  # [kv_heads, G, D], rotated
             error = []
             for pool in (by_caller, by_kernel):
-                decoded = kvarn.decode_tiles(pool[codes][block], pool[scales][block],
-                                             fmt.key_bits if keys else fmt.value_bits, keys, None)
+                bits = fmt.key_bits if keys else fmt.value_bits
+                decoded = kvarn.decode_tiles(kvarn.row_codes(pool[codes][block], bits), pool[scales][block],
+                                             bits, keys, None)
                 error.append(float((decoded - want).abs().mean()))
             assert error[1] <= 1.05 * error[0] + 1e-6, (keys, error)
 

@@ -36,8 +36,9 @@ def empty_pool(num_blocks, kv_heads, group, head_dim, key_bits, value_bits):
                        device=DEVICE))
 
 
-def split_planes(rows, bits, head_dim):
-    """A pool block's code rows [..., bytes] as kvarn.unpack_codes takes them: one tensor per bit plane."""
+def split_planes(record, bits, head_dim):
+    """A pool block's codes [..., G, bytes] as kvarn.unpack_codes takes them: one tensor per bit plane."""
+    rows = kvarn.row_codes(record, bits)
     planes, first = [], 0
     for width in kvarn.PLANES[bits]:
         planes.append(rows[..., first:first + head_dim * width // 8])
@@ -64,10 +65,14 @@ def write_reference_tile(pool, block, k_tile, v_tile, key_bits, value_bits):
     """The torch codec's encoding of k_tile, v_tile [kv_heads, G, D] into block `block` of the pool
     (kvarn.encode_tiles, unrotated), and what attention reads of it."""
     key_codes, value_codes, key_scales, value_scales = pool
-    key_codes[block], key_scales[block] = kvarn.encode_tiles(k_tile, key_bits, True, None)
-    value_codes[block], value_scales[block] = kvarn.encode_tiles(v_tile, value_bits, False, None)
-    return (kvarn.decode_tiles(key_codes[block], key_scales[block], key_bits, True, None),
-            kvarn.decode_tiles(value_codes[block], value_scales[block], value_bits, False, None))
+    group = k_tile.shape[-2]
+    for codes, scales, tile, bits, keys in ((key_codes, key_scales, k_tile, key_bits, True),
+                                            (value_codes, value_scales, v_tile, value_bits, False)):
+        tile_codes, scales[block] = kvarn.encode_tiles(tile, bits, keys, None)
+        codes[block] = kvarn.record_codes(tile_codes, bits, group)
+    return tuple(kvarn.decode_tiles(kvarn.row_codes(codes[block], bits), scales[block], bits, keys, None)
+                 for codes, scales, bits, keys in ((key_codes, key_scales, key_bits, True),
+                                                   (value_codes, value_scales, value_bits, False)))
 
 
 def one_head(quantized, head):

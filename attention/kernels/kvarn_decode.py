@@ -46,8 +46,9 @@ PLANE_WIDTHS = {2: (2, 0), 4: (4, 0), 5: (4, 1), 8: (4, 4)}
 
 # Decode's lane-split form of a packed tile. A column is 8 codes of one token row, channels 8c .. 8c + 7:
 # one element of a bit plane (a uint32 word of 4-bit codes, uint16 of 2-bit, uint8 of 1-bit; 5-bit codes
-# a uint32 word of the first plane and a uint8 of the second, their 40-bit column), so each plane's row is
-# D / 8 columns and one code tensor per plane serves all widths. The tile's rows are cut
+# a uint32 word and a high byte, their 40-bit column, the high bytes of a thread's 8 rows one uint64 load:
+# cache/kvarn.py's record_codes), so each plane's row is D / 8 columns and one code tensor per plane serves
+# all widths. The tile's rows are cut
 # into SLOTS slots of HALVES * 8 rows (SLOTS = 4, one per warp at num_warps 4, from G = 64 on; HALVES = 2
 # from G = 16 on; a tile of more rows is taken 64 at a time); a thread holds one column of 8 rows of its
 # slot (row (slot * HALVES + half) * 8 + r). So every per-tile tensor is [SLOTS, HALVES, D / 8, 8], warps
@@ -215,17 +216,29 @@ def _plane_values(columns, tops, weighted, magic, WIDTH: tl.constexpr, SLOTS: tl
 
 
 @triton.jit
+def _high_bytes(tile_ptr, rows, columns_at, G: tl.constexpr, D: tl.constexpr):
+    """The high bytes of 5-bit codes' 40-bit columns (kvarn.record_codes: by 8-row groups, column-major in
+    a group) of a thread's 8 rows, one 8-byte load: 8 tensors of uint32 [SLOTS, HALVES, COLS]."""
+    group = tile_ptr + G * (D // 2) + rows * (D // 8) + columns_at * 8  # rows: a multiple of 8
+    word = tl.load(group.to(tl.pointer_type(tl.uint64)))
+    low, high = word.to(tl.uint32), (word >> 32).to(tl.uint32)
+    return (low & 255, (low >> 8) & 255, (low >> 16) & 255, low >> 24,
+            high & 255, (high >> 8) & 255, (high >> 16) & 255, high >> 24)
+
+
+@triton.jit
 def _code_columns(tile_ptr, rows, columns_at, ROW_BYTES: tl.constexpr, LOW_BITS: tl.constexpr,
-                  HIGH_BITS: tl.constexpr):
-    """A tile's first plane's columns of a thread's 8 rows and, for 5-bit codes, their _top_part from the
-    second plane (else the columns again, unread): (columns, tops), 8 tensors each."""
-    low = _plane_columns(tile_ptr, rows, columns_at, ROW_BYTES, 0, LOW_BITS)
+                  HIGH_BITS: tl.constexpr, G: tl.constexpr, D: tl.constexpr):
+    """A tile's first plane's columns of a thread's 8 rows and, for 5-bit codes, their _top_part (else the
+    columns again, unread): (columns, tops), 8 tensors each. 5-bit codes' words are a row's D / 2 bytes."""
     if (LOW_BITS == 4) and (HIGH_BITS == 1):
-        high = _plane_columns(tile_ptr, rows, columns_at, ROW_BYTES, ROW_BYTES * 4 // 5, 1)  # after D / 2
+        low = _plane_columns(tile_ptr, rows, columns_at, D // 2, 0, 4)
+        high = _high_bytes(tile_ptr, rows, columns_at, G, D)
         tops = (_top_part(low[0], high[0]), _top_part(low[1], high[1]), _top_part(low[2], high[2]),
                 _top_part(low[3], high[3]), _top_part(low[4], high[4]), _top_part(low[5], high[5]),
                 _top_part(low[6], high[6]), _top_part(low[7], high[7]))
     else:
+        low = _plane_columns(tile_ptr, rows, columns_at, ROW_BYTES, 0, LOW_BITS)
         tops = low
     return low, tops
 
@@ -276,7 +289,7 @@ def _attend_packed(q, magic, column_step, m_slot, l_slot, acc_slot, t0, end, sin
         row_of = tl.broadcast_to(rows[:, :, :, None] + lane, SHAPE)  # a thread's rows, copies per column
         token_scale = tl.load(key_scales + 2 * D + row_of).to(tl.float32)
         parts = (zero_part, zero_part, zero_part, zero_part, zero_part, zero_part, zero_part, zero_part)
-        columns, tops = _code_columns(key_tile, rows, columns_at, K_ROW, K_LOW_BITS, K_HIGH_BITS)
+        columns, tops = _code_columns(key_tile, rows, columns_at, K_ROW, K_LOW_BITS, K_HIGH_BITS, G, D)
         parts = _plane_scores(parts, columns, tops, folded_low, magic, K_WIDTH, SLOTS, HALVES, COLS)
         if K_HIGH_BITS > 0 and not K_FIVE:
             columns = _plane_columns(key_tile, rows, columns_at, K_ROW, D * K_LOW_BITS // 8, K_HIGH_BITS)
@@ -302,7 +315,7 @@ def _attend_packed(q, magic, column_step, m_slot, l_slot, acc_slot, t0, end, sin
         v_token_zero = tl.load(value_scales + D + G + row_of).to(tl.float32)
         weighted = p * v_token_scale
         zero_term = tl.sum(p * v_token_zero, 3)[:, :, :, None]
-        columns, tops = _code_columns(value_tile, rows, columns_at, V_ROW, V_LOW_BITS, V_HIGH_BITS)
+        columns, tops = _code_columns(value_tile, rows, columns_at, V_ROW, V_LOW_BITS, V_HIGH_BITS, G, D)
         tile_out = (_plane_values(columns, tops, weighted, magic, V_WIDTH, SLOTS, HALVES, COLS)
                     * _lane_units(V_WIDTH, 1.0)[None, None, None, :] + zero_term)
         if V_HIGH_BITS > 0 and not V_FIVE:

@@ -114,19 +114,26 @@ def _lane(low, high, magic, scale, offset, outer, k: tl.constexpr, LOW_BITS: tl.
 
 
 @triton.jit
-def _dequantize(tile_ptr, rows, one, magic, scale, offset, outer, D: tl.constexpr, LOW_BITS: tl.constexpr,
-                HIGH_BITS: tl.constexpr):
-    """Rows `rows` of a packed tile's codes at tile_ptr, dequantized: fp16 [N, D], each
+def _dequantize(tile_ptr, rows, one, magic, scale, offset, outer, D: tl.constexpr, G: tl.constexpr,
+                LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr):
+    """Rows `rows` of a packed tile's codes (of G rows) at tile_ptr, dequantized: fp16 [N, D], each
     (code_ij scale + offset) outer, computed in fp32 and rounded once. Per-channel factors come as 8 lanes
     (_channel_lanes), per-token ones as [N, 1]; either way each of scale, offset and outer is indexed
     [k] by lane."""
     ROW_BYTES: tl.constexpr = D * (LOW_BITS + HIGH_BITS) // 8
-    columns = _plane_columns(tile_ptr, rows, one, ROW_BYTES, 0, LOW_BITS, D)
-    if HIGH_BITS > 0:
+    if (LOW_BITS == 4) and (HIGH_BITS == 1):  # 40-bit columns (kvarn.record_codes)
+        columns = _plane_columns(tile_ptr, rows, one, D // 2, 0, 4, D)
+        high_at = (G * (D // 2) + (rows[:, None] // 8) * D + tl.arange(0, D // 8)[None, :] * one * 8
+                   + rows[:, None] % 8)
+        low = (columns, columns >> 12, _top_part(columns, tl.load(tile_ptr + high_at).to(tl.uint32)))
+        high = low
+    elif HIGH_BITS > 0:
+        columns = _plane_columns(tile_ptr, rows, one, ROW_BYTES, 0, LOW_BITS, D)
         high_columns = _plane_columns(tile_ptr, rows, one, ROW_BYTES, D * LOW_BITS // 8, HIGH_BITS, D)
         high = (high_columns, high_columns >> 12, high_columns)
-        low = (columns, columns >> 12, _top_part(columns, high_columns))
+        low = (columns, columns >> 12, columns)
     else:
+        columns = _plane_columns(tile_ptr, rows, one, ROW_BYTES, 0, LOW_BITS, D)
         low = (columns, columns >> 12, columns)
         high = low
     tile = _join_lanes(
@@ -154,7 +161,7 @@ def _packed_keys(key_codes_ptr, key_scales_ptr, slot, rows, one, magic, D: tl.co
     rows_of = (token_scale, token_scale, token_scale, token_scale, token_scale, token_scale, token_scale,
                token_scale)
     return _dequantize(key_codes_ptr + slot * (G * D * (LOW_BITS + HIGH_BITS) // 8), rows, one, magic,
-                       _channel_lanes(scales, D), _channel_lanes(scales + D, D), rows_of, D, LOW_BITS,
+                       _channel_lanes(scales, D), _channel_lanes(scales + D, D), rows_of, D, G, LOW_BITS,
                        HIGH_BITS)
 
 
@@ -166,7 +173,7 @@ def _packed_values(value_codes_ptr, value_scales_ptr, slot, rows, one, magic, D:
     t = tl.load(scales + D + rows).to(tl.float32)[:, None]
     u = tl.load(scales + D + G + rows).to(tl.float32)[:, None]
     return _dequantize(value_codes_ptr + slot * (G * D * (LOW_BITS + HIGH_BITS) // 8), rows, one, magic,
-                       (t, t, t, t, t, t, t, t), (u, u, u, u, u, u, u, u), _channel_lanes(scales, D), D,
+                       (t, t, t, t, t, t, t, t), (u, u, u, u, u, u, u, u), _channel_lanes(scales, D), D, G,
                        LOW_BITS, HIGH_BITS)
 
 
