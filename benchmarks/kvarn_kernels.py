@@ -8,7 +8,12 @@ heads, head_dim 128, with a bf16 side pool.
 
 Decode: rows x context 16 x 8192, 64 x 2048 and 1 x 2048, per format (kvarn_k4v2_g64, kvarn_k4v4_g64,
 kvarn_k5v5_g64) and per high-precision window (sink, tail), each row's tiles in shuffled blocks of a pool
-that holds exactly them. Each call (the split kernel and, with several splits, the merge) is timed with CUDA
+that holds exactly them. Each call is timed two ways: as the engine makes it ("engine": fp32 queries, the
+side rows unrotated, so the split kernel keeps a second output and the packed share is rotated back after
+the merge) and over one basis ("one basis": the bf16 query, side rows taken as rotated; the split kernel
+and, with several splits, the merge). The two compile differently (k5v5 at 2 warps, bf74d5a: 128 registers
+against 167, and loads issued later in the tile loop), which is why both are kept. Until bf74d5a the
+benchmark timed only the one-basis call. Each call is timed with CUDA
 events after a write of 256 MiB that evicts the L2, median over --reps; its bytes are what it must read once
 (packed tiles with their fp16 scales, side rows, queries, tables) and its output, and GB/s is their rate. The
 Triton backend's dense decode kernel runs at the same shapes as the baseline, over a bf16 and an fp8_e4m3
@@ -113,6 +118,11 @@ class PackedStep:
         self.context_lens = torch.full((rows,), context, dtype=torch.int32, device=device)
         self.q = torch.randn(rows, HEADS, d, dtype=SIDE_DTYPE, device=device)
         self.out = torch.empty(rows, HEADS, d, dtype=torch.float32, device=device)
+        # The engine's call (attention/triton_kvarn.py): fp32 queries, the rotated one and the model's own
+        # (the side rows' basis), and the rotation that turns the packed tiles' share back.
+        self.rotation = kvarn.hadamard(d, device=device)
+        self.q_model = self.q.float()
+        self.q_rotated = self.q_model @ self.rotation
         side_rows = high_precision_rows(context, g, sink, tail)
         self.bytes = {
             "packed": rows * packed_tiles * KV_HEADS * fmt.tile_bytes(d),
@@ -121,13 +131,20 @@ class PackedStep:
                       + 2 * self.block_tables.numel() * 4 + rows * 4),
         }
 
-    def __call__(self, num_warps: int = 4) -> torch.Tensor:
+    def __call__(self, num_warps: int = 4, engine_call: bool = True) -> torch.Tensor:
+        """engine_call: as the engine calls it (two bases, the packed share rotated back); else one basis,
+        over the bf16 query as given (side rows in the rotated basis), into a preallocated output."""
         from attention.kernels.kvarn_decode import kvarn_decode
 
-        return kvarn_decode(self.q, self.key_codes, self.value_codes, self.key_scales, self.value_scales,
-                            self.side_k, self.side_v, self.block_tables, self.side_tables, self.context_lens,
-                            self.fmt.key_bits, self.fmt.value_bits, sink=self.sink, tail=self.tail,
-                            max_context_len=self.context, out=self.out, num_warps=num_warps)
+        pools = (self.key_codes, self.value_codes, self.key_scales, self.value_scales, self.side_k,
+                 self.side_v, self.block_tables, self.side_tables, self.context_lens, self.fmt.key_bits,
+                 self.fmt.value_bits)
+        if engine_call:
+            return kvarn_decode(self.q_rotated, *pools, sink=self.sink, tail=self.tail,
+                                max_context_len=self.context, num_warps=num_warps, q=self.q_model,
+                                rotation=self.rotation)
+        return kvarn_decode(self.q, *pools, sink=self.sink, tail=self.tail, max_context_len=self.context,
+                            out=self.out, num_warps=num_warps)
 
 
 def decode_rows(timer: EventTimer, formats: list[str]) -> list[dict]:
@@ -139,11 +156,14 @@ def decode_rows(timer: EventTimer, formats: list[str]) -> list[dict]:
                 if not torch.isfinite(step()).all():
                     raise RuntimeError(f"{name} {rows} x {context}: the decode output is not finite")
                 total = sum(step.bytes.values())
-                for num_warps in NUM_WARPS:
-                    us = timer(lambda: step(num_warps))
-                    results.append({"kv_cache_dtype": name, "rows": rows, "context": context, "sink": sink,
-                                    "tail": tail, "num_warps": num_warps, "us": us, "bytes": total,
-                                    "bytes_by_kind": step.bytes, "gbps": total / us / 1e3})
+                for engine_call in (True, False):
+                    for num_warps in NUM_WARPS:
+                        us = timer(lambda: step(num_warps, engine_call))
+                        results.append({"kv_cache_dtype": name, "rows": rows, "context": context,
+                                        "sink": sink, "tail": tail,
+                                        "call": "engine" if engine_call else "one basis",
+                                        "num_warps": num_warps, "us": us, "bytes": total,
+                                        "bytes_by_kind": step.bytes, "gbps": total / us / 1e3})
     return results
 
 
@@ -294,13 +314,13 @@ def table(payload: dict) -> str:
     lines = [f"{payload['device']}, torch {payload['torch']}, triton {payload['triton']}, commit "
              f"{payload['commit']}; heads {HEADS}, kv heads {KV_HEADS}, head_dim {HEAD_DIM}, bf16 side pool",
              "",
-             "| kv_cache_dtype | rows x context | sink, tail | num_warps | µs | MB read | GB/s |",
-             "|---|---|---|---|---|---|---|"]
+             "| kv_cache_dtype | rows x context | sink, tail | call | num_warps | µs | MB read | GB/s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in payload["dense"] + payload["decode"]:
         window = f"{r['sink']}, {r['tail']}" if "sink" in r else "-"
         lines.append(f"| {r['kv_cache_dtype']} | {r['rows']} x {r['context']} | {window} | "
-                     f"{r.get('num_warps', '-')} | {r['us']:.1f} | {r['bytes'] / 1e6:.1f} | "
-                     f"{r['gbps']:.0f} |")
+                     f"{r.get('call', 'engine')} | {r.get('num_warps', '-')} | {r['us']:.1f} | "
+                     f"{r['bytes'] / 1e6:.1f} | {r['gbps']:.0f} |")
     lines += ["", "Prefill (one call; bf16: the Triton backend's paged prefill, its KV store included)", "",
               "| kv_cache_dtype | rows x (prefix + new) | sink, tail | block_m | ms | TFLOP/s | tokens/s | "
               "x bf16 time |", "|---|---|---|---|---|---|---|---|"]

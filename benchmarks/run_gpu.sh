@@ -22,12 +22,9 @@
 #   fp8: the fp8 tests (on CUDA), then fp8 decode attention at 1 x 512, 64 x 2K and 16 x 8K with the tunables sweep
 #   fp8tpot: TPOT (CUDA graphs) of fp8_e4m3 at 16 x 8K and 64 x 2K, then the decode-step profiles of fp8 and bf16 at
 #            16 x 8K
-#   k5v5: the KVarN decode kernels' timing, TPOT (CUDA graphs) of kvarn_k5v5_g64 against bf16 at 16 x 8K and
-#         64 x 2K, the KVarN gpu tests (token checks of the engine's decode kernel), eager TPOT at 1 x 2K
-#   k5v5prof: the KVarN engine gpu tests, the k5v5 and k4v4 decode kernels' timing, the decode-step profile of
-#             kvarn_k5v5_g64 at 16 x 8K (with the kernels charged the most)
-#   k5v5cols: the k5v5 and k4v4 decode kernels' timing, TPOT (CUDA graphs) of kvarn_k5v5_g64 against bf16 at
-#             16 x 8K and 64 x 2K, then the k5v5 kernel gpu tests and the KVarN engine gpu tests
+#   k5v5: the k5v5 and k4v4 decode kernels' timing (the engine's call and the one-basis one), TPOT (CUDA
+#         graphs) of kvarn_k5v5_g64 against bf16 at 16 x 8K and 64 x 2K, the k5v5 kernel and KVarN engine gpu
+#         tests, then the decode-step profile of kvarn_k5v5_g64 at 16 x 8K
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
@@ -124,28 +121,7 @@ elif [ "$PART" = fp8tpot ]; then
       --prompt 8192 --steps 3 --kv-cache-dtype $kv --block-size 64 --out "$OUT/profile-16x8k-$kv.json"
   done
 elif [ "$PART" = k5v5 ]; then
-  step 60 python -m benchmarks.kvarn_kernels --decode-only --no-dense --out "$OUT/kvarn_kernels.json"
-  wait
-  for shape in "8192 16" "2048 64"; do
-    set -- $shape
-    step 150 python -m benchmarks.latency --preset ouro-1.4b --modes graph --block-size 64 \
-      --kv-cache-dtypes kvarn_k5v5_g64 bf16 --prompts "$1" --batches "$2" --decode-steps 16 \
-      --out "$OUT/latency-k5v5-$2x$1.json"
-  done
-  timeout 150 python -m pytest -q -m gpu tests/test_kvarn_kernels.py tests/test_kv_cache_dtype.py -k kvarn \
-    --timeout 120 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
-  step 60 python -m benchmarks.latency --preset ouro-1.4b --prompts 2048 --batches 1 --modes eager \
-    --out "$OUT/latency-eager.json"
-elif [ "$PART" = k5v5prof ]; then
-  timeout 200 python -m pytest -q -m gpu tests/test_kv_cache_dtype.py -k kvarn --timeout 150 -rfE 2>&1 \
-    | tee "$OUT/gpu_tests.log" | tail -n 15
   step 150 python -m benchmarks.kvarn_kernels --decode-only --no-dense --formats kvarn_k5v5_g64,kvarn_k4v4_g64 \
-    --out "$OUT/kvarn_kernels.json"
-  wait
-  step 120 python -m benchmarks.profile_decode --model /tmp/loop-engine-bench/ouro-1.4b --batch 16 \
-    --prompt 8192 --steps 3 --kv-cache-dtype kvarn_k5v5_g64 --block-size 64 --out "$OUT/profile-16x8k-k5v5.json"
-elif [ "$PART" = k5v5cols ]; then
-  step 120 python -m benchmarks.kvarn_kernels --decode-only --no-dense --formats kvarn_k5v5_g64,kvarn_k4v4_g64 \
     --out "$OUT/kvarn_kernels.json"
   wait
   for shape in "8192 16" "2048 64"; do
@@ -156,6 +132,8 @@ elif [ "$PART" = k5v5cols ]; then
   done
   timeout 200 python -m pytest -q -m gpu tests/test_kvarn_kernels.py tests/test_kv_cache_dtype.py -k "k5v5 or engine" \
     --timeout 150 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+  step 100 python -m benchmarks.profile_decode --model /tmp/loop-engine-bench/ouro-1.4b --batch 16 \
+    --prompt 8192 --steps 3 --kv-cache-dtype kvarn_k5v5_g64 --block-size 64 --out "$OUT/profile-16x8k-k5v5.json"
 elif [ "$PART" = gputests ]; then
   timeout "${TEST_LIMIT:-560}" python -m pytest -q -m gpu tests/ --timeout 150 -rfE --durations=25 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 60

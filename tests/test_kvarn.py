@@ -97,6 +97,29 @@ def test_codes_pack_into_bit_planes_and_back_exactly(bits):
         kvarn.pack_codes(codes, 3)
 
 
+def test_five_bit_codes_are_40_bit_columns_with_the_high_bytes_grouped_by_8_rows_in_a_record():
+    group, head_dim = 16, 32
+    codes = torch.randint(0, 32, (2, group, head_dim), dtype=torch.uint8)
+    low, high = kvarn.pack_codes(codes, 5)
+    column = codes[1, 9, 8:16].long()  # row 9, column 1: code k at bit 5k of one 40-bit integer
+    value = int(sum(int(code) << (5 * k) for k, code in enumerate(column)))
+    assert int.from_bytes(bytes(low[1, 9, 4:8].tolist()), "little") == value & 0xFFFFFFFF
+    assert int(high[1, 9, 1]) == value >> 32
+    rows = torch.cat([low, high], -1)
+    record = kvarn.record_codes(rows, 5, group)
+    flat = record[1].flatten()
+    assert torch.equal(flat[:group * head_dim // 2], low[1].flatten())  # every row's words first
+    # row 9 = group 1, row 1 of it; column 1: G D / 2 + (r // 8) D + 8 c + r % 8
+    assert int(flat[group * head_dim // 2 + 1 * head_dim + 1 * 8 + 1]) == int(high[1, 9, 1])
+    assert torch.equal(kvarn.row_codes(record, 5), rows)
+    short = kvarn.record_codes(rows[:, :5], 5, group)  # a short tile: its rows, then zeros
+    assert torch.equal(kvarn.row_codes(short, 5)[:, :5], rows[:, :5])
+    assert not kvarn.row_codes(short, 5)[:, 5:].any()
+    assert torch.equal(kvarn.record_codes(rows, 4, group), rows)  # other widths: rows as they are
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
+        kvarn.record_codes(rows[:, :4], 5, 4)
+
+
 def test_attention_over_codes_with_folded_scales_equals_attention_over_decoded_tiles():
     x = tiles(4, 64, 32)
     keys, values = kvarn.quantize_keys(x, 4), kvarn.quantize_values(x.flip(-2), 2)
