@@ -181,6 +181,16 @@ def kvarn_forward(step: KVarNStep, meta: AttentionMetadata, pool, slot: int, q: 
     return out
 
 
+def decode_maxnreg(key_bits: int, value_bits: int) -> int | None:
+    """The register cap the engine gives ptxas for the KVarN decode kernel: 255 (none to speak of) where a
+    plane is 5-bit, else no directive. Without a .maxnreg directive ptxas (CUDA 12.8, sm_90, 2 warps) holds
+    the engine's k5v5 variant to 128 registers and issues its value loads some 170 instructions into the
+    tile loop; with one it takes 168 and issues them at the top, as the one-basis variant that ran 194 µs a
+    call at 16 x 8K (167 registers) does, where the engine's took 231 µs (docs/low_bit_kv.md). k4v2 and k4v4
+    issue every load at the top without it."""
+    return 255 if 5 in (key_bits, value_bits) else None
+
+
 def _decode(step: KVarNStep, pool, slot: int, query: torch.Tensor, scale: float, split_cap: int,
             split_min_keys: int) -> torch.Tensor:
     """The decode rows' attention (query fp32 [R, heads, D], unrotated): the unrotated output, fp32."""
@@ -192,5 +202,6 @@ def _decode(step: KVarNStep, pool, slot: int, query: torch.Tensor, scale: float,
                         pool.key_scales[slot], pool.value_scales[slot], pool.side_keys[slot],
                         pool.side_values[slot], step.block_tables, step.decode_side_tables, step.context_lens,
                         fmt.key_bits, fmt.value_bits, pool.sink, pool.tail, scale, split_cap, split_min_keys,
-                        step.max_context_len, num_warps=num_warps, q=query, rotation=rotation)
+                        step.max_context_len, num_warps=num_warps, q=query, rotation=rotation,
+                        maxnreg=decode_maxnreg(fmt.key_bits, fmt.value_bits))
 

@@ -10,10 +10,11 @@ Decode: rows x context 16 x 8192, 64 x 2048 and 1 x 2048, per format (kvarn_k4v2
 kvarn_k5v5_g64) and per high-precision window (sink, tail), each row's tiles in shuffled blocks of a pool
 that holds exactly them. Each call is timed two ways: as the engine makes it ("engine": fp32 queries, the
 side rows unrotated, so the split kernel keeps a second output and the packed share is rotated back after
-the merge) and over one basis ("one basis": the bf16 query, side rows taken as rotated; the split kernel
-and, with several splits, the merge). The two compile differently (k5v5 at 2 warps, bf74d5a: 128 registers
-against 167, and loads issued later in the tile loop), which is why both are kept. Until bf74d5a the
-benchmark timed only the one-basis call. Each call is timed with CUDA
+the merge; the engine's register cap, attention/triton_kvarn.py's decode_maxnreg) and over one basis ("one
+basis": the bf16 query, side rows taken as rotated; the split kernel and, with several splits, the merge).
+The two compile differently (k5v5 at 2 warps, bf74d5a, no register cap: 128 registers against 167, and
+value loads issued later in the tile loop), which is why both are kept. Until bf74d5a the benchmark timed
+only the one-basis call. Each call is timed with CUDA
 events after a write of 256 MiB that evicts the L2, median over --reps; its bytes are what it must read once
 (packed tiles with their fp16 scales, side rows, queries, tables) and its output, and GB/s is their rate. The
 Triton backend's dense decode kernel runs at the same shapes as the baseline, over a bf16 and an fp8_e4m3
@@ -135,6 +136,7 @@ class PackedStep:
         """engine_call: as the engine calls it (two bases, the packed share rotated back); else one basis,
         over the bf16 query as given (side rows in the rotated basis), into a preallocated output."""
         from attention.kernels.kvarn_decode import kvarn_decode
+        from attention.triton_kvarn import decode_maxnreg
 
         pools = (self.key_codes, self.value_codes, self.key_scales, self.value_scales, self.side_k,
                  self.side_v, self.block_tables, self.side_tables, self.context_lens, self.fmt.key_bits,
@@ -142,7 +144,8 @@ class PackedStep:
         if engine_call:
             return kvarn_decode(self.q_rotated, *pools, sink=self.sink, tail=self.tail,
                                 max_context_len=self.context, num_warps=num_warps, q=self.q_model,
-                                rotation=self.rotation)
+                                rotation=self.rotation,
+                                maxnreg=decode_maxnreg(self.fmt.key_bits, self.fmt.value_bits))
         return kvarn_decode(self.q, *pools, sink=self.sink, tail=self.tail, max_context_len=self.context,
                             out=self.out, num_warps=num_warps)
 

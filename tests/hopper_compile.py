@@ -27,6 +27,7 @@ from attention.kernels.kvarn_decode import PLANE_WIDTHS, kvarn_decode_split_kern
 from attention.kernels.kvarn_prefill import kvarn_prefill_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
 from attention.kernels.rotate import rotate_rows_kernel
+from attention.triton_kvarn import decode_maxnreg
 from cache.copy_forward_kernel import copy_forward_kernel
 from model.kernels.fused import rmsnorm_kernel, rope_qkv_kernel, silu_mul_kernel
 from model.kernels.gemv import skinny_gemm_kernel
@@ -66,10 +67,11 @@ KVARN_POINTERS = {"key_codes_ptr": "*u8", "value_codes_ptr": "*u8", "key_scales_
 
 
 def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int,
-                       cache_dtype: str | None = None, pointers: dict[str, str] | None = None) -> tuple:
+                       cache_dtype: str | None = None, pointers: dict[str, str] | None = None,
+                       maxnreg: int | None = None) -> tuple:
     """cache_dtype: the KV pool's element type where it is not `dtype` (fp8e4nv: an fp8 pool). pointers:
-    pointee types by argument name, over the defaults. Returns the compiled kernel and what is wrong with a
-    PDL variant's order."""
+    pointee types by argument name, over the defaults. maxnreg: a register cap, as a launch passes it.
+    Returns the compiled kernel and what is wrong with a PDL variant's order."""
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -81,7 +83,7 @@ def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int,
         else:
             signature[name] = "fp32" if name in FLOATS else "i64" if name in WIDE_INTS else "i32"
     source = ASTSource(fn, signature, constexprs, attrs)
-    options = {"num_warps": num_warps, "num_stages": 2}
+    options = {"num_warps": num_warps, "num_stages": 2, **({} if maxnreg is None else {"maxnreg": maxnreg})}
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     if not constexprs.get("PDL"):
         return kernel, []
@@ -173,9 +175,10 @@ def variants() -> list[tuple]:
         (k_low, k_high), (v_low, v_high) = PLANE_WIDTHS[key_bits], PLANE_WIDTHS[value_bits]
         planes = {"K_LOW_BITS": k_low, "K_HIGH_BITS": k_high, "V_LOW_BITS": v_low, "V_HIGH_BITS": v_high}
         kvarn = {**OURO, "TILE": tile, **planes}
-        if (key_bits, value_bits, tile) in ((4, 2, 64), (5, 5, 64)):
+        if (key_bits, value_bits, tile) in ((4, 2, 64), (5, 5, 64)):  # the engine's launch
             out.append((kvarn_decode_split_kernel, "bf16", {**kvarn, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16,
-                                                            "TWO_BASES": True}, 2, None, KVARN_POINTERS))
+                                                            "TWO_BASES": True}, 2, None, KVARN_POINTERS,
+                        decode_maxnreg(key_bits, value_bits)))
         prefills = [(128, 8, "bf16")]
         if (key_bits, value_bits, tile) == (4, 2, 64):
             prefills.append((128, 8, "fp32"))
@@ -193,11 +196,14 @@ def compile_variant(index: int) -> tuple[str, list[str]]:
     """Variant `index` of variants() (kernels do not pickle: each worker process builds the list): a line with
     the kernel, its constexprs that differ between variants, num_warps, registers and stack bytes, and what is
     wrong with its PDL order."""
-    fn, dtype, constexprs, num_warps, cache_dtype, _ = variant = variants()[index]
+    variant = variants()[index]
+    fn, dtype, constexprs, num_warps, cache_dtype = variant[:5]
     kernel, problems = compile_for_hopper(*variant)
     registers, stack = registers_and_stack(kernel)
     shown = {name: value for name, value in constexprs.items() if name not in OURO}
-    return (f"{fn.__name__} {dtype}{'/' + cache_dtype if cache_dtype else ''} {shown} warps {num_warps}: "
+    cap = f" maxnreg {variant[6]}" if len(variant) > 6 and variant[6] else ""
+    pool = "/" + cache_dtype if cache_dtype else ""
+    return (f"{fn.__name__} {dtype}{pool} {shown} warps {num_warps}{cap}: "
             f"{registers} registers, {stack} stack bytes"), problems
 
 

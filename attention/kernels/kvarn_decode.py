@@ -482,7 +482,7 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
                  scale: float | None = None, num_splits: int | None = None, split_min_keys: int = 512,
                  max_context_len: int | None = None, out: torch.Tensor | None = None,
                  num_warps: int = 4, q: torch.Tensor | None = None,
-                 rotation: torch.Tensor | None = None) -> torch.Tensor:
+                 rotation: torch.Tensor | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """Attention of one rotated query per row over its packed history; the rotated output [rows, heads, D].
     With q (the unrotated query, q_r = q H, of q_r's shape and strides, but for dims of size 1) the side rows
     are unrotated (the engine's side pool keeps them as the model made them) and the result is the unrotated
@@ -496,6 +496,7 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
     2 * SMs / KVH, as the Triton backend); a row of context c gets min(num_splits, ceil(c / split_min_keys))
     (split_min_keys a multiple of G). max_context_len bounds the grid (computed from context_lens, a host
     sync, when not given). out: fp32 [rows, heads, D] by default, or a given tensor of that shape.
+    maxnreg: the split kernel's register cap for ptxas (a .maxnreg directive), None for none.
     """
     rows, heads, head_dim = q_r.shape
     num_blocks, kv_heads, group = key_codes.shape[:3]
@@ -548,7 +549,7 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
         sink, tail, head_dim ** -0.5 if scale is None else scale, q_r.stride(0), q_r.stride(1),
         block_tables.stride(0), side_tables.stride(0),
         heads, kv_heads, head_dim, group, k_low, k_high, v_low, v_high, split_min_keys, cap, two_bases,
-        num_warps=num_warps,
+        num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     if grid_splits > 1:
         for target, state in ((out, partials), (out_side, partials_side))[:1 + two_bases]:
