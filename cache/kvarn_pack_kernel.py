@@ -136,7 +136,8 @@ def _store_plane(codes, row_ptr, offs_g, ROW_BYTES: tl.constexpr, FIRST_BYTE: tl
 @triton.jit
 def _store_codes(codes, tile_ptr, offs_g, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
                  G: tl.constexpr, D: tl.constexpr):
-    """A tile's codes [G, D] into its rows of planes: the low plane, then (if HIGH_BITS) the high one."""
+    """A tile's codes [G, D] into its rows of planes: the low plane, then (if HIGH_BITS) the high one; 5-bit
+    codes as 40-bit columns (_store_five_bit_columns)."""
     ROW_BYTES: tl.constexpr = D * (LOW_BITS + HIGH_BITS) // 8
     if (LOW_BITS == 4) and (HIGH_BITS == 1):
         _store_five_bit_columns(codes, tile_ptr, offs_g, G, D)
