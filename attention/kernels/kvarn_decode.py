@@ -8,9 +8,10 @@ packed tile block_tables[row, p // G]. Every position is read from the pools: th
 the new token before attention.
 
 The pool tensors and their layout are those of cache/kvarn_pack_kernel.py (codes of a token row in bit
-planes, fp16 scales). Scores and outputs use the folded scale forms of the codec (kvarn.packed_scores and
-kvarn.packed_output): per tile, with channel scale s, channel zero z, token scale r of the keys and channel
-scale c, token scale t, token zero u of the values,
+planes, 5-bit codes as cache/kvarn.py's record_codes lays them out; fp16 scales). Scores and outputs use
+the folded scale forms of the codec (kvarn.packed_scores and kvarn.packed_output): per tile, with channel
+scale s, channel zero z, token scale r of the keys and channel scale c, token scale t, token zero u of the
+values,
     score_i = r_i (sum_j (q_j s_j) code_ij + q . z)
     out_j   = c_j (sum_i (p_i t_i) code_ij + sum_i p_i u_i)
 so the bit planes are unpacked in registers and no dequantized copy exists. Queries and outputs are in the
