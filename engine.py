@@ -168,7 +168,6 @@ class Engine:
             self.backend.bind_packed(self.kv_pool, scale)
         else:
             self.backend.bind(self.kv_pool.key_cache, self.kv_pool.value_cache, scale, self.kv_pool.kv_scales)
-            self.backend.warm_l2_after(self.model.weights_after_attention())
         self.layout = make_layout(config.kv_sharing, loops, layers, config.block_size,
                                   config.generated_kv_exact)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,

@@ -11,7 +11,6 @@ import dataclasses
 import itertools
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -175,11 +174,6 @@ class AttentionBackend(ABC):
             raise ValueError(f"attention backend {self.name!r} has no path for a KVarN KV pool "
                              "(kv_cache_dtype='kvarn_*'); attention='torch' and 'triton' have")
         self.packed_pool, self.scale = pool, scale
-
-    def warm_l2_after(self, weights: Sequence[Sequence[torch.Tensor]]) -> None:
-        """Per KV slot, the tensors the model reads right after that slot's attention, in the order it reads
-        them (contiguous ones: their bytes are the hint). A backend whose decode attention waits on latency
-        rather than memory may ask L2 for their first bytes meanwhile; this one ignores them."""
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step, before the first forward."""

@@ -31,14 +31,13 @@ tokens only, so the prefill kernels never see generated pages.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import torch
 import triton
 
 from attention.launch import INTERPRETED, CompiledLaunch
 from attention.base import AttentionBackend, AttentionMetadata, Capabilities, register
-from attention.kernels.decode import WARM_REGIONS, decode_split_kernel, host_split_count, split_cap
+from attention.kernels.decode import decode_split_kernel, host_split_count, split_cap
 from attention.kernels.kv_store import kv_store_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
 from attention.pdl import pdl_supported
@@ -120,7 +119,6 @@ class _Plan:
     decode_tail: tuple = ()
     partials: torch.Tensor | None = None  # graph mode: this instance's; eager: from the workspace
     tickets: torch.Tensor | None = None
-    warm: list[torch.Tensor] | None = None  # per slot: the decode kernel's L2 regions (a dummy: none)
     workspace_size: tuple[int, int] | None = None  # eager multi-split decode: (partials, tickets)
 
 
@@ -145,8 +143,6 @@ class TritonBackend(AttentionBackend):
         # Captured graphs keep pointing at these, so they live as long as the instance.
         self._graph_buffers: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
         self._graph_tickets: list[torch.Tensor] = []
-        self._warm_weights: list[tuple[torch.Tensor, ...]] = []  # per slot (warm_l2_after)
-        self._warm_tables: dict[int, list[torch.Tensor]] = {}  # per budget in bytes: per slot [regions, 2]
 
     def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
              kv_scales: torch.Tensor | None = None) -> None:
@@ -179,7 +175,6 @@ class TritonBackend(AttentionBackend):
         self._scale_slots = (list(kv_scales.unbind(0)) if self.quantized
                              else [self._dummy_f32] * key_cache.shape[0])
         self._dummy_i32 = torch.zeros(2, dtype=torch.int32, device=device)
-        self._dummy_i64 = torch.zeros(2 * WARM_REGIONS, dtype=torch.int64, device=device)
         # Tunables (instance attributes, so tests and benchmarks may override them after bind).
         # Key tiles of about 16 KB each for K and V (64 keys x 128 dims in bf16); fp32 halves the keys.
         narrow = 2 if key_cache.element_size() == 4 else 1
@@ -213,14 +208,6 @@ class TritonBackend(AttentionBackend):
         self.prefill_block_n = (64 if self.head_dim <= 128 else 32) // narrow
         self.prefill_num_warps = 4 if self.head_dim <= 128 else 8
         self.prefill_num_stages = 3
-        # Warming L2 for the model (warm_l2_after): at most l2_warm_bytes of the weights read after a slot's
-        # attention, asked for by a decode launch of at most l2_warm_rows rows, by the programs of rows of at
-        # most l2_warm_context keys (a latency-bound attention, whose memory would idle), before the wait
-        # or (l2_warm_late) after each program's keys.
-        self.l2_warm_bytes = 32 << 20
-        self.l2_warm_rows = 1
-        self.l2_warm_context = 4096
-        self.l2_warm_late = False
 
     def bind_packed(self, pool, scale: float) -> None:
         """A KVarN pool (attention/triton_kvarn.py), with no packed prefill (which reads new K/V from the
@@ -237,47 +224,9 @@ class TritonBackend(AttentionBackend):
         self.split_cap = split_cap(device, pool.kv_heads)
         self.split_min_keys = 512  # a multiple of every KVarN tile (64, 128)
 
-    def warm_l2_after(self, weights: Sequence[Sequence[torch.Tensor]]) -> None:
-        """Keeps, per slot, up to WARM_REGIONS contiguous tensors on the pool's device, for the decode kernel
-        to warm L2 with (l2_warm_bytes and the other l2_warm_* tunables say when and how much)."""
-        if self.packed_pool is not None:
-            return  # the KVarN decode does not warm L2
-        if len(weights) != len(self._key_slots):
-            raise ValueError(f"warm_l2_after takes one entry per KV slot ({len(self._key_slots)}), got "
-                             f"{len(weights)}")
-        for slot, tensors in enumerate(weights):
-            if len(tensors) > WARM_REGIONS:
-                raise ValueError(f"warm_l2_after: slot {slot} lists {len(tensors)} tensors, at most "
-                                 f"{WARM_REGIONS}")
-            for tensor in tensors:
-                if tensor.device != self._device or not tensor.is_contiguous():
-                    raise ValueError(f"warm_l2_after: slot {slot}'s tensors must be contiguous and on "
-                                     f"{self._device}, got {tuple(tensor.shape)} on {tensor.device}")
-        self._warm_weights = [tuple(tensors) for tensors in weights]
-        self._warm_tables.clear()
-
-    def _warm_slots(self) -> list[torch.Tensor] | None:
-        """Per slot, the decode kernel's region table at the current budget: [WARM_REGIONS, 2] int64 (an
-        address, then its 128-byte lines), each tensor's first bytes in the same fraction, so that together
-        they come to l2_warm_bytes at most. None when there is nothing to warm. Made outside any capture."""
-        budget = self.l2_warm_bytes
-        if not self.pdl or budget <= 0 or not self._warm_weights:
-            return None
-        slots = self._warm_tables.get(budget)
-        if slots is None:
-            table = torch.zeros(len(self._warm_weights), WARM_REGIONS, 2, dtype=torch.int64)
-            for slot, tensors in enumerate(self._warm_weights):
-                sizes = [t.numel() * t.element_size() for t in tensors]
-                fraction = min(1.0, budget / max(1, sum(sizes)))
-                for region, (tensor, size) in enumerate(zip(tensors, sizes)):
-                    table[slot, region] = torch.tensor([tensor.data_ptr(), int(size * fraction) // 128])
-            slots = self._warm_tables[budget] = list(table.to(self._device).unbind(0))
-        return slots
-
     # --- per step -------------------------------------------------------------------------------
 
     def capture_begin(self, max_rows: int) -> None:
-        self._warm_slots()  # its tables, made before the capture
         self._capturing = True
         self._step = self._plan = self._kvarn_step = None
 
@@ -370,8 +319,7 @@ class TritonBackend(AttentionBackend):
             if plan.workspace_size is not None:
                 entry = self.workspace.get(self._device, stream, *plan.workspace_size)
                 partials, tickets = entry.partials, entry.tickets
-            plan.decode(stream, (q, k, v, out, key_cache, value_cache, scales, plan.warm[slot])
-                        + plan.decode_mid
+            plan.decode(stream, (q, k, v, out, key_cache, value_cache, scales) + plan.decode_mid
                         + (partials, tickets) + plan.decode_shared
                         + (slot // plan.shared_layers if plan.shared_layers else 0,)
                         + plan.decode_tail)
@@ -435,8 +383,6 @@ class TritonBackend(AttentionBackend):
         plan.decode = CompiledLaunch(decode_split_kernel, (splits, heads, rows), self.decode_num_warps,
                                      self.decode_num_stages, not step.capturing, **self._pdl_options())
         row_map = step.row_map if step.row_map is not None else self._dummy_i32
-        warm = self._warm_slots() if rows <= self.l2_warm_rows else None
-        plan.warm = warm or [self._dummy_i64] * len(self._key_slots)
         plan.decode_mid = (meta.block_tables, meta.context_lens, meta.slot_mapping, row_map)
         shared = meta.shared_kv
         if shared is not None:
@@ -451,8 +397,7 @@ class TritonBackend(AttentionBackend):
                             k.stride(1), v.stride(0), v.stride(1), meta.block_tables.stride(0), gen_stride,
                             heads, self.kv_heads, self.head_dim, self.block_size, self.decode_block_n,
                             *step.rule.constexprs(), step.row_map is not None, shared is not None, loops,
-                            layers, self.quantized, dot_fp32, fp16_dot, WARM_REGIONS if warm else 0,
-                            self.l2_warm_context, self.l2_warm_late, self.pdl)
+                            layers, self.quantized, dot_fp32, fp16_dot, self.pdl)
         plan.partials, plan.tickets = self._dummy_f32, self._dummy_i32
         if splits == 1:
             return

@@ -209,17 +209,6 @@ class OuroForCausalLM(nn.Module):
                                             t * len(layers) + index, next_weight, epilogues)
         return normed
 
-    def weights_after_attention(self) -> list[tuple[torch.Tensor, ...]]:
-        """Per KV slot (loop * L + layer), the weights its layer reads right after attention, in the order of
-        the kernels that read them: o_proj's, then gate_up's gate rows and up rows apart, since the SiLU-mul
-        kernel's programs read gate row p beside up row p (for AttentionBackend.warm_l2_after)."""
-        per_layer = []
-        for layer in self.layers:
-            gate_up = layer.gate_up_proj.weight
-            half = gate_up.shape[0] // 2
-            per_layer.append((layer.o_proj.weight, gate_up[:half], gate_up[half:]))
-        return per_layer * self.config.total_ut_steps
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.fused_kernels:
             return skinny_or_cublas_linear(hidden, self.lm_head.weight)

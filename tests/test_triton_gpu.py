@@ -156,27 +156,6 @@ def test_pdl_launches_change_no_bit():
     assert torch.equal(outputs[0], outputs[1])
 
 
-@pytest.mark.parametrize("context", [600, 5000])
-def test_warming_l2_changes_no_bit(context):
-    """A one-row decode with the regions of warm_l2_after gives the bits of one without, whether the programs
-    ask L2 before the wait or after their keys; a context above l2_warm_context asks for nothing."""
-    case = decode_case(torch.bfloat16, context_lens=[context])
-    weights = [torch.randn(n, 2048, device="cuda", dtype=torch.bfloat16) for n in (2048, 5632, 5632)]
-    outputs = []
-    for budget, late in ((0, False), (24 << 20, False), (24 << 20, True)):
-        backend = bound("triton", case)
-        backend.warm_l2_after([weights] * case.key_cache.shape[0])
-        backend.l2_warm_bytes, backend.l2_warm_late = budget, late
-        outputs.append(run(backend, case))
-        table = backend._plan.warm[1]
-        if budget and backend.pdl:  # each tensor's first bytes, in one fraction, as 128-byte lines
-            sizes = [w.numel() * 2 for w in weights]
-            fraction = budget / sum(sizes)
-            assert table[:, 1].tolist() == [int(size * fraction) // 128 for size in sizes]
-            assert table[:, 0].tolist() == [w.data_ptr() for w in weights]
-    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mixed_step_matches_reference(dtype):
     case = make_case([1, 300, 1, 64, 1, 17], [2048, 1000, 33, 64, 4100, 17], dtype=dtype, **OURO)

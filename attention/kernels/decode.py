@@ -37,8 +37,6 @@ from attention.pdl import launch_dependents, wait_for_previous
 LOG2E = tl.constexpr(1.4426950408889634)
 # SM count assumed off CUDA (the interpreter), an H100/H200's.
 CPU_SM_COUNT = 132
-# Tensors a decode launch may warm L2 with (AttentionBackend.warm_l2_after), at most.
-WARM_REGIONS = 3
 # Splits whose partial state the merge loads at once: one trip to L2 per 16 splits instead of one per split.
 MERGE_LANES = tl.constexpr(16)
 
@@ -131,28 +129,6 @@ def _prefetch_lines(ptrs, wanted):
 
 
 @triton.jit
-def _warm_l2(warm_ptr, REGIONS: tl.constexpr):
-    """Asks L2 for this program's share of the regions that warm_ptr lists ([REGIONS, 2] int64: a region's
-    address, then its length in 128-byte lines): weights the model reads right after this attention
-    (AttentionBackend.warm_l2_after). Every program of the grid takes an equal, contiguous share of each
-    region; nothing is loaded, so this costs the program only the issue of the hints."""
-    VECTOR: tl.constexpr = 512
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    program = ((tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0)
-               + tl.program_id(0))
-    offs = tl.arange(0, VECTOR)
-    for region in tl.static_range(REGIONS):
-        base = tl.load(warm_ptr + 2 * region)
-        lines = tl.load(warm_ptr + 2 * region + 1)
-        share = tl.cdiv(lines, programs)
-        first = program * share
-        end = tl.minimum(first + share, lines)
-        for i in range(first, end, VECTOR):
-            line = i + offs
-            _prefetch_lines(base + line * 128, (line < end).to(tl.int32))
-
-
-@triton.jit
 def _widen_e4m3(words, ROWS: tl.constexpr, COLS: tl.constexpr):
     """fp8 e4m3 values loaded as int32 words (four a word, little-endian) to a [ROWS, COLS] fp16 tile,
     exactly, two values per PTX cvt. A plain .to() on the fp8 tile lets Triton fold the conversion into the
@@ -231,7 +207,7 @@ def _finish_split(acc, m_i, l_i, out_row, partials_ptr, tickets_ptr, split, num_
 # value of 1 and each multiple of 16.
 @triton.jit(do_not_specialize=["loop", "stride_bt", "stride_gt"])
 def decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, key_cache_ptr, value_cache_ptr, scales_ptr, warm_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, key_cache_ptr, value_cache_ptr, scales_ptr,
     block_tables_ptr, context_lens_ptr, slot_mapping_ptr, rows_ptr, partials_ptr, tickets_ptr,
     gen_tables_ptr, prompt_lens_ptr, loop, plane_elems,
     scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, stride_gt,
@@ -239,17 +215,14 @@ def decode_split_kernel(
     BLOCK_N: tl.constexpr, SHORT_CONTEXT: tl.constexpr, SHORT_SPLIT_KEYS: tl.constexpr,
     SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr, ROW_MAP: tl.constexpr,
     SHARED: tl.constexpr, LOOPS: tl.constexpr, NUM_LAYERS: tl.constexpr, QUANTIZED: tl.constexpr,
-    DOT_FP32: tl.constexpr, FP16_DOT: tl.constexpr, WARM_REGIONS: tl.constexpr, WARM_CONTEXT: tl.constexpr,
-    WARM_LATE: tl.constexpr, PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (grid_splits, HEADS, decode rows). Program (s, h, r) attends query head h of decode row r
     over split s of its context. With ROW_MAP, rows_ptr holds (batch row, token) pairs; without it
     decode row r is batch row r and token r. The new token goes where the slot mapping says; with SHARED a
     generated token (slot -1) goes to its generated page. gen_tables_ptr, prompt_lens_ptr, loop and
     plane_elems are read only with SHARED; scales_ptr (the slot's key then value scales) only with
-    QUANTIZED; tickets_ptr (one per (row, head), zero between launches) only with several splits. With
-    WARM_REGIONS (PDL only), a program whose row holds at most WARM_CONTEXT keys also asks L2 for its share of
-    warm_ptr's regions (_warm_l2): before the wait, or with WARM_LATE after its own keys."""
+    QUANTIZED; tickets_ptr (one per (row, head), zero between launches) only with several splits."""
     split = tl.program_id(0)
     head = tl.program_id(1)
     r = tl.program_id(2)
@@ -280,9 +253,6 @@ def decode_split_kernel(
                      _key_rows(table, gen_table, first_tile, cached_end, prompt_len, loop, plane_elems,
                                kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS),
                      first_tile < cached_end, HEAD_DIM)
-        if WARM_REGIONS and not WARM_LATE:
-            if context_len <= WARM_CONTEXT:
-                _warm_l2(warm_ptr, WARM_REGIONS)
     wait_for_previous(PDL)
     launch_dependents(PDL)
     if split < num_splits:
@@ -329,9 +299,6 @@ def decode_split_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
             m_i = m_new
-        if PDL and WARM_REGIONS and WARM_LATE:
-            if context_len <= WARM_CONTEXT:
-                _warm_l2(warm_ptr, WARM_REGIONS)
         m_i = tl.max(tl.where(query_row, m_i, float("-inf")), 0)
         l_i = tl.sum(tl.where(query_row, l_i, 0.0), 0)
         acc = tl.sum(tl.where(query_row[:, None], acc, 0.0), 0)
