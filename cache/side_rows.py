@@ -18,11 +18,14 @@ with its first row, and given back when it leaves. Once a request generates, its
 sink blocks and the prompt blocks its tail still reaches, and the generated tiles of its sink, its tail and
 its newest tile.
 
-Sizing. Without kv_sharing the pool holds two windows per sequence, so a request always finds its side
-blocks. Under kv_sharing="last" it holds what a sequence keeps while it generates (its sink blocks and the
-side tiles of its tail) per sequence, and one request's largest need on top: a prefill's windows and a tail
-that still reaches into the prompt are transient, so admission checks them (`fits`) as it checks blocks, and
-the scheduler waits or preempts when they run short.
+Sizing. The pool holds, per sequence, the most that a decoding sequence holds at a step, and one request's
+largest need (two windows: a prefill chunk's) on top. Without kv_sharing a decode step holds its window before
+and after the token: its sink blocks and ring blocks, and one block more when the token starts a block.
+Under kv_sharing="last" a generating sequence keeps its sink blocks and the side tiles of its tail. What a
+prefill takes beyond that (its windows, a tail that still reaches into the prompt) is transient, so
+admission checks it (`fits`) as it checks blocks, and the scheduler waits or preempts when it runs short.
+Sized this way, kvarn_k4v2_g64 with 64 sink and 64 tail tokens holds 74 sequences of 4K tokens where bf16
+holds 21 (two windows a sequence held 67).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class SideRows:
             self.capacity = sequences * self.sink_blocks + self.per_request
             self.generated_capacity = sequences * self.generated_ring + self.sink_blocks
         else:
-            self.capacity, self.generated_capacity = sequences * self.per_request, 0
+            self.capacity, self.generated_capacity = sequences * self.decode_hold + self.per_request, 0
         self.free = list(range(self.capacity - 1, -1, -1))
         self.generated_free = list(range(self.generated_capacity - 1, -1, -1))
         self.side_of: dict[int, int] = {}  # block id -> its side block
@@ -61,6 +64,12 @@ class SideRows:
     def per_request(self) -> int:
         """The most side blocks one request holds at once (two windows)."""
         return 2 * (self.sink_blocks + self.ring_blocks)
+
+    @property
+    def decode_hold(self) -> int:
+        """The most side blocks a request holds in a step of one new token (without kv_sharing): its window
+        before and after the token, one block more than a window where the token starts a block."""
+        return self.sink_blocks + self.ring_blocks + 1
 
     @property
     def generated_ring(self) -> int:

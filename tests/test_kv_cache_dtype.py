@@ -3,6 +3,8 @@ combinations it refuses at construction. fp8_e4m3 is checked against attention/f
 same bytes in every backend) and, through the engine, against the one-sequence reference
 (cache/packed_sequence.py)."""
 
+import math
+
 import pytest
 import torch
 
@@ -403,12 +405,14 @@ def admit_at_full_length(manager, prompt: int, generated: int) -> int:
         count += 1
 
 
-def test_kvarn_k4v2_with_kv_sharing_holds_ten_times_bf16_in_the_same_budget():
+@pytest.mark.parametrize("kv_sharing, ratio", [("last", 10), ("none", 3.5)])
+def test_kvarn_k4v2_with_a_small_window_holds_its_multiple_of_bf16_in_the_same_budget(kv_sharing, ratio):
     """Capacity at Ouro-1.4B's shape (4 loops x 24 layers, 16 kv heads of 128) in 64 GiB, sized as the engine
     sizes its pool (side pool first, then blocks, one scratch block), for sequences of 512 prompt + 3584
-    generated tokens: bf16 without sharing holds 21. kvarn_k4v2_g64 with 64 sink and 64 tail tokens and
-    kv_sharing="last", sized for ten times that (max_num_seqs=210), holds them all, packed blocks and side
-    rows: the engine's reported figure, and by admitting them into its block manager."""
+    generated tokens: bf16 without sharing holds 21. kvarn_k4v2_g64 with 64 sink and 64 tail tokens, sized
+    for `ratio` times that (max_num_seqs), holds them all, packed blocks and side rows: 10x with
+    kv_sharing="last", 3.5x without; the engine's reported figure, and by admitting them into its block
+    manager."""
     from cache.blocks import BlockManager
     from cache.kvarn_pool import KVarNPool
     from cache.layout import make_layout
@@ -424,14 +428,38 @@ def test_kvarn_k4v2_with_kv_sharing_holds_ten_times_bf16_in_the_same_budget():
     bf16 = make_layout("none", *shape, 16).max_concurrent_sequences(
         KVPool.blocks_for_budget(bf16_block, budget) - 1, 512, 3584)
     assert bf16 == 21
-    side = SideRows(10 * bf16, 64, 64, 64, generated_apart=True)
+    sequences = math.ceil(ratio * bf16)
+    side = SideRows(sequences, 64, 64, 64, generated_apart=kv_sharing == "last")
     probe = KVarNPool(parse_kv_cache_dtype("kvarn_k4v2_g64"), *shape, 1, *heads, torch.bfloat16, meta)
     reserved = probe.side_bytes_for(side.capacity + 1, side.generated_capacity)  # + the scratch side block
     blocks = KVPool.blocks_for_budget(probe.bytes_per_block, budget - reserved) - 1
-    layout = make_layout("last", *shape, 64)
+    layout = make_layout(kv_sharing, *shape, 64)
     reported = layout.max_concurrent_sequences(blocks, 512, 3584, side)
-    assert reported >= 10 * bf16, (reported, blocks, reserved / 2**30)
+    assert reported >= sequences, (reported, blocks, reserved / 2**30)
     assert admit_at_full_length(BlockManager(blocks, 64, False, layout, side), 512, 3584) == reported
+
+
+def test_kvarn_side_pool_lets_every_sequence_decode_in_lockstep():
+    """Without kv_sharing the side pool holds decode_hold side blocks per sequence (and one request's two
+    windows): sequences that prefilled together and decode in lockstep, every one starting a new block at the
+    same step, never wait for a side block."""
+    from cache.side_rows import SideRows
+    from request import Request, SamplingParams as Params
+
+    for sink, tail in ((0, 0), (1, 3), (4, 4), (5, 13), (9, 8)):
+        for prompt in (1, 4, 7):
+            side = SideRows(3, 4, sink, tail)
+            requests = [Request(str(r), [1] * prompt, Params()) for r in range(3)]
+            next_block = iter(range(1000))
+            for length in range(prompt, prompt + 24):
+                for request in requests:
+                    start = request.num_computed_tokens
+                    while len(request.block_table) * 4 < length:
+                        request.block_table.append(next(next_block))
+                    assert side.fits(request, start, length), (sink, tail, prompt, length)
+                    side.hold(request, start, length)
+                    assert len(request.side_held) <= side.decode_hold or start == 0
+                    request.num_computed_tokens = length
 
 
 def first_divergence(ids, reference, near_tie: float = 1e-3) -> int:
@@ -594,7 +622,7 @@ def test_side_rows_follow_their_block_and_a_hit_stops_where_they_were_evicted():
     from cache.side_rows import SideRows
     from request import Request, SamplingParams as Params
 
-    side = SideRows(1, 4, 0, 4)  # windows of 2 blocks, two per request: capacity 4
+    side = SideRows(0, 4, 0, 4)  # windows of 2 blocks: one request's two windows, capacity 4
     a = Request("a", list(range(20)), Params())
     a.block_table = [10, 11, 12, 13, 14]
     side.hold(a, 0, 12)  # blocks 1 and 2 (positions 4..11)
@@ -629,8 +657,8 @@ def test_kvarn_prefix_hits_read_what_an_uncached_run_reads(tiny_checkpoint, sink
     """The pattern behind a side-pool corruption seen elsewhere: prime a prefix (a first turn), a second
     request that hits it (the next turn: prompt + answer + more), other requests that finish and recycle side
     blocks, then the same hit after the rows it needs were evicted. With max_num_seqs=1 the side pool holds
-    just two windows (under kv_sharing="last": one request's largest need and its sink), so the other
-    requests evict them. Every request's tokens equal an uncached engine's, the second turn hits (its prompt
+    one request's largest need and what a decoding sequence keeps (a window and a block; under
+    kv_sharing="last" its sink), so the other requests evict them. Every request's tokens equal an uncached engine's, the second turn hits (its prompt
     blocks only, under kv_sharing="last"), and the last hit is cut back to what still has its rows."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with kvarn_engine(tiny_checkpoint, sink=sink, tail=tail, max_num_seqs=1, **sharing) as engine:
@@ -638,7 +666,7 @@ def test_kvarn_prefix_hits_read_what_an_uncached_run_reads(tiny_checkpoint, sink
         answer = engine.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids
         turn = first + answer + engine.tokenizer.encode(" And then?")
         others = [engine.tokenizer.encode(f"Unrelated text, number {n}, goes on and on. " * 6)
-                  for n in ((1, 2, 3) if sharing else (1, 2))]  # a side pool a little larger to cycle
+                  for n in range(1, 6)]
         prompts = [first, turn, *others, turn]
         uncached = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
     with kvarn_engine(tiny_checkpoint, sink=sink, tail=tail, max_num_seqs=1, enable_prefix_caching=True,
