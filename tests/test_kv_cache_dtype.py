@@ -658,8 +658,9 @@ def test_kvarn_prefix_hits_read_what_an_uncached_run_reads(tiny_checkpoint, sink
     request that hits it (the next turn: prompt + answer + more), other requests that finish and recycle side
     blocks, then the same hit after the rows it needs were evicted. With max_num_seqs=1 the side pool holds
     one request's largest need and what a decoding sequence keeps (a window and a block; under
-    kv_sharing="last" its sink), so the other requests evict them. Every request's tokens equal an uncached engine's, the second turn hits (its prompt
-    blocks only, under kv_sharing="last"), and the last hit is cut back to what still has its rows."""
+    kv_sharing="last" its sink), so the other requests evict them. Every request's tokens equal an uncached
+    engine's, the second turn hits (its prompt blocks only, under kv_sharing="last"), and the last hit is cut
+    back to what still has its rows."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with kvarn_engine(tiny_checkpoint, sink=sink, tail=tail, max_num_seqs=1, **sharing) as engine:
         first = engine.tokenizer.encode("A looped model reads its own history four times over. " * 8)
