@@ -100,7 +100,10 @@ class EngineConfig:
         options."""
         name = f"kv_cache_dtype={self.kv_cache_dtype!r}"
         group = parse_kv_cache_dtype(self.kv_cache_dtype).group
-        check_tile_dims(group, self.model.head_dim)
+        try:
+            check_tile_dims(group, self.model.head_dim)
+        except ValueError as err:
+            raise ValueError(f"{name} cannot serve this checkpoint: {err}") from None
         backend = self.attention if self.attention != "auto" else ("torch" if self.device.type == "cpu"
                                                                     else "triton")
         refused = [

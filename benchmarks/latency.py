@@ -60,6 +60,8 @@ def main() -> None:
                         help="one engine per format (auto: the model's bf16; KVarN: with --block-size of its "
                              "tile)")
     parser.add_argument("--block-size", type=int, default=16, help="64 for the KVarN g64 formats")
+    parser.add_argument("--kv-sink-tokens", type=int, default=0, help="KVarN formats: kv_sink_tokens")
+    parser.add_argument("--kv-tail-tokens", type=int, default=0, help="KVarN formats: kv_tail_tokens")
     parser.add_argument("--async-scheduling", nargs="+", default=["on"], choices=["on", "off"],
                         help="one engine per value (default: on, the CUDA default)")
     parser.add_argument("--out", default=f"benchmarks/results/latency-{environment()['date']}.json")
@@ -71,10 +73,13 @@ def main() -> None:
                                           for a in args.async_scheduling):
         longest = max(args.prompts) + args.decode_steps + 1 + max(
             head_start(batch, prompt, BATCHED_TOKENS) for batch in args.batches for prompt in args.prompts)
+        window = ({"kv_sink_tokens": args.kv_sink_tokens, "kv_tail_tokens": args.kv_tail_tokens}
+                  if kv_cache_dtype in KVARN_PRESETS else {})
         with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                     max_model_len=longest, max_num_batched_tokens=BATCHED_TOKENS, enable_prefix_caching=False,
                     enforce_eager=(mode == "eager"), kv_cache_dtype=kv_cache_dtype,
-                    block_size=args.block_size, async_scheduling=overlap == "on", verbose=True) as engine:
+                    block_size=args.block_size, async_scheduling=overlap == "on", verbose=True,
+                    **window) as engine:
             weights = weight_bytes_per_step(engine)
             kv_token = engine.kv_pool.bytes_per_token
             capacity = engine.block_manager.num_blocks * engine.kv_pool.block_size
@@ -86,7 +91,7 @@ def main() -> None:
                     context = prompt + args.decode_steps // 2
                     floor_ms = (weights + kv_token * batch * context) / bandwidth * 1e3
                     row = {"mode": mode, "kv_cache_dtype": kv_cache_dtype, "async_scheduling": overlap,
-                           "batch": batch, "prompt": prompt, "floor_ms": round(floor_ms, 3)}
+                           "batch": batch, "prompt": prompt, "floor_ms": round(floor_ms, 3), **window}
                     head = head_start(batch, prompt, BATCHED_TOKENS)
                     needed = batch * (prompt + args.decode_steps + 1 + head)
                     if needed > capacity:
@@ -110,7 +115,9 @@ def _write(out: str, path: str, bandwidth: float, rows: list[dict]) -> None:
              "| GB/s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r.get('kv_cache_dtype', 'auto')} | {r['async_scheduling']} | "
+        sink, tail = r.get("kv_sink_tokens", 0), r.get("kv_tail_tokens", 0)
+        window = f" (sink {sink}, tail {tail})" if sink or tail else ""
+        lines.append(f"| {r['mode']} | {r.get('kv_cache_dtype', 'auto')}{window} | {r['async_scheduling']} | "
                      f"{r['batch']} | {r['prompt']} | "
                      f"{r.get('ttft_ms')} | {r.get('tpot_ms')} | "
                      f"{r['floor_ms']} | {r.get('ratio', r.get('note'))} | {r.get('gbps', '')} |")

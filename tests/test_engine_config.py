@@ -60,3 +60,32 @@ def test_checkpoint_dependent_options_are_checked_before_weights_load(tiny_check
 def test_a_model_argument_that_is_no_path_is_named():
     with pytest.raises(ValueError, match="model must be a checkpoint directory or a Hugging Face repo id"):
         Engine(42, device="cpu")
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("kv_cache_dtype", "kvarn_k4v2_g64",
+     "kv_cache_dtype='kvarn_k4v2_g64' cannot serve this checkpoint: KVarN needs a power-of-two head_dim of "
+     "at least 8, got 24"),
+    ("attention", "flex", "kv_cache_dtype='kvarn_k4v2_g64' runs on attention='torch' or 'triton'")])
+def test_kvarn_refusals_that_depend_on_the_checkpoint_or_backend_name_the_options(
+        tiny_checkpoint, tmp_path, monkeypatch, no_loading, option, value, message):
+    """A KVarN tile needs a power-of-two head_dim: a checkpoint with head_dim 24 is refused before its weights
+    load, naming kv_cache_dtype. So is a KVarN cache on a backend without a KVarN path."""
+    import json
+    import re
+    import shutil
+
+    from attention import base
+    from attention.torch_backend import TorchBackend
+
+    checkpoint = shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
+    if option == "kv_cache_dtype":
+        config = json.loads((checkpoint / "config.json").read_text())
+        (checkpoint / "config.json").write_text(json.dumps({**config, "head_dim": 24}))
+        arguments = {"kv_cache_dtype": value}
+    else:
+        base.available()  # the built-in backends registered first, so this one is only added
+        monkeypatch.setitem(base._REGISTRY, "flex", type("FlexBackend", (TorchBackend,), {"name": "flex"}))
+        arguments = {"kv_cache_dtype": "kvarn_k4v2_g64", "attention": value}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Engine(checkpoint, device="cpu", block_size=64, verbose=False, **arguments)
