@@ -83,38 +83,51 @@ def _stack(x0, x1, x2, x3, x4, x5, x6, x7, SLOTS: tl.constexpr, HALVES: tl.const
     return tl.reshape(x, [SLOTS, HALVES, COLS, 8])
 
 
+@triton.constexpr_function
+def lane_shift(k, width):
+    """The bit at which _lane_code leaves code k of a column of `width`-bit codes: a code must sit below bit
+    23, so from lane high_lane(width) on it is read from the column >> 12 (12 bits lower), and 5-bit codes
+    6 and 7 from the column's top part (_top_part: bits 30 up)."""
+    return width * k - 12 * (k >= high_lane(width)) - 18 * (k >= top_lane(width))
+
+
+@triton.constexpr_function
+def high_lane(width):
+    """The first lane read from the column >> 12: the first whose code starts at bit 16 or above."""
+    return -(-16 // width)
+
+
+@triton.constexpr_function
+def top_lane(width):
+    """The first lane read from the top part: 6 for 5-bit codes (40-bit columns), none for the others."""
+    return 6 if width == 5 else 8
+
+
 @triton.jit
 def _lane_units(WIDTH: tl.constexpr, FACTOR: tl.constexpr):
-    """[8] fp32: FACTOR * 2^-(the bit _lane_code leaves lane k's code at), what undoes its shift (exact: a
-    power of two, built from its bits)."""
+    """[8] fp32: FACTOR * 2^-lane_shift(k, WIDTH) for lane k, what undoes _lane_code's shift (exact: a power
+    of two, built from its bits)."""
     k = tl.arange(0, 8)
-    if WIDTH == 5:
-        shift = tl.where(k >= 6, 5 * k - 30, tl.where(k >= 4, 5 * k - 12, 5 * k))
-    else:
-        shift = tl.where(WIDTH * k >= 16, WIDTH * k - 12, WIDTH * k)
+    shift = WIDTH * k - 12 * (k >= high_lane(WIDTH)).to(tl.int32) - 18 * (k >= top_lane(WIDTH)).to(tl.int32)
     return ((127 - shift) << 23).to(tl.float32, bitcast=True) * FACTOR
 
 
 @triton.jit
 def _lane_code(column, high_part, top_part, magic, k: tl.constexpr, WIDTH: tl.constexpr):
     """Code k of each column (uint32 holding 8 WIDTH-bit codes, code k at bit WIDTH * k) as fp32, times
-    2^(the bit it is read at; _lane_units undoes it): its bits masked in place and or'ed into the mantissa
-    of 2^23 (magic, the bits of 2^23), minus 2^23. Exact, one LOP3 and one FADD, no int-to-float conversion
+    2^lane_shift(k, WIDTH) (_lane_units undoes it): its bits masked in place and or'ed into the mantissa of
+    2^23 (magic, the bits of 2^23), minus 2^23. Exact, one LOP3 and one FADD, no int-to-float conversion
     (a quarter-rate instruction on Hopper). A code must sit below bit 23: 4-bit lanes 4..7 are read from
     high_part = column >> 12 (one shift per column), at bits 4 .. 16 (not 0: ptxas would turn that mask
     into a second shift). 5-bit codes (a 40-bit column: column holds its low 32 bits, _top_part the rest):
     lanes 0..3 in place, 4 and 5 from high_part at bits 8 and 13, 6 and 7 from top_part at bits 0 and 5."""
-    if WIDTH == 5:
-        if k >= 6:
-            bits = top_part & (31 << (5 * k - 30))
-        elif k >= 4:
-            bits = high_part & (31 << (5 * k - 12))
-        else:
-            bits = column & (31 << (5 * k))
-    elif WIDTH * k >= 16:
-        bits = high_part & (((1 << WIDTH) - 1) << (WIDTH * k - 12))
+    if k >= top_lane(WIDTH):
+        source = top_part
+    elif k >= high_lane(WIDTH):
+        source = high_part
     else:
-        bits = column & (((1 << WIDTH) - 1) << (WIDTH * k))
+        source = column
+    bits = source & (((1 << WIDTH) - 1) << lane_shift(k, WIDTH))
     return (bits | magic).to(tl.float32, bitcast=True) - 8388608.0
 
 

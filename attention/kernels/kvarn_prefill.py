@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.kvarn_decode import MAGIC, PLANE_WIDTHS, _column, _lane_code, _top_part
+from attention.kernels.kvarn_decode import MAGIC, PLANE_WIDTHS, _column, _lane_code, _top_part, lane_shift
 from attention.kernels.prefill import chunk_of_work_item
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -83,18 +83,8 @@ def _join_lanes(x0, x1, x2, x3, x4, x5, x6, x7):
 
 @triton.jit
 def _unit(k: tl.constexpr, WIDTH: tl.constexpr, FACTOR: tl.constexpr):
-    """FACTOR / 2^(the bit _lane_code leaves lane k's code at): what undoes its shift (a power of two)."""
-    if WIDTH == 5:
-        if k >= 6:
-            return FACTOR / (1 << (5 * k - 30))
-        elif k >= 4:
-            return FACTOR / (1 << (5 * k - 12))
-        else:
-            return FACTOR / (1 << (5 * k))
-    elif WIDTH * k >= 16:
-        return FACTOR / (1 << (WIDTH * k - 12))
-    else:
-        return FACTOR / (1 << (WIDTH * k))
+    """FACTOR / 2^lane_shift(k, WIDTH): what undoes _lane_code's shift of lane k (a power of two)."""
+    return FACTOR / (1 << lane_shift(k, WIDTH))
 
 
 @triton.jit
