@@ -25,6 +25,9 @@
 #   k5v5: the k5v5 and k4v4 decode kernels' timing (the engine's call and the one-basis one), TPOT (CUDA
 #         graphs) of kvarn_k5v5_g64 against bf16 at 16 x 8K and 64 x 2K, the k5v5 kernel and KVarN engine gpu
 #         tests, then the decode-step profile of kvarn_k5v5_g64 at 16 x 8K
+#   g128: the g128 presets' decode kernels (the engine's call, GB/s) at 16 x 8K and 64 x 2K, then TPOT (CUDA graphs,
+#         pages of 128) of kvarn_k4v2_g128, kvarn_k4v4_g128 and bf16 at 64 x 2K (16 x 8K: latency-kvarn-g128-16x8k-
+#         2026-12-03-fb36f2b)
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
@@ -134,6 +137,13 @@ elif [ "$PART" = k5v5 ]; then
     --timeout 150 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   step 100 python -m benchmarks.profile_decode --model /tmp/loop-engine-bench/ouro-1.4b --batch 16 \
     --prompt 8192 --steps 3 --kv-cache-dtype kvarn_k5v5_g64 --block-size 64 --out "$OUT/profile-16x8k-k5v5.json"
+elif [ "$PART" = g128 ]; then
+  step 150 python -m benchmarks.kvarn_kernels --decode-only --no-dense --formats kvarn_k4v2_g128,kvarn_k4v4_g128 \
+    --out "$OUT/kvarn_kernels-g128.json"
+  wait
+  step 250 python -m benchmarks.latency --preset ouro-1.4b --modes graph --block-size 128 \
+    --kv-cache-dtypes kvarn_k4v2_g128 kvarn_k4v4_g128 bf16 --prompts 2048 --batches 64 --decode-steps 16 \
+    --out "$OUT/latency-g128-64x2k.json"
 elif [ "$PART" = gputests ]; then
   timeout "${TEST_LIMIT:-560}" python -m pytest -q -m gpu tests/ --timeout 150 -rfE --durations=25 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 60
