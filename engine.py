@@ -123,8 +123,8 @@ class Engine:
                  exit_policy: str | None = None, kv_sharing: str = "none", speculative: str | None = None,
                  num_speculative_tokens: int | None = None, admission: str = "reserve",
                  kv_cache_dtype: str = "auto", kv_sink_tokens: int = 0, kv_tail_tokens: int = 0,
-                 async_scheduling: bool | None = None, piecewise_graph_tokens: int = 512,
-                 verbose: bool = True) -> None:
+                 kv_rotation: bool = True, async_scheduling: bool | None = None,
+                 piecewise_graph_tokens: int = 512, verbose: bool = True) -> None:
         if not isinstance(verbose, bool):
             raise ValueError(f"verbose must be True or False, got {verbose!r}")
         self.engine_config = config = EngineConfig.resolve(
@@ -136,7 +136,8 @@ class Engine:
             packed_prefill=packed_prefill, enforce_eager=enforce_eager, kv_sharing=kv_sharing,
             speculative=speculative, num_speculative_tokens=num_speculative_tokens, admission=admission,
             kv_cache_dtype=kv_cache_dtype, kv_sink_tokens=kv_sink_tokens, kv_tail_tokens=kv_tail_tokens,
-            async_scheduling=async_scheduling, piecewise_graph_tokens=piecewise_graph_tokens)
+            kv_rotation=kv_rotation, async_scheduling=async_scheduling,
+            piecewise_graph_tokens=piecewise_graph_tokens)
         model_dir = config.model_dir
         self.config: OuroConfig = config.model
         self.tokenizer = Tokenizer(model_dir)
@@ -196,6 +197,7 @@ class Engine:
             speculation = f", speculative={config.speculative} x {config.speculative_tokens} tokens" \
                 if config.speculative else ""
             kv = "" if config.kv_cache_dtype == "auto" else f", kv_cache_dtype={config.kv_cache_dtype}"
+            kv += "" if config.kv_rotation else " (no rotation)"
             print(f"loop-engine: {loops} loops x {layers} layers, {config.dtype}{kv}, {config.device}, "
                   f"attention={self.backend.name}, exit_policy={config.exit_policy}{speculation}; "
                   f"{self.layout.report(self.kv_pool, num_blocks, side_rows=side_rows)} "
@@ -243,7 +245,7 @@ class Engine:
         if fmt.kind == "kvarn":
             return KVarNPool(fmt, *shape, model.num_key_value_heads, model.head_dim, config.dtype,
                              config.device, config.kv_sink_tokens, config.kv_tail_tokens, side_blocks,
-                             generated_side_tiles=generated_side_tiles)
+                             generated_side_tiles=generated_side_tiles, rotate=config.kv_rotation)
         return KVPool(*shape, config.block_size, model.num_key_value_heads, model.head_dim,
                       fmt.storage_dtype(config.dtype), config.device,
                       loop_uniform_scales=config.exit_policy.can_exit or config.kv_sharing == "last")
@@ -996,6 +998,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KVarN: the first N positions stay in high precision (default 0)")
     engine.add_argument("--kv-tail-tokens", type=int, default=0,
                         help="KVarN: the N newest positions stay in high precision (default 0)")
+    engine.add_argument("--kv-no-rotation", action="store_true",
+                        help="KVarN: no Hadamard rotation before normalizing (attention torch only)")
     engine.add_argument("--kv-sharing", default="none", choices=["none", "last"],
                         help="last: generated tokens keep only their last loop's K/V "
                              "(arXiv 2510.25741 §5.4.2)")
@@ -1084,6 +1088,7 @@ def cli_generate(args: argparse.Namespace) -> int:
                 speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                 admission=args.admission, kv_cache_dtype=args.kv_cache_dtype,
                 kv_sink_tokens=args.kv_sink_tokens, kv_tail_tokens=args.kv_tail_tokens,
+                kv_rotation=not args.kv_no_rotation,
                 block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                 async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
                 piecewise_graph_tokens=args.piecewise_graph_tokens) as engine:

@@ -63,6 +63,9 @@ class EngineConfig:
     # KVarN: positions kept in high precision, the first kv_sink_tokens and the kv_tail_tokens newest
     kv_sink_tokens: int = 0
     kv_tail_tokens: int = 0
+    # KVarN: the Hadamard rotation over head_dim before normalizing (KVarN's step 1); False: none (the torch
+    # backend only), for ablations
+    kv_rotation: bool = True
     # Async scheduling (engine.py): the host schedules and prepares the next step while the device runs
     # this one. None: on for CUDA where it applies (not with speculative decoding or early:Q); True or
     # False: as asked.
@@ -118,6 +121,9 @@ class EngineConfig:
             (self.exit_policy.can_exit, f"cannot be combined with exit_policy={str(self.exit_policy)!r} "
                                         "(copy-forward of packed tiles)"),
             (self.speculative is not None, f"cannot be combined with speculative={self.speculative!r}"),
+            (not self.kv_rotation and backend != "torch",
+             f"with kv_rotation=False runs on attention='torch' only (the Triton KVarN kernels rotate), got "
+             f"attention={self.attention!r}"),
         ]
         for bad, why in refused:
             if bad:
@@ -239,6 +245,11 @@ def _check_kv_cache_dtype(values: dict[str, Any]) -> None:
         if tokens and fmt.kind != "kvarn":
             raise ValueError(f"{option}={tokens} applies to the KVarN formats only, not "
                              f"kv_cache_dtype={name!r}")
+    rotation = values.get("kv_rotation", True)
+    if not isinstance(rotation, bool):
+        raise ValueError(f"kv_rotation must be True or False, got {rotation!r}")
+    if not rotation and fmt.kind != "kvarn":
+        raise ValueError(f"kv_rotation=False applies to the KVarN formats only, not kv_cache_dtype={name!r}")
     if fmt.kind == "fp8" and values.get("packed_prefill"):
         raise ValueError(f"kv_cache_dtype={name!r} cannot be combined with packed_prefill=True: packed "
                          "prefill reads the new K/V from the step's inputs, not through the fp8 cache that "

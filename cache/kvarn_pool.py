@@ -31,7 +31,8 @@ from cache.kv_format import KVFormat, check_tile_dims
 class KVarNPool:
     def __init__(self, fmt: KVFormat, loops: int, num_layers: int, num_blocks: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, sink: int = 0, tail: int = 0,
-                 side_blocks: int = 0, iterations: int = 8, generated_side_tiles: int = 0) -> None:
+                 side_blocks: int = 0, iterations: int = 8, generated_side_tiles: int = 0,
+                 rotate: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         check_tile_dims(fmt.group, head_dim)
@@ -55,7 +56,8 @@ class KVarNPool:
         self.generated_side_keys = torch.empty(num_layers, generated_side_tiles, g, kv_heads, d, dtype=dtype,
                                                device=device)
         self.generated_side_values = torch.empty_like(self.generated_side_keys)
-        self.rotation = kvarn.hadamard(d, device=device)
+        # The tiles' Hadamard rotation (None: tiles are normalized as stored; the Triton kernels need it)
+        self.rotation = kvarn.hadamard(d, device=device) if rotate else None
         self.slot_token_bytes = fmt.packed_token_bytes(kv_heads, d)
 
     @property

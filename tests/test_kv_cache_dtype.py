@@ -284,6 +284,28 @@ def test_kvarn_engine_greedy_tokens_equal_the_one_sequence_reference(tiny_checkp
     assert differs or name == "kvarn_k5v5_g64"  # k5v5 with a wide side pool may match dense here
 
 
+def test_kvarn_engine_without_rotation_gives_the_unrotated_reference_tokens(tiny_checkpoint):
+    """kv_rotation=False (an ablation of KVarN's step 1, on the torch backend): tiles normalized and quantized
+    as stored give the tokens of one sequence's history packed without rotation, not those packed with it."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with kvarn_engine(tiny_checkpoint, "kvarn_k4v2_g64", max_num_batched_tokens=40,
+                      kv_rotation=False) as engine:
+        assert engine.kv_pool.rotation is None
+        outputs = engine.generate(KVARN_PROMPTS, params, use_tqdm=False)
+        config = engine.config
+        slots = config.total_ut_steps * config.num_hidden_layers
+        differs = 0
+        for prompt, output in zip(KVARN_PROMPTS, outputs):
+            ids = engine.tokenizer.encode(prompt)
+            stores = [PackedSequence(parse_kv_cache_dtype("kvarn_k4v2_g64"), slots,
+                                     config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                                     rotate=rotate)
+                      for rotate in (False, True)]
+            assert output.outputs[0].token_ids == greedy_through(engine.model, ids, 40, stores[0])
+            differs += output.outputs[0].token_ids != greedy_through(engine.model, ids, 40, stores[1])
+    assert differs
+
+
 @pytest.mark.gpu
 def test_kvarn_engine_on_cuda_gives_the_one_sequence_reference_tokens(tiny_checkpoint):
     """The reference path on CUDA (eager: the torch backend captures no graphs): the same tokens as one
@@ -687,6 +709,7 @@ def test_kvarn_prefix_hits_read_what_an_uncached_run_reads(tiny_checkpoint, sink
     ({"kv_sharing": "last", "attention": "triton"}, "kv_sharing='last' runs on attention='torch' only"),
     ({"exit_policy": "early:0.5"}, "exit_policy='early:0.5'"),
     ({"speculative": "loops:2"}, "speculative='loops:2'"),
+    ({"kv_rotation": False, "attention": "triton"}, "with kv_rotation=False runs on attention='torch' only"),
 ])
 def test_kvarn_refuses_what_its_pool_does_not_support(tiny_checkpoint, options, match):
     base = dict(device="cpu", kv_cache_dtype="kvarn_k4v2_g64", block_size=64, enable_prefix_caching=False,
@@ -699,6 +722,8 @@ def test_kvarn_refuses_what_its_pool_does_not_support(tiny_checkpoint, options, 
     ({"kv_sink_tokens": 8}, "kv_sink_tokens=8 applies to the KVarN formats only"),
     ({"kv_cache_dtype": "fp8_e4m3", "kv_tail_tokens": 8}, "kv_tail_tokens=8 applies to the KVarN"),
     ({"kv_cache_dtype": "kvarn_k4v2_g64", "kv_tail_tokens": -1}, "kv_tail_tokens must be an integer >= 0"),
+    ({"kv_cache_dtype": "fp8_e4m3", "kv_rotation": False}, "kv_rotation=False applies to the KVarN formats"),
+    ({"kv_cache_dtype": "kvarn_k4v2_g64", "kv_rotation": 0}, "kv_rotation must be True or False"),
 ])
 def test_sink_and_tail_tokens_are_checked_before_loading(tmp_path, options, match):
     with pytest.raises(ValueError, match=match):
@@ -714,8 +739,9 @@ def test_cli_generates_with_a_kvarn_cache(tmp_path):
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     flags = ["--max-tokens", "4", "--device", "cpu", "--kv-cache-dtype", "kvarn_k4v2_g64",
-             "--block-size", "64", "--attention", "torch", "--kv-sink-tokens", "64", "--kv-tail-tokens", "64"]
+             "--block-size", "64", "--attention", "torch", "--kv-sink-tokens", "64", "--kv-tail-tokens", "64",
+             "--kv-no-rotation"]
     result = subprocess.run([sys.executable, "engine.py", "generate", *flags], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "kv_cache_dtype=kvarn_k4v2_g64" in result.stderr and "tok/s" in result.stderr
+    assert "kv_cache_dtype=kvarn_k4v2_g64 (no rotation)" in result.stderr and "tok/s" in result.stderr
