@@ -258,52 +258,39 @@ def kvarn_engine(checkpoint, name="kvarn_k4v2_g64", sink=0, tail=0, device="cpu"
                   kv_sink_tokens=sink, kv_tail_tokens=tail, verbose=False, **options)
 
 
-@pytest.mark.parametrize("name,sink,tail", [("kvarn_k4v2_g64", 0, 0), ("kvarn_k4v4_g64", 16, 32),
-                                            ("kvarn_k5v5_g64", 64, 80)])
-def test_kvarn_engine_greedy_tokens_equal_the_one_sequence_reference(tiny_checkpoint, name, sink, tail):
+@pytest.mark.parametrize("name,sink,tail,rotate", [
+    ("kvarn_k4v2_g64", 0, 0, True), ("kvarn_k4v4_g64", 16, 32, True), ("kvarn_k5v5_g64", 64, 80, True),
+    ("kvarn_k4v2_g64", 0, 0, False)])
+def test_kvarn_engine_greedy_tokens_equal_the_one_sequence_reference(tiny_checkpoint, name, sink, tail,
+                                                                     rotate):
     """Three rows in chunks of 40 tokens (which cut tiles), 40 generated tokens each (so blocks fill and pack
     during decode too): the paged KVarN pool, its side slots and the chunked reads give the tokens that one
-    sequence's history in the same format gives, read in one call per prompt; and the format matters here."""
+    sequence's history in the same format gives, read in one call per prompt; and the format matters here
+    (the tokens part from dense K/V's). Without rotation (kv_rotation=False, an ablation of KVarN's step 1)
+    the reference is packed without it too, and the tokens part from the rotated format's."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    with kvarn_engine(tiny_checkpoint, name, sink, tail, max_num_batched_tokens=40) as engine:
+    with kvarn_engine(tiny_checkpoint, name, sink, tail, max_num_batched_tokens=40,
+                      kv_rotation=rotate) as engine:
         assert engine.kv_pool.bytes_per_block < engine.kv_pool.num_slots * 64 * 2 * 2 * 32 * 4  # packed
+        assert (engine.kv_pool.rotation is None) != rotate
         outputs = engine.generate(KVARN_PROMPTS, params, use_tqdm=False)
         config = engine.config
         slots = config.total_ut_steps * config.num_hidden_layers
         differs = 0
         for prompt, output in zip(KVARN_PROMPTS, outputs):
             ids = engine.tokenizer.encode(prompt)
-            store = PackedSequence(parse_kv_cache_dtype(name), slots, config.num_attention_heads,
-                                   config.num_key_value_heads, config.head_dim, sink=sink, tail=tail)
-            assert output.outputs[0].token_ids == greedy_through(engine.model, ids, 40, store)
-            dense = PackedSequence(parse_kv_cache_dtype("auto"), slots, config.num_attention_heads,
-                                   config.num_key_value_heads, config.head_dim)
-            differs += output.outputs[0].token_ids != greedy_through(engine.model, ids, 40, dense)
+
+            def reference(fmt: str, **options) -> list[int]:
+                store = PackedSequence(parse_kv_cache_dtype(fmt), slots, config.num_attention_heads,
+                                       config.num_key_value_heads, config.head_dim, **options)
+                return greedy_through(engine.model, ids, 40, store)
+
+            tokens = output.outputs[0].token_ids
+            assert tokens == reference(name, sink=sink, tail=tail, rotate=rotate)
+            differs += tokens != (reference("auto") if rotate else reference(name, sink=sink, tail=tail))
         side = engine.block_manager.side_rows
         assert not side.users and len(side.free) + len(side.side_of) == side.capacity  # all given back
     assert differs or name == "kvarn_k5v5_g64"  # k5v5 with a wide side pool may match dense here
-
-
-def test_kvarn_engine_without_rotation_gives_the_unrotated_reference_tokens(tiny_checkpoint):
-    """kv_rotation=False (an ablation of KVarN's step 1, on the torch backend): tiles normalized and quantized
-    as stored give the tokens of one sequence's history packed without rotation, not those packed with it."""
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    with kvarn_engine(tiny_checkpoint, "kvarn_k4v2_g64", max_num_batched_tokens=40,
-                      kv_rotation=False) as engine:
-        assert engine.kv_pool.rotation is None
-        outputs = engine.generate(KVARN_PROMPTS, params, use_tqdm=False)
-        config = engine.config
-        slots = config.total_ut_steps * config.num_hidden_layers
-        differs = 0
-        for prompt, output in zip(KVARN_PROMPTS, outputs):
-            ids = engine.tokenizer.encode(prompt)
-            stores = [PackedSequence(parse_kv_cache_dtype("kvarn_k4v2_g64"), slots,
-                                     config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                                     rotate=rotate)
-                      for rotate in (False, True)]
-            assert output.outputs[0].token_ids == greedy_through(engine.model, ids, 40, stores[0])
-            differs += output.outputs[0].token_ids != greedy_through(engine.model, ids, 40, stores[1])
-    assert differs
 
 
 @pytest.mark.gpu
