@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.kvarn_decode import high_byte_offset
 from cache import kvarn
 from cache.kv_format import check_tile_dims
 
@@ -150,8 +151,7 @@ def _store_codes(codes, tile_ptr, offs_g, LOW_BITS: tl.constexpr, HIGH_BITS: tl.
 @triton.jit
 def _store_five_bit_columns(codes, tile_ptr, offs_g, G: tl.constexpr, D: tl.constexpr):
     """5-bit codes [G, D] as kvarn.record_codes lays them out: each column of 8 a 40-bit integer (code k at
-    bit 5k); every row's low 4 bytes of its columns first, then the high bytes by 8-row groups, row r's of
-    column c at G * D / 2 + (r // 8) * D + 8c + r % 8."""
+    bit 5k); every row's low 4 bytes of its columns first, then the high bytes (high_byte_offset)."""
     part = tl.reshape(codes.to(tl.int64), [G, D // 8, 8])
     column = tl.sum(part << (tl.arange(0, 8) * 5)[None, None, :], 2)  # [G, D / 8]
     offs_c = tl.arange(0, D // 8)
@@ -159,8 +159,7 @@ def _store_five_bit_columns(codes, tile_ptr, offs_g, G: tl.constexpr, D: tl.cons
     low_ptrs = (tile_ptr + offs_g[:, None, None] * (D // 2) + offs_c[None, :, None] * 4
                 + tl.arange(0, 4)[None, None, :])
     tl.store(low_ptrs, low.to(tl.uint8))
-    high_at = G * (D // 2) + (offs_g[:, None] // 8) * D + offs_c[None, :] * 8 + offs_g[:, None] % 8
-    tl.store(tile_ptr + high_at, (column >> 32).to(tl.uint8))
+    tl.store(tile_ptr + high_byte_offset(offs_g[:, None], offs_c[None, :], G, D), (column >> 32).to(tl.uint8))
 
 
 @triton.jit

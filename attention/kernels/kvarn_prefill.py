@@ -41,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.kvarn_decode import MAGIC, PLANE_WIDTHS, _column, _lane_code, _top_part, lane_shift
+from attention.kernels.kvarn_decode import (MAGIC, PLANE_WIDTHS, _column, _lane_code, _top_part,
+                                            high_byte_offset, lane_shift)
 from attention.kernels.prefill import chunk_of_work_item
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -113,8 +114,7 @@ def _dequantize(tile_ptr, rows, one, magic, scale, offset, outer, D: tl.constexp
     ROW_BYTES: tl.constexpr = D * (LOW_BITS + HIGH_BITS) // 8
     if (LOW_BITS == 4) and (HIGH_BITS == 1):  # 40-bit columns (kvarn.record_codes)
         columns = _plane_columns(tile_ptr, rows, one, D // 2, 0, 4, D)
-        high_at = (G * (D // 2) + (rows[:, None] // 8) * D + tl.arange(0, D // 8)[None, :] * one * 8
-                   + rows[:, None] % 8)
+        high_at = high_byte_offset(rows[:, None], tl.arange(0, D // 8)[None, :] * one, G, D)
         low = (columns, columns >> 12, _top_part(columns, tl.load(tile_ptr + high_at).to(tl.uint32)))
         high = low
     elif HIGH_BITS > 0:
