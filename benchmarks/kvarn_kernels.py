@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 import torch
 
@@ -162,6 +163,9 @@ def decode_rows(timer: EventTimer, formats: list[str]) -> list[dict]:
                 for engine_call in (True, False):
                     for num_warps in NUM_WARPS:
                         us = timer(lambda: step(num_warps, engine_call))
+                        call = "engine" if engine_call else "one basis"
+                        print(f"decode {name} {rows} x {context} ({sink}, {tail}) {call} "
+                              f"num_warps={num_warps}: {us:.1f} µs", file=sys.stderr, flush=True)
                         results.append({"kv_cache_dtype": name, "rows": rows, "context": context,
                                         "sink": sink, "tail": tail,
                                         "call": "engine" if engine_call else "one basis",

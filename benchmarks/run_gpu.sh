@@ -138,7 +138,7 @@ elif [ "$PART" = k5v5 ]; then
   step 100 python -m benchmarks.profile_decode --model /tmp/loop-engine-bench/ouro-1.4b --batch 16 \
     --prompt 8192 --steps 3 --kv-cache-dtype kvarn_k5v5_g64 --block-size 64 --out "$OUT/profile-16x8k-k5v5.json"
 elif [ "$PART" = g128 ]; then
-  step 150 python -m benchmarks.kvarn_kernels --decode-only --no-dense --formats kvarn_k4v2_g128,kvarn_k4v4_g128 \
+  step 400 python -m benchmarks.kvarn_kernels --decode-only --no-dense --formats kvarn_k4v2_g128,kvarn_k4v4_g128 \
     --out "$OUT/kvarn_kernels-g128.json"
   wait
   step 250 python -m benchmarks.latency --preset ouro-1.4b --modes graph --block-size 128 \
