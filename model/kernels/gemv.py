@@ -25,9 +25,9 @@ same bits at any M of its bucket (a batch of 3 and the same rows padded to 4 agr
 
 Workspace: one per device, shared by every launch (launches on one stream never overlap; with PDL a
 kernel touches it only after waiting for the one before): an int32 ticket array that the kernels keep at
-zero (per N tile, and ROW_TICKET and ROWS_DONE_TICKET for the norm epilogue), and a grow-only fp32 partials
-buffer. The tickets must be created outside CUDA-graph capture: any eager call with a split config does
-that, or call `reserve_workspace(device)` before capturing.
+zero (per N tile, and ROW_TICKET for the norm epilogue), and a grow-only fp32 partials buffer. The tickets
+must be created outside CUDA-graph capture: any eager call with a split config does that, or call
+`reserve_workspace(device)` before capturing.
 """
 
 from __future__ import annotations
@@ -48,9 +48,7 @@ from attention.pdl import pdl_supported
 MAX_SKINNY_M = 64
 CPU_SM_COUNT = 132  # H100/H200, assumed off CUDA (the interpreter)
 TICKET_CAPACITY = 1 << 16
-# The tickets before the last two are per N tile. The norm epilogue's: finished tiles, and helpers done.
-ROW_TICKET = TICKET_CAPACITY - 1
-ROWS_DONE_TICKET = TICKET_CAPACITY - 2
+ROW_TICKET = TICKET_CAPACITY - 1  # the tickets before it are per N tile, this one counts finished tiles
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,8 +353,8 @@ def kernel_args(m: int, n: int, k: int, stride_xm: int, stride_wn: int, stride_y
     tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     k_iters = triton.cdiv(k_blocks, max(1, min(config.split_k, k_blocks)))
     splits = triton.cdiv(k_blocks, k_iters)
-    if splits > 1 and tiles > ROWS_DONE_TICKET:
-        raise ValueError(f"{tiles} N tiles exceed the {ROWS_DONE_TICKET} split-K tickets; use split_k=1")
+    if splits > 1 and tiles > ROW_TICKET:
+        raise ValueError(f"{tiles} N tiles exceed the {ROW_TICKET} split-K tickets; use split_k=1")
     dot_fp32 = dtype == torch.float32 or INTERPRETED
     tail = (m, n, k, stride_xm, stride_wn, stride_ym, k_iters, block_m, block_n, block_k, splits > 1,
             k % block_k == 0, n % block_n == 0, config.use_dot, dot_fp32, config.num_stages, pdl)

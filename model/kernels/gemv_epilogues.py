@@ -12,17 +12,11 @@ the plain kernel computes it (same config, K order and splits), then rounded to 
 elementwise math, as the unfused path rounds the GEMM's output. The elementwise math is fused.py's.
 
 Row ticket. In linear_add_norms each N tile's final program (its last split) stores the tile's rounded output
-into `normed`, which stages it, and takes the row ticket (gemv.ROW_TICKET). The last min(M, N tiles) programs
-to take it share the rows: each waits until every tile has taken the ticket, then reads its rows back (rows j,
-j + helpers, ..) and writes h and normed, a row as rmsnorm_kernel computes one; the last helper to finish
-(gemv.ROWS_DONE_TICKET) puts both tickets back to 0. Every row is summed in one fixed order, whichever program
-does it, so results are bitwise reproducible (eager or CUDA graph) and a row's bits do not depend on the other
-rows. Waiting cannot deadlock: at most MAX_EPILOGUE_M programs wait, every other program exits once its tile is
-staged, and the next kernel's programs launch (PDL) only after every program of this one has started, so the
-tiles waited for always get an SM. Under the interpreter, which runs programs one after another, the last
-program does every row. One program norming all 16 rows of a decode step took 8-13 µs a call on the H200,
-against 1-2 µs for a separate norm kernel (benchmarks/epilogue_rows.py). MAX_EPILOGUE_M bounds the rows that
-take this path.
+into `normed`, which stages it, and takes the row ticket (gemv.ROW_TICKET). The program that takes it last
+reads the rows back and writes h and normed, one row after another as rmsnorm_kernel computes a row, then
+puts the ticket back to 0. Every row is summed in one fixed order, whichever program finishes last, so
+results are bitwise reproducible (eager or CUDA graph) and a row's bits do not depend on the other rows.
+That tail is one program's work over all M rows: MAX_EPILOGUE_M bounds the rows that take this path.
 """
 
 from __future__ import annotations
@@ -33,17 +27,18 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.launch import INTERPRETED, specialization
+from attention.launch import specialization
 from attention.workspace import current_stream
 from model.kernels.fused import PRECISE, rms_normalize, rotate_half, round_to, silu_times
-from model.kernels.gemv import (ROW_TICKET, ROWS_DONE_TICKET, GemvConfig, Plan, build_plan, check_operands,
-                                prefetch_l2, skinny_ok, split_k_total, tile_product)
+from model.kernels.gemv import (ROW_TICKET, GemvConfig, Plan, build_plan, check_operands, prefetch_l2,
+                                skinny_ok, split_k_total, tile_product)
 
 # The norm tail's time grows with M, one program's work, while the unfused norm kernel spreads rows over SMs;
 # 16 rows (a graph bucket boundary) until the H200 says where the crossover is.
 MAX_EPILOGUE_M = 16
+# Rows the norm tail takes at a time (benchmarks/epilogue_rows.py times 1, 2, 4 and 8).
+NORM_ROWS = 4
 _ROW_TICKET = tl.constexpr(ROW_TICKET)
-_ROWS_DONE_TICKET = tl.constexpr(ROWS_DONE_TICKET)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,69 +149,53 @@ def skinny_gemm_silu_mul_kernel(
 
 
 @triton.jit
-def _add_norms_rows(normed_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, first, step, M,
-                    stride_normed, stride_residual, stride_out, eps, HIDDEN: tl.constexpr,
-                    BLOCK: tl.constexpr, PRECISE: tl.constexpr):
-    """For rows first, first + step, .. < M, as rmsnorm_kernel computes one: out = residual + RMSNorm(y) *
-    weight, with y staged in normed, then normed = RMSNorm(out) * next_weight over it. A row's loads are
-    issued a row ahead."""
-    offs = tl.arange(0, BLOCK)
+def _add_norms_rows(normed_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, M, stride_normed,
+                    stride_residual, stride_out, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                    ROWS: tl.constexpr, PRECISE: tl.constexpr):
+    """For every row, as rmsnorm_kernel computes one: out = residual + RMSNorm(y) * weight, with y staged in
+    normed, then normed = RMSNorm(out) * next_weight over it. ROWS rows at a time, as one [ROWS, BLOCK] tile
+    whose reductions run together (each row summed alike, whatever its place in the tile); a group's loads
+    are issued a group ahead. The loop carries row indices, not tiles of pointers (two registers an element
+    each)."""
+    offs = tl.arange(0, BLOCK)[None, :]
     mask = offs < HIDDEN
+    rows = tl.arange(0, ROWS)[:, None]
     dtype = out_ptr.dtype.element_ty
     weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     next_weight = tl.load(next_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y_ptrs = normed_ptr + first * stride_normed + offs
-    residual_ptrs = residual_ptr + first * stride_residual + offs
-    out_ptrs = out_ptr + first * stride_out + offs
     # Loads bypass L1 (.cg): other programs staged these rows during this launch.
-    y = tl.load(y_ptrs, mask=mask & (first < M), other=0.0, cache_modifier=".cg")
-    residual = tl.load(residual_ptrs, mask=mask & (first < M), other=0.0)
-    for m in range(first, M, step):
-        ahead = mask & (m + step < M)
-        y_next = tl.load(y_ptrs + step * stride_normed, mask=ahead, other=0.0, cache_modifier=".cg")
-        residual_next = tl.load(residual_ptrs + step * stride_residual, mask=ahead, other=0.0)
+    inside = mask & (rows < M)
+    y = tl.load(normed_ptr + rows * stride_normed + offs, mask=inside, other=0.0, cache_modifier=".cg")
+    residual = tl.load(residual_ptr + rows * stride_residual + offs, mask=inside, other=0.0)
+    for first in range(0, M, ROWS):
+        group = first + rows
+        ahead = mask & (group + ROWS < M)
+        y_next = tl.load(normed_ptr + (group + ROWS) * stride_normed + offs, mask=ahead, other=0.0,
+                         cache_modifier=".cg")
+        residual_next = tl.load(residual_ptr + (group + ROWS) * stride_residual + offs, mask=ahead, other=0.0)
         h = rms_normalize(y.to(tl.float32), weight, eps, HIDDEN, dtype, PRECISE)
         h = round_to(residual.to(tl.float32) + h, dtype)
-        tl.store(out_ptrs, h.to(dtype), mask=mask)
-        tl.store(y_ptrs, rms_normalize(h, next_weight, eps, HIDDEN, dtype, PRECISE).to(dtype), mask=mask)
-        y, residual = y_next, residual_next
-        y_ptrs += step * stride_normed
-        residual_ptrs += step * stride_residual
-        out_ptrs += step * stride_out
+        tl.store(out_ptr + group * stride_out + offs, h.to(dtype), mask=inside)
+        tl.store(normed_ptr + group * stride_normed + offs,
+                 rms_normalize(h, next_weight, eps, HIDDEN, dtype, PRECISE).to(dtype), mask=inside)
+        y, residual, inside = y_next, residual_next, ahead
 
 
 @triton.jit
 def _finish_tile(tile, normed_ptr, tickets_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, offs_n,
                  M, N, stride_normed, stride_residual, stride_out, eps, BLOCK_M: tl.constexpr,
-                 HIDDEN: tl.constexpr, NORM_BLOCK: tl.constexpr, SPREAD: tl.constexpr, PRECISE: tl.constexpr):
-    """Stages the tile, rounded, in normed and takes the row ticket; the last `helpers` tiles to take it do
-    the rows (SPREAD), or the last one alone."""
+                 HIDDEN: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_ROWS: tl.constexpr,
+                 PRECISE: tl.constexpr):
+    """Stages the tile, rounded, in normed and takes the row ticket; the tile finishing last does the rows."""
     offs_m = tl.arange(0, BLOCK_M)
     staged = normed_ptr + offs_m.to(tl.int64)[:, None] * stride_normed + offs_n[None, :]
     tl.store(staged, tile.to(normed_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
     # All threads' stores are done before one thread releases them with the ticket.
     tl.debug_barrier()
-    tiles = tl.num_programs(0)
-    ticket = tl.atomic_add(tickets_ptr + _ROW_TICKET, 1, sem="acq_rel")
-    if SPREAD:
-        helpers = tl.minimum(M, tiles)
-    else:
-        helpers = 1
-    helper = ticket - (tiles - helpers)
-    if helper >= 0:
-        if helpers > 1:
-            # The tiles still running took the ticket after this one; they are all in flight.
-            seen = ticket + 1
-            while seen < tiles:
-                seen = tl.atomic_add(tickets_ptr + _ROW_TICKET, 0, sem="acquire")
-        _add_norms_rows(normed_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, helper, helpers, M,
-                        stride_normed, stride_residual, stride_out, eps, HIDDEN, NORM_BLOCK, PRECISE)
-        done = helpers - 1
-        if helpers > 1:
-            done = tl.atomic_add(tickets_ptr + _ROWS_DONE_TICKET, 1, sem="acq_rel")
-        if done == helpers - 1:  # every helper has seen all the tiles: the tickets go back to 0
-            tl.store(tickets_ptr + _ROW_TICKET, 0)
-            tl.store(tickets_ptr + _ROWS_DONE_TICKET, 0)
+    if tl.atomic_add(tickets_ptr + _ROW_TICKET, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        _add_norms_rows(normed_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, M, stride_normed,
+                        stride_residual, stride_out, eps, HIDDEN, NORM_BLOCK, NORM_ROWS, PRECISE)
+        tl.store(tickets_ptr + _ROW_TICKET, 0)
 
 
 @triton.jit(do_not_specialize=["M", "k_iters"])
@@ -226,7 +205,7 @@ def skinny_gemm_add_norms_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
     NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
-    stride_residual, stride_out, eps, HIDDEN: tl.constexpr, NORM_BLOCK: tl.constexpr, SPREAD: tl.constexpr,
+    stride_residual, stride_out, eps, HIDDEN: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_ROWS: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), splits), N == HIDDEN: y = x @ W^T, then out = residual + RMSNorm(y) * weight
@@ -248,11 +227,11 @@ def skinny_gemm_add_norms_kernel(
         if last:
             _finish_tile(total, normed_ptr, tickets_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr,
                          offs_n, M, N, stride_normed, stride_residual, stride_out, eps, BLOCK_M, HIDDEN,
-                         NORM_BLOCK, SPREAD, PRECISE)
+                         NORM_BLOCK, NORM_ROWS, PRECISE)
     else:
         _finish_tile(out, normed_ptr, tickets_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, offs_n,
                      M, N, stride_normed, stride_residual, stride_out, eps, BLOCK_M, HIDDEN, NORM_BLOCK,
-                     SPREAD, PRECISE)
+                     NORM_ROWS, PRECISE)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -339,15 +318,17 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | Non
 
 def linear_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                      next_weight: torch.Tensor, eps: float, config: GemvConfig | None = None,
-                     spread: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     norm_rows: int = NORM_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, RMSNorm(h) * next_weight) with h = residual + RMSNorm(x @ weight^T) * norm_weight: a projection,
     its post-norm, the residual add and the next sublayer's pre-norm, as fused.add_rmsnorm_rmsnorm(residual,
-    linear(x, weight), ..) gives them. weight [N, K], residual [M, N]. spread=False: the last tile's program
-    norms every row (the layout before the rows were spread; benchmarks/epilogue_rows.py compares them)."""
+    linear(x, weight), ..) gives them. weight [N, K], residual [M, N]. norm_rows: the rows the norm tail
+    takes at a time (a power of two; at most the GEMM's M tile)."""
     m, n = x.shape[0], weight.shape[0]
     out, normed = torch.empty_like(residual), torch.empty_like(residual)
     if m:
         def check() -> None:
+            if norm_rows < 1 or norm_rows & (norm_rows - 1):
+                raise ValueError(f"norm_rows must be a power of two, got {norm_rows}")
             _check_rows("residual", residual, m, n, x.dtype)
             for name, vector in (("norm_weight", norm_weight), ("next_weight", next_weight)):
                 if vector.shape != (n,) or vector.dtype != x.dtype or vector.stride(0) != 1:
@@ -355,11 +336,11 @@ def linear_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
                                      f"{tuple(vector.shape)} in {vector.dtype}")
 
         pointers = (x, weight, normed, residual, norm_weight, next_weight, out)
-        scalars = (residual.stride(0), out.stride(0), eps, n, 1 << (n - 1).bit_length(),  # pow2 >= n
-                   spread and not INTERPRETED, PRECISE)
-        key_args = pointers + (x.stride(0), weight.stride(0), normed.stride(0)) + scalars
+        scalars = (residual.stride(0), out.stride(0), eps, n, 1 << (n - 1).bit_length())  # pow2 >= n
+        key_args = pointers + (x.stride(0), weight.stride(0), normed.stride(0)) + scalars + (norm_rows,)
         plan = _plan(skinny_gemm_add_norms_kernel, key_args, x, weight, normed.stride(0), config, check,
                      row_ticket=True)
+        rows_at_once = min(norm_rows, plan.tail[7])  # the M tile: a bucket's rows are normed alike
         plan.launch(current_stream(x.device), pointers[:3] + (plan.partials, plan.tickets) + pointers[3:]
-                    + plan.tail + scalars)
+                    + plan.tail + scalars + (rows_at_once, PRECISE))
     return out, normed
