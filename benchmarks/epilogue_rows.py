@@ -1,15 +1,14 @@
-"""The norm tail of the o and down projections (model/kernels/gemv_epilogues.py, linear_add_norms) by row
-count: is one program norming M rows still cheaper than a separate norm kernel, and how many rows should it
-take at a time (NORM_ROWS)?
+"""The norm epilogue of the o and down projections (model/kernels/gemv_epilogues.py, linear_add_norms) by row
+count, against the same GEMM followed by a separate norm kernel: where does one program norming every row
+stop paying for the launch it saves?
 
     python -m benchmarks.epilogue_rows --out benchmarks/results/epilogue_rows.json
 
 For Ouro-1.4B's o (2048 x 2048) and down (2048 x 5632) shapes in bf16 and M = 1, 2, 4, 8, 16 rows, in-graph
 µs per call of: the plain skinny GEMM; the GEMM then fused.add_rmsnorm_rmsnorm (the unfused composition,
-one launch more); and linear_add_norms with the tail taking 1, 2, 4 or 8 rows at a time. Calls walk
+one launch more); and linear_add_norms, whose last tile's program norms every row. Calls walk
 through copies of the weight (at least 256 MB, several times the 60 MB L2), as benchmarks/gemv.py does,
-and run back to back in one CUDA graph with PDL, as in a decode step. Each tail setting is also compared
-bit for bit with the one-row tail.
+and run back to back in one CUDA graph with PDL, as in a decode step.
 """
 
 from __future__ import annotations
@@ -22,12 +21,11 @@ import torch
 from benchmarks.common import environment, graph_time_us, write_results
 from model.kernels.fused import add_rmsnorm_rmsnorm
 from model.kernels.gemv import reserve_workspace, skinny_linear
-from model.kernels.gemv_epilogues import NORM_ROWS, linear_add_norms
+from model.kernels.gemv_epilogues import linear_add_norms
 
 HIDDEN, INTERMEDIATE, EPS = 2048, 5632, 1e-6
 SHAPES = {"o": HIDDEN, "down": INTERMEDIATE}  # name -> K (N = HIDDEN)
 ROWS = (1, 2, 4, 8, 16)
-TAIL_ROWS = (1, 2, 4, 8)
 ROTATE_BYTES = 256 << 20
 CALLS = 48
 DTYPE = torch.bfloat16
@@ -42,22 +40,18 @@ def rows_for(name: str, k: int, m: int, replays: int) -> list[dict]:
     residual = torch.randn(m, HIDDEN, dtype=DTYPE, device="cuda")
     norm_weight, next_weight = (1 + 0.1 * torch.randn(2, HIDDEN, device="cuda")).to(DTYPE)
 
-    def fused(i: int, tail: int):
-        return linear_add_norms(x, weights[i], residual, norm_weight, next_weight, EPS, norm_rows=tail)
-
     def unfused(i: int):
         return add_rmsnorm_rmsnorm(residual, skinny_linear(x, weights[i]), norm_weight, next_weight, EPS)
 
-    cases = {"gemm": lambda i: skinny_linear(x, weights[i]), "gemm + norm kernel": unfused}
-    cases.update({f"epilogue, tail {tail} rows": (lambda i, tail=tail: fused(i, tail)) for tail in TAIL_ROWS})
-    one_row = fused(0, 1)
+    def epilogue(i: int):
+        return linear_add_norms(x, weights[i], residual, norm_weight, next_weight, EPS)
+
+    cases = {"gemm": lambda i: skinny_linear(x, weights[i]), "gemm + norm kernel": unfused,
+             "norm epilogue": epilogue}
     results = []
     for case, fn in cases.items():
         us = graph_time_us([lambda i=i: fn(i) for i in walk], replays, median=True)
         row = {"shape": name, "m": m, "case": case, "us": us, "weight_gbps": weight_bytes / us / 1e3}
-        if case.startswith("epilogue"):
-            tail = int(case.split()[2])
-            row["same_bits_as_one_row_tail"] = all(torch.equal(a, b) for a, b in zip(fused(0, tail), one_row))
         results.append(row)
         print(f"{name} M={m} {case}: {us:.2f} µs", flush=True)
     return results
@@ -65,13 +59,10 @@ def rows_for(name: str, k: int, m: int, replays: int) -> list[dict]:
 
 def table(payload: dict) -> str:
     lines = [f"{payload['device']}, torch {payload['torch']}, triton {payload['triton']}, commit "
-             f"{payload['commit']}; bf16, N = {HIDDEN}, weights walked over {ROTATE_BYTES >> 20} MB; "
-             f"the engine's tail takes min(NORM_ROWS = {NORM_ROWS}, the GEMM's M tile) rows at a time", "",
-             "| shape | M | case | µs | weight GB/s | bits = one-row tail |", "|---|---|---|---|---|---|"]
+             f"{payload['commit']}; bf16, N = {HIDDEN}, weights walked over {ROTATE_BYTES >> 20} MB", "",
+             "| shape | M | case | µs | weight GB/s |", "|---|---|---|---|---|"]
     for r in payload["rows"]:
-        same = {True: "yes", False: "no"}.get(r.get("same_bits_as_one_row_tail"), "-")
-        lines.append(f"| {r['shape']} | {r['m']} | {r['case']} | {r['us']:.2f} | {r['weight_gbps']:.0f} | "
-                     f"{same} |")
+        lines.append(f"| {r['shape']} | {r['m']} | {r['case']} | {r['us']:.2f} | {r['weight_gbps']:.0f} |")
     return "\n".join(lines)
 
 

@@ -116,8 +116,9 @@ class OuroLayer(nn.Module):
                       epilogues: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() with Triton kernels. `normed` is input_layernorm(h), made by the launch before; returns
         (h', RMSNorm(h') * next_weight), the next sublayer's pre-norm (or the loop's final norm).
-        With `epilogues` (decode-sized batches, gemv_epilogues.fits): 4 launches, each projection's skinny
-        GEMM doing the elementwise work after it. Otherwise the reference composition: 4 projections (a skinny
+        With `epilogues` (decode-sized batches, gemv_epilogues.fits): each projection's skinny GEMM does the
+        elementwise work after it, 4 launches; past MAX_NORM_EPILOGUE_M rows the o and down projections' norms
+        are launches of their own (6). Otherwise the reference composition: 4 projections (a skinny
         GEMM for decode-sized batches, cuBLAS otherwise) and 4 elementwise launches."""
         if epilogues:
             return self._forward_epilogues(h, normed, cos, sin, attention, slot, next_weight)
@@ -139,9 +140,20 @@ class OuroLayer(nn.Module):
         q, k, v = gemv_epilogues.qkv_rope(normed, qkv, cos, sin, self.num_heads, self.num_kv_heads,
                                           self.head_dim)
         attn = attention(q, k, v, slot).reshape(n, self.q_size)
-        h, normed = gemv_epilogues.linear_add_norms(attn, o, h, attention_norm, pre_mlp_norm, eps)
+        linear_add_norms = (gemv_epilogues.linear_add_norms if n <= gemv_epilogues.MAX_NORM_EPILOGUE_M
+                            else _linear_then_add_norms)
+        h, normed = linear_add_norms(attn, o, h, attention_norm, pre_mlp_norm, eps)
         act = gemv_epilogues.gate_up_silu(normed, gate_up)
-        return gemv_epilogues.linear_add_norms(act, down, h, mlp_norm, next_weight, eps)
+        return linear_add_norms(act, down, h, mlp_norm, next_weight, eps)
+
+
+def _linear_then_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                           norm_weight: torch.Tensor, next_weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemv_epilogues.linear_add_norms as two launches: the projection, then the norm kernel, whose programs
+    norm the rows side by side (faster past MAX_NORM_EPILOGUE_M rows)."""
+    y = skinny_or_cublas_linear(x, weight)
+    return fused.add_rmsnorm_rmsnorm(residual, y, norm_weight, next_weight, eps)
 
 
 @dataclasses.dataclass(slots=True)

@@ -31,7 +31,7 @@ from attention.triton_kvarn import decode_maxnreg
 from cache.copy_forward_kernel import copy_forward_kernel
 from model.kernels.fused import rmsnorm_kernel, rope_qkv_kernel, silu_mul_kernel
 from model.kernels.gemv import skinny_gemm_kernel
-from model.kernels.gemv_epilogues import (NORM_ROWS, skinny_gemm_add_norms_kernel, skinny_gemm_rope_kernel,
+from model.kernels.gemv_epilogues import (skinny_gemm_add_norms_kernel, skinny_gemm_rope_kernel,
                                           skinny_gemm_silu_mul_kernel)
 from tests.pdl_ptx import pre_wait_violations
 
@@ -119,8 +119,7 @@ def gemv_variants() -> list[tuple]:
     out = []
     for dtype, config in (("bf16", fma), ("bf16", dot), ("bf16", {**dot, "SPLIT": False}), ("fp32", fp32)):
         gemm = {**config, "EVEN_K": True, "EVEN_N": True, "PDL": True}
-        norms = {**gemm, "HIDDEN": 2048, "NORM_BLOCK": 2048, "NORM_ROWS": min(NORM_ROWS, config["BLOCK_M"]),
-                 "PRECISE": True}
+        norms = {**gemm, "HIDDEN": 2048, "NORM_BLOCK": 2048, "PRECISE": True}
         rope = {**gemm, "HALF": 64, "PRECISE": True}
         out += [(skinny_gemm_kernel, dtype, gemm, 4, None, GEMV_POINTERS),
                 (skinny_gemm_rope_kernel, dtype, rope, 4, None, GEMV_POINTERS),

@@ -1,5 +1,5 @@
 """The model's fused-kernel path (Triton around the GEMMs, used on CUDA) is as exact as its torch path, and a
-decode-sized layer is 4 model launches (model/kernels/gemv_epilogues.py)."""
+layer at one row is 4 model launches (model/kernels/gemv_epilogues.py)."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from engine import Engine, SamplingParams
 from model.config import OuroConfig
 from model.kernels import gemv
 from model.kernels.gemv import GemvConfig
-from model.kernels.gemv_epilogues import MAX_EPILOGUE_M
+from model.kernels.gemv_epilogues import MAX_EPILOGUE_M, MAX_NORM_EPILOGUE_M
 from model.loader import load_model
 from tests.numerics import assert_within_noise
 from tests.reference import ReferenceOuro
@@ -29,20 +29,20 @@ def coarse_gemm_tiles(monkeypatch):
                         lambda m, n, k, dtype, sm_count=0: GemvConfig(128, 128, use_dot=m > 1))
 
 
-@pytest.mark.parametrize("epilogues", [False, True])
+@pytest.mark.parametrize("epilogues,rows", [(False, 9), (True, 9), (True, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_loops_are_as_close_to_exact_as_torch_loops(tiny_checkpoint, dtype, epilogues,
+def test_fused_loops_are_as_close_to_exact_as_torch_loops(tiny_checkpoint, dtype, epilogues, rows,
                                                           coarse_gemm_tiles):
     """Hidden states and gate logits of every loop against the torch path in fp64, within
-    tests/numerics.py's bound: no farther than 4x the torch path in the same dtype. 9 rows take the epilogue
-    GEMMs (at most MAX_EPILOGUE_M), or the unfused composition."""
+    tests/numerics.py's bound: no farther than 4x the torch path in the same dtype. The rows take the
+    epilogue GEMMs (at most MAX_EPILOGUE_M; the norm epilogue at one row), or the unfused composition."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = OuroConfig.from_file(tiny_checkpoint / "config.json")
     model = load_model(tiny_checkpoint, config, device, dtype, fused_kernels=True)
     model.fused_epilogues = epilogues
     exact_model = load_model(tiny_checkpoint, config, device, torch.float64)
-    ids = torch.randint(0, config.vocab_size, (9,), generator=torch.Generator().manual_seed(0)).to(device)
-    positions = torch.arange(9, device=device)
+    ids = torch.randint(0, config.vocab_size, (rows,), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(rows, device=device)
     with torch.inference_mode():
         fused = model(ids, positions, dense_causal_attention)
         model.fused_kernels = False
@@ -67,11 +67,12 @@ def launched_kernels(monkeypatch) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("rows", [1, MAX_EPILOGUE_M, MAX_EPILOGUE_M + 1])
-def test_a_decode_sized_layer_is_four_model_launches(tiny_checkpoint, monkeypatch, coarse_gemm_tiles, rows):
+@pytest.mark.parametrize("rows", [1, 2, MAX_EPILOGUE_M, MAX_EPILOGUE_M + 1])
+def test_the_model_launches_of_a_decode_sized_layer(tiny_checkpoint, monkeypatch, coarse_gemm_tiles, rows):
     """A loop at decode sizes: the first pre-norm, then per layer the 4 epilogue GEMMs (attention is the
-    callable's). Past MAX_EPILOGUE_M rows the unfused composition's elementwise kernels run instead (its GEMMs
-    are cuBLAS on CUDA, F.linear here)."""
+    callable's). Past MAX_NORM_EPILOGUE_M rows the o and down GEMMs are followed by the norm kernel (plain
+    skinny GEMMs on CUDA, F.linear here); past MAX_EPILOGUE_M rows the unfused composition's elementwise
+    kernels run instead (its GEMMs are cuBLAS on CUDA, F.linear here)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = OuroConfig.from_file(tiny_checkpoint / "config.json")
     model = load_model(tiny_checkpoint, config, device, torch.float32, fused_kernels=True)
@@ -80,9 +81,13 @@ def test_a_decode_sized_layer_is_four_model_launches(tiny_checkpoint, monkeypatc
     names = launched_kernels(monkeypatch)
     with torch.inference_mode():
         model.run_loop(h, cos, sin, dense_causal_attention, 0)
-    if rows <= MAX_EPILOGUE_M:
+    if rows <= MAX_NORM_EPILOGUE_M:
         layer = ["skinny_gemm_rope_kernel", "skinny_gemm_add_norms_kernel", "skinny_gemm_silu_mul_kernel",
                  "skinny_gemm_add_norms_kernel"]
+    elif rows <= MAX_EPILOGUE_M:
+        linear = ["skinny_gemm_kernel"] if device.type == "cuda" else []
+        layer = ["skinny_gemm_rope_kernel", *linear, "rmsnorm_kernel",
+                 "skinny_gemm_silu_mul_kernel", *linear, "rmsnorm_kernel"]
     else:
         layer = ["rope_qkv_kernel", "rmsnorm_kernel", "silu_mul_kernel", "rmsnorm_kernel"]
     assert names == ["rmsnorm_kernel"] + layer * config.num_hidden_layers

@@ -117,22 +117,6 @@ def test_linear_add_norms_equals_the_gemm_then_add_rmsnorm_rmsnorm(dtype, m, nam
         assert_matches_torch(normed, expected_normed, "norm")
 
 
-@pytest.mark.parametrize("norm_rows", [1, 2, 8])
-def test_the_norm_tail_gives_each_row_alike_however_many_rows_it_takes_at_a_time(norm_rows):
-    """The tail norms NORM_ROWS rows at a time by default; other group sizes (a group larger than M, M not a
-    multiple of it) give the same bits here, and within the norm tolerance on CUDA (another thread layout
-    may sum a row's squares in another order)."""
-    x, w, residual, weight, next_weight = norm_operands(5, 96, torch.bfloat16, seed=50)
-    config = CONFIGS["dot_split3"]
-    default = linear_add_norms(x, w, residual, weight, next_weight, EPS, config=config)
-    other = linear_add_norms(x, w, residual, weight, next_weight, EPS, config=config, norm_rows=norm_rows)
-    for got, want in zip(other, default):
-        if DEVICE == "cpu":
-            assert torch.equal(got, want)
-        else:
-            assert_matches_torch(got, want, "norm")
-
-
 def test_tickets_are_back_at_zero_and_repeated_calls_give_the_same_bits():
     """Split tiles and the row ticket: every ticket is 0 after each call, whichever program finished last."""
     x, w, residual, weight, next_weight = norm_operands(3, 96, torch.bfloat16, seed=30)
@@ -170,8 +154,6 @@ def test_mismatched_operands_are_refused_by_name():
         linear_add_norms(x, w, residual[:, :64], weight, next_weight, EPS)
     with pytest.raises(ValueError, match="next_weight"):
         linear_add_norms(x, w, residual, weight, next_weight[:64], EPS)
-    with pytest.raises(ValueError, match="norm_rows"):
-        linear_add_norms(x, w, residual, weight, next_weight, EPS, norm_rows=3)
     cos, sin = rope_tables(2, torch.float32)
     with pytest.raises(ValueError, match="heads"):
         qkv_rope(x, w, cos, sin, HEADS, KV_HEADS, HEAD_DIM)  # 96 rows are not (3 + 2) x 16

@@ -1,5 +1,6 @@
 """The skinny GEMM (model/kernels/gemv.py) with a decode layer's elementwise work in its epilogue, so that a
-layer at decode batch sizes is 4 model launches plus attention:
+layer at batch 1 is 4 model launches plus attention (past MAX_NORM_EPILOGUE_M rows, 6: the norms below are
+faster as launches of their own):
 - qkv_rope: the qkv projection, with RoPE on the q and k heads;
 - linear_add_norms: the o or down projection, then the post-norm, its residual add and the next pre-norm
   (fused.add_rmsnorm_rmsnorm's work), done by the tile that finishes last, since a norm needs the whole row;
@@ -16,7 +17,8 @@ into `normed`, which stages it, and takes the row ticket (gemv.ROW_TICKET). The 
 reads the rows back and writes h and normed, one row after another as rmsnorm_kernel computes a row, then
 puts the ticket back to 0. Every row is summed in one fixed order, whichever program finishes last, so
 results are bitwise reproducible (eager or CUDA graph) and a row's bits do not depend on the other rows.
-That tail is one program's work over all M rows: MAX_EPILOGUE_M bounds the rows that take this path.
+That tail is one program's work over all M rows: MAX_NORM_EPILOGUE_M bounds the rows that take this path
+in a layer.
 """
 
 from __future__ import annotations
@@ -33,11 +35,14 @@ from model.kernels.fused import PRECISE, rms_normalize, rotate_half, round_to, s
 from model.kernels.gemv import (ROW_TICKET, GemvConfig, Plan, build_plan, check_operands, prefetch_l2,
                                 skinny_ok, split_k_total, tile_product)
 
-# The norm tail's time grows with M, one program's work, while the unfused norm kernel spreads rows over SMs;
-# 16 rows (a graph bucket boundary) until the H200 says where the crossover is.
+# The rows the epilogue variants take (a graph bucket boundary).
 MAX_EPILOGUE_M = 16
-# Rows the norm tail takes at a time (benchmarks/epilogue_rows.py times 1, 2, 4 and 8).
-NORM_ROWS = 4
+# The rows the norm epilogue takes. Its tail is one program's work over all M rows, while the norm kernel
+# spreads rows over SMs: on the H200 (benchmarks/epilogue_rows.py, in graph chains with PDL) the GEMM then the
+# norm kernel took 6.4-6.6 µs (o) and 9.8-10.2 µs (down) at 2-16 rows against 7.9-17.8 and 11.9-22.7 for the
+# epilogue; at one row 5.6 against 5.9 and 9.2 against 9.8. Layers (model/ouro.py) launch the norm kernel
+# past this many rows; at one row the saved launches keep a layer application at 5 kernels.
+MAX_NORM_EPILOGUE_M = 1
 _ROW_TICKET = tl.constexpr(ROW_TICKET)
 
 
@@ -151,41 +156,36 @@ def skinny_gemm_silu_mul_kernel(
 @triton.jit
 def _add_norms_rows(normed_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, M, stride_normed,
                     stride_residual, stride_out, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
-                    ROWS: tl.constexpr, PRECISE: tl.constexpr):
+                    PRECISE: tl.constexpr):
     """For every row, as rmsnorm_kernel computes one: out = residual + RMSNorm(y) * weight, with y staged in
-    normed, then normed = RMSNorm(out) * next_weight over it. ROWS rows at a time, as one [ROWS, BLOCK] tile
-    whose reductions run together (each row summed alike, whatever its place in the tile); a group's loads
-    are issued a group ahead. The loop carries row indices, not tiles of pointers (two registers an element
-    each)."""
-    offs = tl.arange(0, BLOCK)[None, :]
+    normed, then normed = RMSNorm(out) * next_weight over it. A row's loads are issued a row ahead."""
+    offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
-    rows = tl.arange(0, ROWS)[:, None]
     dtype = out_ptr.dtype.element_ty
     weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     next_weight = tl.load(next_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y_ptrs, residual_ptrs, out_ptrs = normed_ptr + offs, residual_ptr + offs, out_ptr + offs
     # Loads bypass L1 (.cg): other programs staged these rows during this launch.
-    inside = mask & (rows < M)
-    y = tl.load(normed_ptr + rows * stride_normed + offs, mask=inside, other=0.0, cache_modifier=".cg")
-    residual = tl.load(residual_ptr + rows * stride_residual + offs, mask=inside, other=0.0)
-    for first in range(0, M, ROWS):
-        group = first + rows
-        ahead = mask & (group + ROWS < M)
-        y_next = tl.load(normed_ptr + (group + ROWS) * stride_normed + offs, mask=ahead, other=0.0,
-                         cache_modifier=".cg")
-        residual_next = tl.load(residual_ptr + (group + ROWS) * stride_residual + offs, mask=ahead, other=0.0)
+    y = tl.load(y_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    residual = tl.load(residual_ptrs, mask=mask, other=0.0)
+    for m in range(M):
+        ahead = mask & (m + 1 < M)
+        y_next = tl.load(y_ptrs + stride_normed, mask=ahead, other=0.0, cache_modifier=".cg")
+        residual_next = tl.load(residual_ptrs + stride_residual, mask=ahead, other=0.0)
         h = rms_normalize(y.to(tl.float32), weight, eps, HIDDEN, dtype, PRECISE)
         h = round_to(residual.to(tl.float32) + h, dtype)
-        tl.store(out_ptr + group * stride_out + offs, h.to(dtype), mask=inside)
-        tl.store(normed_ptr + group * stride_normed + offs,
-                 rms_normalize(h, next_weight, eps, HIDDEN, dtype, PRECISE).to(dtype), mask=inside)
-        y, residual, inside = y_next, residual_next, ahead
+        tl.store(out_ptrs, h.to(dtype), mask=mask)
+        tl.store(y_ptrs, rms_normalize(h, next_weight, eps, HIDDEN, dtype, PRECISE).to(dtype), mask=mask)
+        y, residual = y_next, residual_next
+        y_ptrs += stride_normed
+        residual_ptrs += stride_residual
+        out_ptrs += stride_out
 
 
 @triton.jit
 def _finish_tile(tile, normed_ptr, tickets_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, offs_n,
                  M, N, stride_normed, stride_residual, stride_out, eps, BLOCK_M: tl.constexpr,
-                 HIDDEN: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_ROWS: tl.constexpr,
-                 PRECISE: tl.constexpr):
+                 HIDDEN: tl.constexpr, NORM_BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     """Stages the tile, rounded, in normed and takes the row ticket; the tile finishing last does the rows."""
     offs_m = tl.arange(0, BLOCK_M)
     staged = normed_ptr + offs_m.to(tl.int64)[:, None] * stride_normed + offs_n[None, :]
@@ -194,7 +194,7 @@ def _finish_tile(tile, normed_ptr, tickets_ptr, residual_ptr, weight_ptr, next_w
     tl.debug_barrier()
     if tl.atomic_add(tickets_ptr + _ROW_TICKET, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         _add_norms_rows(normed_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, M, stride_normed,
-                        stride_residual, stride_out, eps, HIDDEN, NORM_BLOCK, NORM_ROWS, PRECISE)
+                        stride_residual, stride_out, eps, HIDDEN, NORM_BLOCK, PRECISE)
         tl.store(tickets_ptr + _ROW_TICKET, 0)
 
 
@@ -205,8 +205,7 @@ def skinny_gemm_add_norms_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
     NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
-    stride_residual, stride_out, eps, HIDDEN: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_ROWS: tl.constexpr,
-    PRECISE: tl.constexpr,
+    stride_residual, stride_out, eps, HIDDEN: tl.constexpr, NORM_BLOCK: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), splits), N == HIDDEN: y = x @ W^T, then out = residual + RMSNorm(y) * weight
     and normed = RMSNorm(out) * next_weight."""
@@ -227,11 +226,11 @@ def skinny_gemm_add_norms_kernel(
         if last:
             _finish_tile(total, normed_ptr, tickets_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr,
                          offs_n, M, N, stride_normed, stride_residual, stride_out, eps, BLOCK_M, HIDDEN,
-                         NORM_BLOCK, NORM_ROWS, PRECISE)
+                         NORM_BLOCK, PRECISE)
     else:
         _finish_tile(out, normed_ptr, tickets_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, offs_n,
                      M, N, stride_normed, stride_residual, stride_out, eps, BLOCK_M, HIDDEN, NORM_BLOCK,
-                     NORM_ROWS, PRECISE)
+                     PRECISE)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,18 +316,15 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | Non
 
 
 def linear_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                     next_weight: torch.Tensor, eps: float, config: GemvConfig | None = None,
-                     norm_rows: int = NORM_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+                     next_weight: torch.Tensor, eps: float, config: GemvConfig | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, RMSNorm(h) * next_weight) with h = residual + RMSNorm(x @ weight^T) * norm_weight: a projection,
     its post-norm, the residual add and the next sublayer's pre-norm, as fused.add_rmsnorm_rmsnorm(residual,
-    linear(x, weight), ..) gives them. weight [N, K], residual [M, N]. norm_rows: the rows the norm tail
-    takes at a time (a power of two; at most the GEMM's M tile)."""
+    linear(x, weight), ..) gives them. weight [N, K], residual [M, N]."""
     m, n = x.shape[0], weight.shape[0]
     out, normed = torch.empty_like(residual), torch.empty_like(residual)
     if m:
         def check() -> None:
-            if norm_rows < 1 or norm_rows & (norm_rows - 1):
-                raise ValueError(f"norm_rows must be a power of two, got {norm_rows}")
             _check_rows("residual", residual, m, n, x.dtype)
             for name, vector in (("norm_weight", norm_weight), ("next_weight", next_weight)):
                 if vector.shape != (n,) or vector.dtype != x.dtype or vector.stride(0) != 1:
@@ -336,11 +332,10 @@ def linear_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
                                      f"{tuple(vector.shape)} in {vector.dtype}")
 
         pointers = (x, weight, normed, residual, norm_weight, next_weight, out)
-        scalars = (residual.stride(0), out.stride(0), eps, n, 1 << (n - 1).bit_length())  # pow2 >= n
-        key_args = pointers + (x.stride(0), weight.stride(0), normed.stride(0)) + scalars + (norm_rows,)
+        scalars = (residual.stride(0), out.stride(0), eps, n, 1 << (n - 1).bit_length(), PRECISE)  # pow2 >= n
+        key_args = pointers + (x.stride(0), weight.stride(0), normed.stride(0)) + scalars
         plan = _plan(skinny_gemm_add_norms_kernel, key_args, x, weight, normed.stride(0), config, check,
                      row_ticket=True)
-        rows_at_once = min(norm_rows, plan.tail[7])  # the M tile: a bucket's rows are normed alike
         plan.launch(current_stream(x.device), pointers[:3] + (plan.partials, plan.tickets) + pointers[3:]
-                    + plan.tail + scalars + (rows_at_once, PRECISE))
+                    + plan.tail + scalars)
     return out, normed
