@@ -28,6 +28,9 @@
 #   g128: the g128 presets' decode kernels (the engine's call, GB/s) at 16 x 8K and 64 x 2K, then TPOT (CUDA graphs,
 #         pages of 128) of kvarn_k4v2_g128, kvarn_k4v4_g128 and bf16 at 64 x 2K (16 x 8K: latency-kvarn-g128-16x8k-
 #         2026-12-03-fb36f2b)
+#   normkernel: the fused-model and epilogue gpu tests, then decode TPOT (CUDA graphs, 1 and 16 x 2K, ABBA) of
+#               the norm epilogue at 2-16 rows (a copy of this tree with MAX_NORM_EPILOGUE_M = 16) against this
+#               tree's norm kernel, then the 16 x 2K decode profile
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
@@ -144,6 +147,15 @@ elif [ "$PART" = g128 ]; then
   step 250 python -m benchmarks.latency --preset ouro-1.4b --modes graph --block-size 128 \
     --kv-cache-dtypes kvarn_k4v2_g128 kvarn_k4v4_g128 bf16 --prompts 2048 --batches 64 --decode-steps 16 \
     --out "$OUT/latency-g128-64x2k.json"
+elif [ "$PART" = normkernel ]; then
+  timeout 150 python -m pytest -q -m gpu tests/test_fused_model.py tests/test_gemv_epilogues.py --timeout 100 -rfE \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+  wait
+  rm -rf /tmp/epilogue-norms && cp -r . /tmp/epilogue-norms
+  sed -i 's/^MAX_NORM_EPILOGUE_M = 1$/MAX_NORM_EPILOGUE_M = 16/' /tmp/epilogue-norms/model/kernels/gemv_epilogues.py
+  step 400 python -m benchmarks.decode_ab --a /tmp/epilogue-norms --b . --labels norm-epilogue norm-kernel \
+    --batches 1 16 --prompt 2048 --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-norm-kernel.json"
+  step 120 python -m benchmarks.profile_decode --batch 16 --prompt 2048 --out "$OUT/profile_decode-16x2k.json"
 elif [ "$PART" = gputests ]; then
   timeout "${TEST_LIMIT:-560}" python -m pytest -q -m gpu tests/ --timeout 150 -rfE --durations=25 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 60
