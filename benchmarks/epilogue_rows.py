@@ -19,6 +19,7 @@ import math
 import torch
 
 from benchmarks.common import environment, graph_time_us, write_results
+from benchmarks.gemv import CALLS_PER_GRAPH, DTYPE, ROTATE_BYTES
 from model.kernels.fused import add_rmsnorm_rmsnorm
 from model.kernels.gemv import reserve_workspace, skinny_linear
 from model.kernels.gemv_epilogues import linear_add_norms
@@ -26,16 +27,13 @@ from model.kernels.gemv_epilogues import linear_add_norms
 HIDDEN, INTERMEDIATE, EPS = 2048, 5632, 1e-6
 SHAPES = {"o": HIDDEN, "down": INTERMEDIATE}  # name -> K (N = HIDDEN)
 ROWS = (1, 2, 4, 8, 16)
-ROTATE_BYTES = 256 << 20
-CALLS = 48
-DTYPE = torch.bfloat16
 
 
 def rows_for(name: str, k: int, m: int, replays: int) -> list[dict]:
     weight_bytes = HIDDEN * k * DTYPE.itemsize
     copies = max(2, math.ceil(ROTATE_BYTES / weight_bytes))
     weights = torch.empty((copies, HIDDEN, k), dtype=DTYPE, device="cuda").normal_(0, 0.02)
-    walk = [i % copies for i in range(CALLS)]
+    walk = [i % copies for i in range(CALLS_PER_GRAPH)]
     x = torch.randn(m, k, dtype=DTYPE, device="cuda")
     residual = torch.randn(m, HIDDEN, dtype=DTYPE, device="cuda")
     norm_weight, next_weight = (1 + 0.1 * torch.randn(2, HIDDEN, device="cuda")).to(DTYPE)

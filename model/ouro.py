@@ -126,11 +126,11 @@ class OuroLayer(nn.Module):
         qkv = linear(normed, self.qkv_proj.weight)
         q, k, v = fused.rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         attn = attention(q, k, v, slot).reshape(n, self.q_size)
-        h, normed = fused.add_rmsnorm_rmsnorm(h, linear(attn, self.o_proj.weight),
-                                              self.input_layernorm_2.weight,
-                                              self.post_attention_layernorm.weight, eps)
-        down = linear(fused.silu_mul(linear(normed, self.gate_up_proj.weight)), self.down_proj.weight)
-        return fused.add_rmsnorm_rmsnorm(h, down, self.post_attention_layernorm_2.weight, next_weight, eps)
+        h, normed = _linear_then_add_norms(attn, self.o_proj.weight, h, self.input_layernorm_2.weight,
+                                           self.post_attention_layernorm.weight, eps)
+        act = fused.silu_mul(linear(normed, self.gate_up_proj.weight))
+        return _linear_then_add_norms(act, self.down_proj.weight, h, self.post_attention_layernorm_2.weight,
+                                      next_weight, eps)
 
     def _forward_epilogues(self, h: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            attention: Attention, slot: int,
@@ -151,7 +151,7 @@ def _linear_then_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torc
                            norm_weight: torch.Tensor, next_weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_epilogues.linear_add_norms as two launches: the projection, then the norm kernel, whose programs
-    norm the rows side by side (faster past MAX_NORM_EPILOGUE_M rows)."""
+    norm the rows side by side (faster past MAX_NORM_EPILOGUE_M rows; the reference composition's too)."""
     y = skinny_or_cublas_linear(x, weight)
     return fused.add_rmsnorm_rmsnorm(residual, y, norm_weight, next_weight, eps)
 
