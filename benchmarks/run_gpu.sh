@@ -31,6 +31,9 @@
 #   normkernel: the fused-model and epilogue gpu tests, then decode TPOT (CUDA graphs, 1 and 16 x 2K, ABBA) of
 #               the norm epilogue at 2-16 rows (a copy of this tree with MAX_NORM_EPILOGUE_M = 16) against this
 #               tree's norm kernel, then the 16 x 2K decode profile
+#   preload: the skinny GEMM gpu tests, then decode TPOT (CUDA graphs, 1 x 512 and 1 x 2K, ABBA) of one-row
+#            projections that load their whole weight slice before the PDL wait (qkv, o, gate_up) against the
+#            streamed configs, then the batch-1 decode profile
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
@@ -156,6 +159,20 @@ elif [ "$PART" = normkernel ]; then
   step 400 python -m benchmarks.decode_ab --a /tmp/epilogue-norms --b . --labels norm-epilogue norm-kernel \
     --batches 1 16 --prompt 2048 --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-norm-kernel.json"
   step 120 python -m benchmarks.profile_decode --batch 16 --prompt 2048 --out "$OUT/profile_decode-16x2k.json"
+elif [ "$PART" = preload ]; then
+  timeout 150 python -m pytest -q -m gpu tests/test_gemv.py tests/test_gemv_epilogues.py tests/test_fused_model.py \
+    --timeout 100 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+  wait
+  rm -rf /tmp/streamed && cp -r . /tmp/streamed
+  sed -i -e 's/GemvConfig(8, 512, 1, 4, 3, False, preload=True)/GemvConfig(16, 512, 1, 4, 3, False)/' \
+    -e 's/GemvConfig(8, 512, 1, 4, 4, False, preload=True)/GemvConfig(8, 512, 1, 4, 4, False)/' \
+    /tmp/streamed/model/kernels/gemv.py
+  echo "preload configs left in the streamed copy: $(grep -c 'preload=True)' /tmp/streamed/model/kernels/gemv.py)"
+  for prompt in 512 2048; do
+    step 220 python -m benchmarks.decode_ab --a /tmp/streamed --b . --labels streamed preload --batches 1 \
+      --prompt "$prompt" --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-preload-$prompt.json"
+  done
+  step 100 python -m benchmarks.profile_decode --batch 1 --prompt 512 --out "$OUT/profile_decode-b1.json"
 elif [ "$PART" = gputests ]; then
   timeout "${TEST_LIMIT:-560}" python -m pytest -q -m gpu tests/ --timeout 150 -rfE --durations=25 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 60

@@ -111,13 +111,15 @@ def gemv_variants() -> list[tuple]:
     configs (one row: the FMA path; 4-16 rows: the dot path, split and not) and one fp32 config, and the
     fused elementwise kernels; one PDL-off variant."""
     fma = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT": False, "USE_DOT": False, "DOT_FP32": False,
-           "NUM_STAGES": 3}
+           "NUM_STAGES": 3, "PRELOAD_K": 0}
     dot = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": True, "USE_DOT": True, "DOT_FP32": False,
-           "NUM_STAGES": 4}
+           "NUM_STAGES": 4, "PRELOAD_K": 0}
     fp32 = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT": True, "USE_DOT": True, "DOT_FP32": True,
-            "NUM_STAGES": 3}
+            "NUM_STAGES": 3, "PRELOAD_K": 0}
+    preload = {**fma, "BLOCK_N": 8, "PRELOAD_K": 2048}  # one row, the whole weight slice before the wait
     out = []
-    for dtype, config in (("bf16", fma), ("bf16", dot), ("bf16", {**dot, "SPLIT": False}), ("fp32", fp32)):
+    for dtype, config in (("bf16", fma), ("bf16", preload), ("bf16", dot), ("bf16", {**dot, "SPLIT": False}),
+                          ("fp32", fp32)):
         gemm = {**config, "EVEN_K": True, "EVEN_N": True, "PDL": True}
         norms = {**gemm, "HIDDEN": 2048, "NORM_BLOCK": 2048, "PRECISE": True}
         rope = {**gemm, "HALF": 64, "PRECISE": True}

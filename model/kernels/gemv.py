@@ -48,6 +48,8 @@ from attention.pdl import pdl_supported
 MAX_SKINNY_M = 64
 CPU_SM_COUNT = 132  # H100/H200, assumed off CUDA (the interpreter)
 TICKET_CAPACITY = 1 << 16
+# A preloaded weight slice lives in registers: 64 of them a thread, 8 KB a warp.
+PRELOAD_BYTES_PER_WARP = 8192
 ROW_TICKET = TICKET_CAPACITY - 1  # the tickets before it are per N tile, this one counts finished tiles
 
 
@@ -66,10 +68,24 @@ def prefetch_l2(ptrs):
 @triton.jit
 def tile_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+                 USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+                 PRELOAD_K: tl.constexpr):
     """x[:BLOCK_M] @ W[w_rows]^T over this program's split of K (program_id(1) covers K blocks
     [pid_k * k_iters, +k_iters)): [BLOCK_M, BLOCK_N] fp32, column j from W row w_rows[j]. With PDL the split's
-    first NUM_STAGES weight tiles go to L2 before the wait for the previous kernel, x is read after it."""
+    first NUM_STAGES weight tiles go to L2 before the wait for the previous kernel, x is read after it.
+    PRELOAD_K (a power of two >= K; the FMA path without a split only): the program's whole [BLOCK_N, K]
+    weight slice is loaded into registers up front (with PDL, before the wait); after the wait only x is
+    read."""
+    if PRELOAD_K:
+        offs_all = tl.arange(0, PRELOAD_K)
+        in_k = offs_all < K
+        w_all = tl.load(w_ptr + w_rows.to(tl.int64)[:, None] * stride_wn + offs_all[None, :],
+                        mask=in_k[None, :], other=0.0, eviction_policy="evict_first")
+        wait_for_previous(PDL)
+        launch_dependents(PDL)
+        x_all = tl.load(x_ptr + offs_all[None, :], mask=in_k[None, :], other=0.0,
+                        eviction_policy="evict_last")
+        return tl.sum(w_all.to(tl.float32) * x_all.to(tl.float32), axis=1)[None, :]
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -151,7 +167,7 @@ def skinny_gemm_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym, k_iters,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRELOAD_K: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), splits): y = x @ W^T, tile pid_n holding W rows [pid_n * BLOCK_N, +BLOCK_N)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,7 +175,7 @@ def skinny_gemm_kernel(
     # below drop those rows.
     w_rows = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
     out = tile_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters, BLOCK_M, BLOCK_N, BLOCK_K,
-                       EVEN_K, USE_DOT, DOT_FP32, NUM_STAGES, PDL)
+                       EVEN_K, USE_DOT, DOT_FP32, NUM_STAGES, PDL, PRELOAD_K)
     offs_m = tl.arange(0, BLOCK_M)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -178,7 +194,9 @@ def skinny_gemm_kernel(
 @dataclasses.dataclass(frozen=True, slots=True)
 class GemvConfig:
     """block_n W rows per program, block_k columns per step, split_k splits of K asked for (the launch
-    uses fewer when K has fewer blocks), use_dot: tl.dot (M padded to >= 16) or fp32 FMAs (M == 1 only)."""
+    uses fewer when K has fewer blocks), use_dot: tl.dot (M padded to >= 16) or fp32 FMAs (M == 1 only),
+    preload: the FMA path without a split loads each program's whole weight slice before reading x (with PDL,
+    before waiting for the previous kernel); its block_n x K slice must fit 64 registers a thread."""
 
     block_n: int
     block_k: int
@@ -186,6 +204,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     use_dot: bool = True
+    preload: bool = False
 
 
 def m_bucket(m: int) -> int:
@@ -227,19 +246,19 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = C
 # memcpy's rate (2.76 TB/s); against the 4.22 TB/s event-timed copy multiply them by 0.65.
 TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
     (6144, 2048): {  # qkv
-        1: GemvConfig(16, 512, 1, 4, 3, False),  # 8.5 us, 1.07 of copy
+        1: GemvConfig(8, 512, 1, 4, 3, False, preload=True),
         4: GemvConfig(64, 128, 2, 4, 4, True),  # 9.4 us, 0.97 of copy
         16: GemvConfig(32, 256, 1, 4, 3, True),  # 9.6 us, 0.96 of copy
         64: GemvConfig(64, 64, 2, 4, 4, True),  # 11.8 us, 0.80 of copy
     },
     (2048, 2048): {  # o
-        1: GemvConfig(8, 512, 1, 4, 4, False),  # 4.4 us, 0.69 of copy
+        1: GemvConfig(8, 512, 1, 4, 4, False, preload=True),
         4: GemvConfig(64, 128, 4, 4, 4, True),  # 5.5 us, 0.55 of copy
         16: GemvConfig(64, 128, 4, 4, 4, True),  # 5.7 us, 0.54 of copy
         64: GemvConfig(64, 128, 4, 4, 3, True),  # 7.7 us, 0.42 of copy
     },
     (11264, 2048): {  # gate_up
-        1: GemvConfig(16, 512, 1, 4, 3, False),  # 13.8 us, 1.21 of copy
+        1: GemvConfig(8, 512, 1, 4, 3, False, preload=True),
         4: GemvConfig(64, 128, 1, 4, 4, True),  # 13.4 us, 1.25 of copy
         16: GemvConfig(64, 128, 1, 4, 4, True),  # 13.8 us, 1.22 of copy
         64: GemvConfig(64, 128, 1, 4, 3, True),  # 15.8 us, 1.09 of copy
@@ -356,8 +375,15 @@ def kernel_args(m: int, n: int, k: int, stride_xm: int, stride_wn: int, stride_y
     if splits > 1 and tiles > ROW_TICKET:
         raise ValueError(f"{tiles} N tiles exceed the {ROW_TICKET} split-K tickets; use split_k=1")
     dot_fp32 = dtype == torch.float32 or INTERPRETED
+    preload_k = 0
+    if config.preload:
+        preload_k = triton.next_power_of_2(k)
+        slice_bytes = block_n * preload_k * dtype.itemsize
+        if config.use_dot or splits > 1 or slice_bytes > PRELOAD_BYTES_PER_WARP * config.num_warps:
+            raise ValueError(f"preload takes the FMA path without a split and at most "
+                             f"{PRELOAD_BYTES_PER_WARP} weight bytes a warp, got {config} at K = {k} in {dtype}")
     tail = (m, n, k, stride_xm, stride_wn, stride_ym, k_iters, block_m, block_n, block_k, splits > 1,
-            k % block_k == 0, n % block_n == 0, config.use_dot, dot_fp32, config.num_stages, pdl)
+            k % block_k == 0, n % block_n == 0, config.use_dot, dot_fp32, config.num_stages, pdl, preload_k)
     return (tiles, splits, 1), tail
 
 

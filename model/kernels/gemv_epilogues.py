@@ -103,14 +103,14 @@ def skinny_gemm_rope_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym, k_iters,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRELOAD_K: tl.constexpr,
     stride_cos, stride_sin, rotated_pairs, HALF: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), splits): y = x @ W^T laid out as the qkv projection's output [M, N], RoPE
     applied to its first `rotated_pairs` pairs (the q and k heads); cos and sin rows [D] per token."""
     rows, offs_p = paired_rows(HALF, N // 2, BLOCK_N, EVEN_N)
     out = tile_product(x_ptr, w_ptr, rows, M, K, stride_xm, stride_wn, k_iters, BLOCK_M, BLOCK_N, BLOCK_K,
-                       EVEN_K, USE_DOT, DOT_FP32, NUM_STAGES, PDL)
+                       EVEN_K, USE_DOT, DOT_FP32, NUM_STAGES, PDL, PRELOAD_K)
     if SPLIT:
         last, total = split_k_total(out, partials_ptr, tickets_ptr, M, BLOCK_M, BLOCK_N)
         if last:
@@ -138,13 +138,13 @@ def skinny_gemm_silu_mul_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym, k_iters,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRECISE: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRELOAD_K: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), splits): y [M, N / 2] = silu(gate) * up with [gate, up] = x @ W^T, W's first
     N / 2 rows the gate's and the rest the up's."""
     rows, offs_p = paired_rows(N // 2, N // 2, BLOCK_N, EVEN_N)
     out = tile_product(x_ptr, w_ptr, rows, M, K, stride_xm, stride_wn, k_iters, BLOCK_M, BLOCK_N, BLOCK_K,
-                       EVEN_K, USE_DOT, DOT_FP32, NUM_STAGES, PDL)
+                       EVEN_K, USE_DOT, DOT_FP32, NUM_STAGES, PDL, PRELOAD_K)
     if SPLIT:
         last, total = split_k_total(out, partials_ptr, tickets_ptr, M, BLOCK_M, BLOCK_N)
         if last:
@@ -204,7 +204,7 @@ def skinny_gemm_add_norms_kernel(
     M, N, K, stride_xm, stride_wn, stride_normed, k_iters,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRELOAD_K: tl.constexpr,
     stride_residual, stride_out, eps, HIDDEN: tl.constexpr, NORM_BLOCK: tl.constexpr, PRECISE: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), splits), N == HIDDEN: y = x @ W^T, then out = residual + RMSNorm(y) * weight
@@ -220,7 +220,7 @@ def skinny_gemm_add_norms_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
     out = tile_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters, BLOCK_M, BLOCK_N, BLOCK_K,
-                       EVEN_K, USE_DOT, DOT_FP32, NUM_STAGES, PDL)
+                       EVEN_K, USE_DOT, DOT_FP32, NUM_STAGES, PDL, PRELOAD_K)
     if SPLIT:
         last, total = split_k_total(out, partials_ptr, tickets_ptr, M, BLOCK_M, BLOCK_N)
         if last:
