@@ -380,8 +380,8 @@ def kernel_args(m: int, n: int, k: int, stride_xm: int, stride_wn: int, stride_y
         preload_k = triton.next_power_of_2(k)
         slice_bytes = block_n * preload_k * dtype.itemsize
         if config.use_dot or splits > 1 or slice_bytes > PRELOAD_BYTES_PER_WARP * config.num_warps:
-            raise ValueError(f"preload takes the FMA path without a split and at most "
-                             f"{PRELOAD_BYTES_PER_WARP} weight bytes a warp, got {config} at K = {k} in {dtype}")
+            raise ValueError(f"preload takes the FMA path without a split, at most {PRELOAD_BYTES_PER_WARP}"
+                             f" weight bytes a warp; got {config} at K = {k} in {dtype}")
     tail = (m, n, k, stride_xm, stride_wn, stride_ym, k_iters, block_m, block_n, block_k, splits > 1,
             k % block_k == 0, n % block_n == 0, config.use_dot, dot_fp32, config.num_stages, pdl, preload_k)
     return (tiles, splits, 1), tail
