@@ -26,6 +26,7 @@ CONFIGS = {
     "dot_split2": GemvConfig(32, 64, split_k=2, num_stages=2),
     "fma_split2": GemvConfig(16, 32, split_k=2, use_dot=False),  # M == 1 only
     "fma_preload": GemvConfig(16, 32, use_dot=False, preload=True),  # M == 1 only; K padded to a power of 2
+    "fma_preload_split2": GemvConfig(16, 32, split_k=2, use_dot=False, preload=True),  # the last split short
 }
 
 
@@ -117,8 +118,10 @@ def test_preload_configs_are_checked():
     assert gemv.kernel_args(1, 2048, 2000, 2000, 2000, 2048, bf16, preload)[1][-1] == 2048  # K's power of 2
     streamed = GemvConfig(8, 512, use_dot=False)
     assert gemv.kernel_args(1, 2048, 2048, 2048, 2048, 2048, bf16, streamed)[1][-1] == 0
+    # A split preloads its own columns: down's 22 blocks of 256 in 3 splits of 8 blocks, 2,048 columns.
+    split = GemvConfig(8, 256, split_k=3, use_dot=False, preload=True)
+    assert gemv.kernel_args(1, 2048, 5632, 5632, 5632, 2048, bf16, split)[1][-1] == 2048
     for config, k in ((GemvConfig(16, 512, use_dot=True, preload=True), 2048),  # the dot path
-                      (GemvConfig(8, 512, split_k=2, use_dot=False, preload=True), 2048),  # a split
                       (preload, 5632)):  # 8 x 8192 bf16 = 128 KB, past 4 warps' 32 KB
         with pytest.raises(ValueError, match="preload"):
             gemv.kernel_args(1, 2048, k, k, k, 2048, bf16, config)

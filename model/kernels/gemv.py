@@ -73,25 +73,25 @@ def tile_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters,
     """x[:BLOCK_M] @ W[w_rows]^T over this program's split of K (program_id(1) covers K blocks
     [pid_k * k_iters, +k_iters)): [BLOCK_M, BLOCK_N] fp32, column j from W row w_rows[j]. With PDL the split's
     first NUM_STAGES weight tiles go to L2 before the wait for the previous kernel, x is read after it.
-    PRELOAD_K (a power of two >= K; the FMA path without a split only): the program's whole [BLOCK_N, K]
-    weight slice is loaded into registers up front (with PDL, before the wait); after the wait only x is
-    read."""
+    PRELOAD_K (the FMA path only: a power of two >= the split's k_iters * BLOCK_K columns): the program's
+    whole [BLOCK_N, split] weight slice is loaded into registers up front (with PDL, before the wait); after
+    the wait only x is read."""
+    pid_k = tl.program_id(1)
+    first = pid_k * k_iters
+    k0 = first * BLOCK_K
     if PRELOAD_K:
         offs_all = tl.arange(0, PRELOAD_K)
-        in_k = offs_all < K
-        w_all = tl.load(w_ptr + w_rows.to(tl.int64)[:, None] * stride_wn + offs_all[None, :],
+        in_k = (offs_all < k_iters * BLOCK_K) & (k0 + offs_all < K)
+        w_all = tl.load(w_ptr + w_rows.to(tl.int64)[:, None] * stride_wn + (k0 + offs_all)[None, :],
                         mask=in_k[None, :], other=0.0, eviction_policy="evict_first")
         wait_for_previous(PDL)
         launch_dependents(PDL)
-        x_all = tl.load(x_ptr + offs_all[None, :], mask=in_k[None, :], other=0.0,
+        x_all = tl.load(x_ptr + (k0 + offs_all)[None, :], mask=in_k[None, :], other=0.0,
                         eviction_policy="evict_last")
         return tl.sum(w_all.to(tl.float32) * x_all.to(tl.float32), axis=1)[None, :]
-    pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    first = pid_k * k_iters
     iters = tl.minimum(k_iters, tl.cdiv(K, BLOCK_K) - first)
-    k0 = first * BLOCK_K
     w_row_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * stride_wn
     if PDL:
         # One pointer per 128-byte line (or per BLOCK_K run, if shorter) of the first stages, kept inside the
@@ -195,8 +195,8 @@ def skinny_gemm_kernel(
 class GemvConfig:
     """block_n W rows per program, block_k columns per step, split_k splits of K asked for (the launch
     uses fewer when K has fewer blocks), use_dot: tl.dot (M padded to >= 16) or fp32 FMAs (M == 1 only),
-    preload: the FMA path without a split loads each program's whole weight slice before reading x (with PDL,
-    before waiting for the previous kernel); its block_n x K slice must fit 64 registers a thread."""
+    preload: the FMA path loads each program's whole weight slice before reading x (with PDL, before waiting
+    for the previous kernel); its block_n x split slice must fit 64 registers a thread."""
 
     block_n: int
     block_k: int
@@ -264,7 +264,7 @@ TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
         64: GemvConfig(64, 128, 1, 4, 3, True),  # 15.8 us, 1.09 of copy
     },
     (2048, 5632): {  # down
-        1: GemvConfig(8, 512, 1, 4, 4, False),  # 7.8 us, 1.07 of copy
+        1: GemvConfig(8, 256, 3, 4, 4, False, preload=True),
         4: GemvConfig(64, 128, 4, 4, 4, True),  # 9.1 us, 0.92 of copy
         16: GemvConfig(64, 128, 4, 4, 4, True),  # 9.3 us, 0.91 of copy
         64: GemvConfig(64, 128, 4, 4, 3, True),  # 11.6 us, 0.75 of copy
@@ -377,11 +377,12 @@ def kernel_args(m: int, n: int, k: int, stride_xm: int, stride_wn: int, stride_y
     dot_fp32 = dtype == torch.float32 or INTERPRETED
     preload_k = 0
     if config.preload:
-        preload_k = triton.next_power_of_2(k)
+        preload_k = triton.next_power_of_2(k_iters * block_k)  # one split's columns
         slice_bytes = block_n * preload_k * dtype.itemsize
-        if config.use_dot or splits > 1 or slice_bytes > PRELOAD_BYTES_PER_WARP * config.num_warps:
-            raise ValueError(f"preload takes the FMA path without a split, at most {PRELOAD_BYTES_PER_WARP}"
-                             f" weight bytes a warp; got {config} at K = {k} in {dtype}")
+        if config.use_dot or slice_bytes > PRELOAD_BYTES_PER_WARP * config.num_warps:
+            raise ValueError(f"preload takes the FMA path and at most {PRELOAD_BYTES_PER_WARP} weight bytes "
+                             f"a warp (block_n x a split's columns, padded to a power of 2); got {config} at "
+                             f"K = {k} in {dtype}")
     tail = (m, n, k, stride_xm, stride_wn, stride_ym, k_iters, block_m, block_n, block_k, splits > 1,
             k % block_k == 0, n % block_n == 0, config.use_dot, dot_fp32, config.num_stages, pdl, preload_k)
     return (tiles, splits, 1), tail
