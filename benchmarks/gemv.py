@@ -289,7 +289,8 @@ def tuned_table(best: dict) -> str:
         for item in entries:
             c = item["config"]
             lines.append(f"        {gemv.m_bucket(item['M'])}: GemvConfig({c['block_n']}, {c['block_k']}, "
-                         f"{c['split_k']}, {c['num_warps']}, {c['num_stages']}, {c['use_dot']}),  "
+                         f"{c['split_k']}, {c['num_warps']}, {c['num_stages']}, {c['use_dot']}"
+                         f"{', preload=True' if c.get('preload') else ''}),  "
                          f"# {item['us']:.1f} us, {item['frac_copy']:.2f} of copy")
         lines.append("    },")
     lines.append("}")

@@ -32,9 +32,9 @@
 #               the norm epilogue at 2-16 rows (a copy of this tree with MAX_NORM_EPILOGUE_M = 16) against this
 #               tree's norm kernel, then the 16 x 2K decode profile
 #   preload: the skinny GEMM gpu tests, then decode TPOT (CUDA graphs, 1 x 512 and 1 x 2K, ABBA) of one-row
-#            projections that load their whole weight slice before the PDL wait (qkv, o, gate_up, down) against
-#            the streamed configs (a copy of this tree with the one-row configs of 2026-12-03), then the
-#            batch-1 decode profile
+#            projections that load their whole weight slice before the PDL wait (qkv, o, gate_up) against the
+#            streamed configs (a copy of this tree with the one-row configs of 2026-12-03), then the batch-1
+#            decode profile
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
@@ -167,7 +167,6 @@ elif [ "$PART" = preload ]; then
   rm -rf /tmp/streamed && cp -r . /tmp/streamed
   sed -i -e 's/GemvConfig(8, 512, 1, 4, 3, False, preload=True)/GemvConfig(16, 512, 1, 4, 3, False)/' \
     -e 's/GemvConfig(8, 512, 1, 4, 4, False, preload=True)/GemvConfig(8, 512, 1, 4, 4, False)/' \
-    -e 's/GemvConfig(8, 256, 3, 4, 4, False, preload=True)/GemvConfig(8, 512, 1, 4, 4, False)/' \
     /tmp/streamed/model/kernels/gemv.py
   echo "preload configs left in the streamed copy: $(grep -c 'preload=True)' /tmp/streamed/model/kernels/gemv.py)"
   for prompt in 512 2048; do

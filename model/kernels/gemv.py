@@ -18,6 +18,9 @@ Accumulation is fp32; y is rounded once to x's dtype. The main loop and the spli
 
 PDL (attention/pdl.py), where pdl_supported(device): a program asks L2 for its split's first NUM_STAGES weight
 tiles, waits for the previous kernel, lets the next one launch, and only then reads x and writes anything.
+With `preload` (one row, the FMA path) it instead loads its whole weight slice into registers before the
+wait: a program launched early, while the kernel before it runs, then has its bytes in hand when that
+kernel ends.
 
 Batch invariance within an M bucket: the config depends on (bucket(M), N, K, dtype) only, buckets
 being powers of two, and each row's arithmetic does not depend on the other rows, so a row gives the
@@ -244,27 +247,31 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = C
 # it (dot configs pad M to at least 16, so buckets 2..16 run the same tile), else the nearest below;
 # unlisted shapes and fp32 take default_config. The fractions in the comments are of a graph-captured
 # memcpy's rate (2.76 TB/s); against the 4.22 TB/s event-timed copy multiply them by 0.65.
+# The one-row preload configs were chosen by decode TPOT instead (benchmarks/decode_ab.py, PART=preload in
+# benchmarks/run_gpu.sh): what preloading buys is overlap with the kernel before, which a chain of one
+# projection's calls does not show. qkv, o and gate_up preloaded took batch-1 TPOT from 4.73 to 4.06 ms at
+# 512 tokens of context and from 5.63 to 4.76 at 2K; down preloaded in 3 splits cost 1.6-3.4% more.
 TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
     (6144, 2048): {  # qkv
-        1: GemvConfig(8, 512, 1, 4, 3, False, preload=True),
+        1: GemvConfig(8, 512, 1, 4, 3, False, preload=True),  # by engine TPOT (above)
         4: GemvConfig(64, 128, 2, 4, 4, True),  # 9.4 us, 0.97 of copy
         16: GemvConfig(32, 256, 1, 4, 3, True),  # 9.6 us, 0.96 of copy
         64: GemvConfig(64, 64, 2, 4, 4, True),  # 11.8 us, 0.80 of copy
     },
     (2048, 2048): {  # o
-        1: GemvConfig(8, 512, 1, 4, 4, False, preload=True),
+        1: GemvConfig(8, 512, 1, 4, 4, False, preload=True),  # by engine TPOT
         4: GemvConfig(64, 128, 4, 4, 4, True),  # 5.5 us, 0.55 of copy
         16: GemvConfig(64, 128, 4, 4, 4, True),  # 5.7 us, 0.54 of copy
         64: GemvConfig(64, 128, 4, 4, 3, True),  # 7.7 us, 0.42 of copy
     },
     (11264, 2048): {  # gate_up
-        1: GemvConfig(8, 512, 1, 4, 3, False, preload=True),
+        1: GemvConfig(8, 512, 1, 4, 3, False, preload=True),  # by engine TPOT
         4: GemvConfig(64, 128, 1, 4, 4, True),  # 13.4 us, 1.25 of copy
         16: GemvConfig(64, 128, 1, 4, 4, True),  # 13.8 us, 1.22 of copy
         64: GemvConfig(64, 128, 1, 4, 3, True),  # 15.8 us, 1.09 of copy
     },
     (2048, 5632): {  # down
-        1: GemvConfig(8, 256, 3, 4, 4, False, preload=True),
+        1: GemvConfig(8, 512, 1, 4, 4, False),  # 7.8 us, 1.07 of copy; preloading in 3 splits lost
         4: GemvConfig(64, 128, 4, 4, 4, True),  # 9.1 us, 0.92 of copy
         16: GemvConfig(64, 128, 4, 4, 4, True),  # 9.3 us, 0.91 of copy
         64: GemvConfig(64, 128, 4, 4, 3, True),  # 11.6 us, 0.75 of copy
