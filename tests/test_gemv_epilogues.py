@@ -255,15 +255,23 @@ NEAR_TIE = 0.1
 
 
 @pytest.mark.gpu
-def test_engine_greedy_tokens_on_the_epilogue_path_match_unfused_or_part_at_near_ties(tmp_path):
+@pytest.mark.parametrize("batch", [4, 1])
+def test_engine_greedy_tokens_on_the_epilogue_path_match_unfused_or_part_at_near_ties(tmp_path, batch):
     """A 2-layer model of Ouro-1.4B's shapes (random weights), bf16, 4 loops: the default engine (epilogue
-    path, CUDA graphs) against an eager engine on the unfused composition, batch 4 of mixed prompts."""
+    path, CUDA graphs) against an eager engine on the unfused composition, batch 4 of mixed prompts or one
+    prompt. At batch 1 the projections take the one-row configs, qkv, o and gate_up preloading their weights
+    before the PDL wait: there an eager engine on the same path must give the graphs' tokens exactly."""
     path = write_checkpoint(tmp_path / "ouro-2-layers", "ouro-1.4b", layers=2)
-    prompts = [[3 + 17 * i + j for j in range(5 + 9 * i)] for i in range(4)]
+    prompts = [[3 + 17 * i + j for j in range(5 + 9 * i)] for i in range(4)][:batch]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     options = dict(device="cuda", dtype="bfloat16", num_kv_blocks=256, max_num_seqs=8, verbose=False)
     with Engine(path, **options) as engine:
         fused = [o.outputs[0] for o in engine.generate(prompts, params, use_tqdm=False)]
+    if batch == 1:
+        assert gemv.select_config(1, 2048, 2048, torch.bfloat16).preload  # o: the path this case is for
+        with Engine(path, enforce_eager=True, **options) as engine:
+            eager = [o.outputs[0] for o in engine.generate(prompts, params, use_tqdm=False)]
+        assert [o.token_ids for o in eager] == [o.token_ids for o in fused]
     with Engine(path, enforce_eager=True, **options) as engine:
         engine.model.fused_epilogues = False
         unfused = [o.outputs[0] for o in engine.generate(prompts, params, use_tqdm=False)]
