@@ -108,8 +108,8 @@ GEMV_POINTERS = {"partials_ptr": "*fp32", "tickets_ptr": "*i32"}
 
 def gemv_variants() -> list[tuple]:
     """The model's kernels, PDL on: the skinny GEMM and its epilogue variants at Ouro-1.4B's tuned bf16
-    configs (one row: the FMA path; 4-16 rows: the dot path, split and not) and one fp32 config, and the
-    fused elementwise kernels; one PDL-off variant."""
+    configs (one row: the FMA path, streamed and preloaded; 4-16 rows: the dot path, split and not) and one
+    fp32 config, and the fused elementwise kernels; one PDL-off variant."""
     fma = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT": False, "USE_DOT": False, "DOT_FP32": False,
            "NUM_STAGES": 3, "PRELOAD_K": 0}
     dot = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": True, "USE_DOT": True, "DOT_FP32": False,
