@@ -35,6 +35,9 @@
 #            projections that load their whole weight slice before the PDL wait (qkv, o, gate_up) against the
 #            streamed configs (a copy of this tree with the one-row configs of 2026-12-03), then the batch-1
 #            decode profile
+#   trigger: the one-row preload with the next kernel let launch before the weight loads instead of after the
+#            wait (a copy of this tree; about 95 registers a thread instead of about 150, docs/h200.md): its
+#            skinny GEMM gpu tests, then decode TPOT (CUDA graphs, ABBA) against this tree at 1 x 512 and 1 x 2K
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
@@ -174,6 +177,19 @@ elif [ "$PART" = preload ]; then
       --prompt "$prompt" --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-preload-$prompt.json"
   done
   step 100 python -m benchmarks.profile_decode --batch 1 --prompt 512 --out "$OUT/profile_decode-b1.json"
+elif [ "$PART" = trigger ]; then
+  wait
+  rm -rf /tmp/trigger-first && cp -r . /tmp/trigger-first
+  sed -i -e 's/^    if PRELOAD_K:$/    if PRELOAD_K:\n        launch_dependents(PDL)/' \
+    -e '/^        wait_for_previous(PDL)$/{n;/^        launch_dependents(PDL)$/d}' /tmp/trigger-first/model/kernels/gemv.py
+  echo "trigger-first copy: $(grep -c 'launch_dependents(PDL)' /tmp/trigger-first/model/kernels/gemv.py) triggers (2 expected)"
+  sed -n '/^    if PRELOAD_K:$/,/^        return/p' /tmp/trigger-first/model/kernels/gemv.py
+  (cd /tmp/trigger-first && timeout 120 python -m pytest -q -m gpu tests/test_gemv.py tests/test_gemv_epilogues.py \
+    --timeout 100 -rfE 2>&1 | tail -n 5)
+  for prompt in 512 2048; do
+    step 220 python -m benchmarks.decode_ab --a . --b /tmp/trigger-first --labels trigger-after trigger-first \
+      --batches 1 --prompt "$prompt" --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-trigger-$prompt.json"
+  done
 elif [ "$PART" = gputests ]; then
   timeout "${TEST_LIMIT:-560}" python -m pytest -q -m gpu tests/ --timeout 150 -rfE --durations=25 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 60
