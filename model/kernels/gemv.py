@@ -51,9 +51,9 @@ from attention.pdl import pdl_supported
 MAX_SKINNY_M = 64
 CPU_SM_COUNT = 132  # H100/H200, assumed off CUDA (the interpreter)
 TICKET_CAPACITY = 1 << 16
+ROW_TICKET = TICKET_CAPACITY - 1  # the tickets before it are per N tile, this one counts finished tiles
 # A preloaded weight slice lives in registers: 64 of them a thread, 8 KB a warp.
 PRELOAD_BYTES_PER_WARP = 8192
-ROW_TICKET = TICKET_CAPACITY - 1  # the tickets before it are per N tile, this one counts finished tiles
 
 
 # --------------------------------------------------------------------------------------------------
