@@ -194,9 +194,6 @@ class TritonBackend(AttentionBackend):
         self.decode_block_n = (128 if wide else 64) // narrow
         self.decode_num_warps = 4
         self.decode_num_stages = 3
-        # Load each split's first key tile into registers before the PDL wait (decode_split_kernel's PRELOAD)
-        # instead of asking L2 for it.
-        self.decode_preload = False
         if self.quantized:
             # An fp8 pool: the best geometric mean over 1 x 512, 64 x 2K and 16 x 8K of the H200 sweep
             # (benchmarks/results/attention-fp8-2026-12-03-69b050d.md, graph mode, µs a call against the
@@ -400,7 +397,7 @@ class TritonBackend(AttentionBackend):
                             k.stride(1), v.stride(0), v.stride(1), meta.block_tables.stride(0), gen_stride,
                             heads, self.kv_heads, self.head_dim, self.block_size, self.decode_block_n,
                             *step.rule.constexprs(), step.row_map is not None, shared is not None, loops,
-                            layers, self.quantized, dot_fp32, fp16_dot, self.pdl, self.decode_preload)
+                            layers, self.quantized, dot_fp32, fp16_dot, self.pdl)
         plan.partials, plan.tickets = self._dummy_f32, self._dummy_i32
         if splits == 1:
             return

@@ -2,7 +2,7 @@
 copy bandwidth measured in the same run, with torch SDPA over the gathered pages beside it (the gather
 itself untimed); and the host µs per eager call, held against a bare Triton launch measured in the same run.
 
-    python -m benchmarks.attention --out benchmarks/results/attention.json [--no-sweep | --configs JSON]
+    python -m benchmarks.attention --out benchmarks/results/attention.json [--no-sweep]
 
 Device times come from CUDA-graph replays of many calls that walk through several KV slots, so neither
 host launch cost nor L2 reuse flatters the small shapes. "eager" is the eager plan (grid sized to the
@@ -57,7 +57,7 @@ CALLS_PER_GRAPH = 24
 # every row gets split_cap programs per head, as in a captured engine step.
 TABLE_KEYS = 8192
 TUNABLES = ("split_min_keys", "split_cap", "short_context", "short_split_keys", "decode_block_n",
-            "decode_num_warps", "decode_num_stages", "decode_preload", "pdl")
+            "decode_num_warps", "decode_num_stages", "pdl")
 SLOT_BYTES_FLOOR = 256 << 20  # walk at least this many KV bytes per graph: several times the L2
 
 
@@ -183,10 +183,9 @@ def engine_like_host_us(step: DecodeStep, backend, x, y, steps: int = 30,
     return forward_s * 1e6 / (steps * calls), prepare_s * 1e6 / steps
 
 
-def sweep(steps: dict, copy_gbps: float, configs: list[dict] | None = None) -> list[dict]:
-    """Graph-mode µs per shape for each configuration (module docstring), or for each of `configs` alone
-    where given; each entry: shape, tunables, µs and fraction of copy BW, or the error of a configuration
-    that does not compile or fit."""
+def sweep(steps: dict, copy_gbps: float) -> list[dict]:
+    """Graph-mode µs per shape for each configuration (module docstring); each entry: shape, tunables, µs and
+    fraction of copy BW, or the error of a configuration that does not compile or fit."""
     results = []
 
     def measure(tunables: dict) -> float:
@@ -203,10 +202,6 @@ def sweep(steps: dict, copy_gbps: float, configs: list[dict] | None = None) -> l
             total += math.log(us / (step.bytes / copy_gbps / 1e3))
         return total / len(steps)
 
-    if configs is not None:
-        for tunables in configs:
-            measure(tunables)
-        return results
     configs = [{"decode_block_n": n, "decode_num_warps": w, "decode_num_stages": stages,
                 "short_context": short, "short_split_keys": keys}
                for n, w, stages in SWEEP_TILES for short, keys in SWEEP_SHORT if short == 0 or keys >= n]
@@ -221,8 +216,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tunables sweep")
-    parser.add_argument("--configs", type=json.loads, default=None, metavar="JSON",
-                        help='sweep these tunables only, a JSON list, e.g. \'[{"decode_preload": true}]\'')
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                         help="the pool's format (auto: bf16)")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="ROWSxCONTEXT",
@@ -257,7 +250,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")  # the rows stay if the sweep is cut short
     if not args.no_sweep:
-        result["sweep"] = sweep(steps, copy_gbps, args.configs)
+        result["sweep"] = sweep(steps, copy_gbps)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)
 

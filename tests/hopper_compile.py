@@ -45,10 +45,8 @@ CACHE_POINTERS = ("key_cache_ptr", "value_cache_ptr")
 WIDE_INTS = {"plane_elems"}  # a pool plane can exceed 2^31 elements: the launcher passes it as i64
 # What each PDL kernel may read before the wait: step inputs that no kernel of the step writes.
 PDL_EARLY_READS = {
-    # The decode kernel's past K/V too (PRELOAD): positions below a row's new token, which no kernel of the
-    # step writes (attention/kernels/decode.py says why).
     "decode_split_kernel": {"block_tables_ptr", "context_lens_ptr", "rows_ptr", "gen_tables_ptr",
-                            "prompt_lens_ptr", "slot_mapping_ptr", "key_cache_ptr", "value_cache_ptr"},
+                            "prompt_lens_ptr"},
     "kv_store_kernel": {"slot_mapping_ptr", "scales_ptr"},
     "prefill_paged_kernel": {"work_ptr", "query_start_loc_ptr", "context_lens_ptr", "scales_ptr"},
     "prefill_packed_kernel": {"packed_ptr"},
@@ -150,17 +148,14 @@ def variants() -> list[tuple]:
         for quantized in (False, True) if dtype == "bf16" else (False,):  # True: an fp8 pool
             cache = "fp8e4nv" if quantized else None
             decode_tile = 128 if dtype == "bf16" and not quantized else tile  # the backend's decode_block_n
-            # PRELOAD with the backend's tile, and with 64-key tiles (half the registers) in bf16.
-            tiles = [(decode_tile, False), (decode_tile, True)] + ([(64, True)] if decode_tile == 128 else [])
             for row_map in (False, True):
                 for shared in (False, True):
-                    for block_n, preload in tiles:
-                        out.append((decode_split_kernel, dtype, {
-                            **OURO, "BLOCK_SIZE": 16, "BLOCK_N": block_n, "SHORT_CONTEXT": 1024,
-                            "SHORT_SPLIT_KEYS": 64, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16, "ROW_MAP": row_map,
-                            "SHARED": shared, "LOOPS": 4 if shared else 1, "NUM_LAYERS": 24 if shared else 1,
-                            "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32", "FP16_DOT": quantized,
-                            "PDL": True, "PRELOAD": preload}, 4, cache, None))
+                    out.append((decode_split_kernel, dtype, {
+                        **OURO, "BLOCK_SIZE": 16, "BLOCK_N": decode_tile, "SHORT_CONTEXT": 1024,
+                        "SHORT_SPLIT_KEYS": 64, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16, "ROW_MAP": row_map,
+                        "SHARED": shared, "LOOPS": 4 if shared else 1, "NUM_LAYERS": 24 if shared else 1,
+                        "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32", "FP16_DOT": quantized,
+                        "PDL": True}, 4, cache, None))
             prefill = {**OURO, "BLOCK_M": tile, "BLOCK_N": tile, "DOT_FP32": dtype == "fp32", "PDL": True}
             out.append((prefill_paged_kernel, dtype, {**prefill, "BLOCK_SIZE": 16, "QUANTIZED": quantized}, 8,
                         cache, None))

@@ -92,12 +92,9 @@ def test_fp8_pool_is_stored_and_read_through_its_scales(name):
 
 def test_fp8_triton_decode_rows_in_bf16_match_the_reference_backend():
     case, scales = fp8_case(torch.bfloat16, query_lens=[1, 1, 1], context_lens=[3, 17, 40])
-    out = run(bind("triton", case, scales), case, SLOT)
+    out = run(bind("triton", case, scales), case, SLOT).float()
     expected = run(bind("torch", case, scales), case, SLOT).float()
-    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
-    preloaded = bind("triton", case, scales)
-    preloaded.decode_preload = True  # the first key tile's fp8 words loaded before the wait: the same bits
-    assert torch.equal(run(preloaded, case, SLOT), out)
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -196,39 +196,6 @@ def test_shared_last_decode_in_graph_mode_is_bitwise_equal_to_eager():
     assert torch.equal(backend.key_cache, ref.key_cache) and torch.equal(backend.value_cache, ref.value_cache)
 
 
-def preload_case(kind: str):
-    """Decode rows for the PRELOAD test, and the slot their step runs on."""
-    if kind == "shared":
-        return shared_case(torch.bfloat16), 3
-    # A 1-key row (no cached key: its split's first tile is empty), a 17-key row whose 9 splits of one tile
-    # leave 7 empty, and rows of several tiles a split; "mixed" adds prefill rows (the row map).
-    rows = MIXED_ROWS if kind == "mixed" else {"query_lens": [1, 1, 1, 1], "context_lens": [1, 17, 30, 70]}
-    return make_case(**rows, dtype=torch.bfloat16, device=DEVICE), 1
-
-
-@pytest.mark.parametrize("kind", ["paged", "mixed", "shared"])
-def test_decode_preload_gives_the_same_bits_and_cache_in_both_modes(kind):
-    """PRELOAD loads a split's first key tile before the wait and peels the loop's first iteration: the same
-    operations in the same order, so the same bits as the loop, and the same stored K/V."""
-    results = []
-    for preload in (False, True):
-        case, slot = preload_case(kind)
-        backend = triton_backend(case)
-        backend.split_min_keys = 32  # 16-key tiles: rows of up to two tiles a split
-        backend.decode_preload = preload
-        eager = run(backend, case, slot)
-        # Graph mode takes decode steps only (the mixed step has prefill rows).
-        graph = eager if kind == "mixed" else graph_mode_run(backend, case, slot)[0]
-        results.append((eager, graph, backend.key_cache, backend.value_cache))
-    expected, ref = reference(*preload_case(kind))
-    (eager, graph, keys, values), preloaded = results
-    for a, b in zip(results[0], preloaded):
-        assert torch.equal(a, b)
-    assert torch.equal(graph, eager)
-    assert_matches(eager, expected)
-    assert torch.equal(keys, ref.key_cache) and torch.equal(values, ref.value_cache)
-
-
 @pytest.mark.parametrize("short_context", [0, 32])
 def test_decode_row_gives_the_same_bits_in_any_batch(short_context):
     case = make_case(**DECODE_ROWS, dtype=torch.float16, device=DEVICE)

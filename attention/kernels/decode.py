@@ -21,13 +21,9 @@ output, and the raw fp8 keys and values widen to fp16 for the dots (FP16_DOT; th
 values are loaded as 32-bit words and widened by `_widen_e4m3`, so the fp16 tile, not an 8-bit one, is
 transposed).
 
-With PDL (attention/pdl.py) a program reads the step's metadata (context lengths, block tables, row map, the
-new token's slot: inputs copied before the step's first kernel) and its first key tile's past K/V before it
-waits for the previous kernel (into registers with PRELOAD, else as an L2 prefetch); q, the new k/v, the
-cache store, the partials and the ticket all come after the wait. Past K/V (positions below a row's new
-token) are never written during the step that reads them: a decode row's new token is the only position it
-writes and it is read from k/v, kv_store writes prefill rows' new tokens into their own pages, and
-copy-forward after an early exit writes the current token's slots of deeper loops.
+With PDL (attention/pdl.py) a program reads the step's metadata (context lengths, block tables, row map:
+inputs copied before the step's first kernel) and asks L2 for its first key tile's past K/V before it waits
+for the previous kernel; q, the new k/v, the cache store, the partials and the ticket all come after the wait.
 """
 
 import torch
@@ -206,45 +202,6 @@ def _finish_split(acc, m_i, l_i, out_row, partials_ptr, tickets_ptr, split, num_
             tl.store(tickets_ptr + r * HEADS + head, 0)
 
 
-@triton.jit
-def _load_kv_tile(key_cache_ptr, value_cache_ptr, rows, mask_n, HEAD_DIM: tl.constexpr,
-                  VALUE_WORDS: tl.constexpr):
-    """A key tile's K and V as stored: V as 32-bit words of four fp8 values where VALUE_WORDS (an fp8 pool
-    with fp16 dots: rows are whole head_dim rows, so 4-byte aligned; `_attend_tile` widens them)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-    if VALUE_WORDS:
-        v = tl.load(value_cache_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] // 4
-                    + tl.arange(0, HEAD_DIM // 4)[None, :], mask=mask_n[:, None], other=0)
-    else:
-        v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_tile(q_tile, k, v, mask_n, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 VALUE_WORDS: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One key tile (as `_load_kv_tile` loaded it, at least one key unmasked) into the running state. The
-    cached keys go through tensor cores: the query is row 0 of a 16-row tile (tl.dot's least M; the other
-    rows are zero and their state is dropped after the loop), its scores scaled in fp32 after the dot, and P
-    rounded to the dot's dtype before P @ V, as the prefill kernels do. That keeps the loop at the memory's
-    pace where per-element fp32 math and a cross-warp reduction per tile did not."""
-    k = k.to(q_tile.dtype)
-    if VALUE_WORDS:
-        v = _widen_e4m3(v, BLOCK_N, HEAD_DIM)
-    else:
-        v = v.to(q_tile.dtype)
-    s = _dot(q_tile, tl.trans(k), DOT_FP32) * qk_scale
-    s = tl.where(mask_n[None, :], s, float("-inf"))
-    # Every tile holds at least one key, so m_new is finite here.
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
-    return m_new, l_i, acc
-
-
 # One compiled kernel serves every loop's calls and every step: the loop and the block tables' row strides
 # (the longest table of the step) change from call to call, and Triton would compile a variant for each
 # value of 1 and each multiple of 16.
@@ -258,17 +215,14 @@ def decode_split_kernel(
     BLOCK_N: tl.constexpr, SHORT_CONTEXT: tl.constexpr, SHORT_SPLIT_KEYS: tl.constexpr,
     SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr, ROW_MAP: tl.constexpr,
     SHARED: tl.constexpr, LOOPS: tl.constexpr, NUM_LAYERS: tl.constexpr, QUANTIZED: tl.constexpr,
-    DOT_FP32: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
+    DOT_FP32: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (grid_splits, HEADS, decode rows). Program (s, h, r) attends query head h of decode row r
     over split s of its context. With ROW_MAP, rows_ptr holds (batch row, token) pairs; without it
     decode row r is batch row r and token r. The new token goes where the slot mapping says; with SHARED a
     generated token (slot -1) goes to its generated page. gen_tables_ptr, prompt_lens_ptr, loop and
     plane_elems are read only with SHARED; scales_ptr (the slot's key then value scales) only with
-    QUANTIZED; tickets_ptr (one per (row, head), zero between launches) only with several splits. With
-    PRELOAD the split's first key tile is loaded into registers before the wait (its first loop iteration
-    peeled, the same operations in the same order, so the same bits); without it, with PDL, L2 is asked for
-    that tile instead."""
+    QUANTIZED; tickets_ptr (one per (row, head), zero between launches) only with several splits."""
     split = tl.program_id(0)
     head = tl.program_id(1)
     r = tl.program_id(2)
@@ -293,35 +247,17 @@ def decode_split_kernel(
         gen_table = gen_tables_ptr + row.to(tl.int64) * stride_gt
         prompt_len = tl.load(prompt_lens_ptr + row)
     tile = tl.arange(0, BLOCK_N)
-    VALUE_WORDS: tl.constexpr = FP16_DOT and not DOT_FP32
-    # Past K/V only (positions below the new token's): no kernel of this step writes them, so they may be
-    # read before the wait, as may the step's metadata (the new token's slot).
-    first_tile = start + tile
-    first_mask = first_tile < cached_end
-    first_rows = _key_rows(table, gen_table, first_tile, cached_end, prompt_len, loop, plane_elems, kv_head,
-                           BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
-    if PRELOAD:
-        k_first, v_first = _load_kv_tile(key_cache_ptr, value_cache_ptr, first_rows, first_mask, HEAD_DIM,
-                                         VALUE_WORDS)
-    elif PDL:
-        _prefetch_l2(key_cache_ptr, value_cache_ptr, first_rows, first_mask, HEAD_DIM)
-    has_new = (split < num_splits) & (start <= last) & (last < end)
-    stores_new = has_new & (head % GROUP == 0)
-    dst = tl.load(slot_mapping_ptr + token, mask=stores_new, other=0).to(tl.int64) * (KV_HEADS * HEAD_DIM)
-    if SHARED:
-        if dst < 0:  # a generated token's slot is -1: it goes to its generated page
-            dst = _key_rows(table, gen_table, last, context_len, prompt_len, loop, plane_elems, 0, BLOCK_SIZE,
-                            KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
+    if PDL:  # past K/V only (positions below the new token's): no kernel of this step writes them
+        first_tile = start + tile
+        _prefetch_l2(key_cache_ptr, value_cache_ptr,
+                     _key_rows(table, gen_table, first_tile, cached_end, prompt_len, loop, plane_elems,
+                               kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS),
+                     first_tile < cached_end, HEAD_DIM)
     wait_for_previous(PDL)
     launch_dependents(PDL)
     if split < num_splits:
         offs_d = tl.arange(0, HEAD_DIM)
-        # The step's activations, all asked for at once: the query and, in the split that holds it, the new
-        # token's K/V (used after the loop).
         q_raw = tl.load(q_ptr + token * stride_qn + head * stride_qh + offs_d)
-        new_mask = has_new & (offs_d < HEAD_DIM)
-        k_new_raw = tl.load(k_ptr + token * stride_kn + kv_head * stride_kh + offs_d, mask=new_mask, other=0.0)
-        v_new_raw = tl.load(v_ptr + token * stride_vn + kv_head * stride_vh + offs_d, mask=new_mask, other=0.0)
         qk_scale = scale * LOG2E
         k_scale, v_scale = 1.0, 1.0
         if QUANTIZED:
@@ -329,6 +265,10 @@ def decode_split_kernel(
             v_scale = tl.load(scales_ptr + KV_HEADS + kv_head)
             qk_scale = qk_scale * k_scale
         q = q_raw.to(tl.float32) * qk_scale  # for the new token's score, in fp32
+        # The cached keys on tensor cores: the query is row 0 of a 16-row tile (tl.dot's least M; the other
+        # rows are zero and their state is dropped after the loop), its scores scaled in fp32 after the dot,
+        # and P rounded to the dot's dtype before P @ V, as the prefill kernels do. That keeps the loop at
+        # the memory's pace where per-element fp32 math and a cross-warp reduction per tile did not.
         query_row = tl.arange(0, 16) == 0
         q_tile = tl.where(query_row[:, None], q_raw[None, :], 0.0).to(q_raw.dtype)
         if FP16_DOT:  # an fp8 pool: its values widen to fp16 natively and exactly
@@ -336,29 +276,47 @@ def decode_split_kernel(
         m_i = tl.full([16], float("-inf"), tl.float32)
         l_i = tl.zeros([16], tl.float32)
         acc = tl.zeros([16, HEAD_DIM], tl.float32)
-        loop_start = start
-        if PRELOAD:
-            if start < cached_end:  # a tile without keys would give exp2(-inf - -inf)
-                m_i, l_i, acc = _attend_tile(q_tile, k_first, v_first, first_mask, m_i, l_i, acc, qk_scale,
-                                             BLOCK_N, HEAD_DIM, VALUE_WORDS, DOT_FP32)
-            loop_start = start + BLOCK_N
-        for n0 in range(loop_start, cached_end, BLOCK_N):
+        for n0 in range(start, cached_end, BLOCK_N):
             positions = n0 + tile
             mask_n = positions < cached_end
             rows = _key_rows(table, gen_table, positions, cached_end, prompt_len, loop, plane_elems, kv_head,
                              BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
-            k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, rows, mask_n, HEAD_DIM, VALUE_WORDS)
-            m_i, l_i, acc = _attend_tile(q_tile, k, v, mask_n, m_i, l_i, acc, qk_scale, BLOCK_N, HEAD_DIM,
-                                         VALUE_WORDS, DOT_FP32)
+            k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            k = k.to(q_tile.dtype)
+            if FP16_DOT and not DOT_FP32:  # an fp8 pool: rows are whole head_dim rows, so 4-byte aligned
+                words = tl.load(value_cache_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] // 4
+                                + tl.arange(0, HEAD_DIM // 4)[None, :], mask=mask_n[:, None], other=0)
+                v = _widen_e4m3(words, BLOCK_N, HEAD_DIM)
+            else:
+                v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None],
+                            other=0.0).to(q_tile.dtype)
+            s = _dot(q_tile, tl.trans(k), DOT_FP32) * qk_scale
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            # Every tile holds at least one key, so m_new is finite here.
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)
+            m_i = m_new
         m_i = tl.max(tl.where(query_row, m_i, float("-inf")), 0)
         l_i = tl.sum(tl.where(query_row, l_i, 0.0), 0)
         acc = tl.sum(tl.where(query_row[:, None], acc, 0.0), 0)
-        if has_new:
-            k_new = encode_kv(k_new_raw, k_scale, QUANTIZED, key_cache_ptr.dtype.element_ty)
-            v_new = encode_kv(v_new_raw, v_scale, QUANTIZED, value_cache_ptr.dtype.element_ty)
+        if (start <= last) & (last < end):
+            kv_new = kv_head * stride_kh + offs_d
+            k_new = encode_kv(tl.load(k_ptr + token * stride_kn + kv_new), k_scale, QUANTIZED,
+                              key_cache_ptr.dtype.element_ty)
+            v_new = encode_kv(tl.load(v_ptr + token * stride_vn + kv_head * stride_vh + offs_d), v_scale,
+                              QUANTIZED, value_cache_ptr.dtype.element_ty)
             if head % GROUP == 0:
-                tl.store(key_cache_ptr + dst + kv_head * HEAD_DIM + offs_d, k_new)
-                tl.store(value_cache_ptr + dst + kv_head * HEAD_DIM + offs_d, v_new)
+                dst = tl.load(slot_mapping_ptr + token).to(tl.int64) * (KV_HEADS * HEAD_DIM)
+                if SHARED:  # a generated token's slot is -1: it goes to its generated page
+                    generated = _key_rows(table, gen_table, last, context_len, prompt_len, loop, plane_elems,
+                                          0, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
+                    dst = tl.where(dst >= 0, dst, generated)
+                dst += kv_head * HEAD_DIM + offs_d
+                tl.store(key_cache_ptr + dst, k_new)
+                tl.store(value_cache_ptr + dst, v_new)
             s_new = tl.sum(k_new.to(tl.float32) * q, 0)
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
