@@ -2,7 +2,7 @@
 copy bandwidth measured in the same run, with torch SDPA over the gathered pages beside it (the gather
 itself untimed); and the host µs per eager call, held against a bare Triton launch measured in the same run.
 
-    python -m benchmarks.attention --out benchmarks/results/attention.json [--no-sweep]
+    python -m benchmarks.attention --out benchmarks/results/attention.json [--no-sweep | --configs JSON]
 
 Device times come from CUDA-graph replays of many calls that walk through several KV slots, so neither
 host launch cost nor L2 reuse flatters the small shapes. "eager" is the eager plan (grid sized to the
@@ -183,9 +183,10 @@ def engine_like_host_us(step: DecodeStep, backend, x, y, steps: int = 30,
     return forward_s * 1e6 / (steps * calls), prepare_s * 1e6 / steps
 
 
-def sweep(steps: dict, copy_gbps: float) -> list[dict]:
-    """Graph-mode µs per shape for each configuration (module docstring); each entry: shape, tunables, µs and
-    fraction of copy BW, or the error of a configuration that does not compile or fit."""
+def sweep(steps: dict, copy_gbps: float, configs: list[dict] | None = None) -> list[dict]:
+    """Graph-mode µs per shape for each configuration (module docstring), or for each of `configs` alone
+    where given; each entry: shape, tunables, µs and fraction of copy BW, or the error of a configuration
+    that does not compile or fit."""
     results = []
 
     def measure(tunables: dict) -> float:
@@ -202,6 +203,10 @@ def sweep(steps: dict, copy_gbps: float) -> list[dict]:
             total += math.log(us / (step.bytes / copy_gbps / 1e3))
         return total / len(steps)
 
+    if configs is not None:
+        for tunables in configs:
+            measure(tunables)
+        return results
     configs = [{"decode_block_n": n, "decode_num_warps": w, "decode_num_stages": stages,
                 "short_context": short, "short_split_keys": keys}
                for n, w, stages in SWEEP_TILES for short, keys in SWEEP_SHORT if short == 0 or keys >= n]
@@ -216,6 +221,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tunables sweep")
+    parser.add_argument("--configs", type=json.loads, default=None, metavar="JSON",
+                        help='time these tunables only, a JSON list, e.g. \'[{}, {"decode_block_n": 64}]\'')
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
                         help="the pool's format (auto: bf16)")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="ROWSxCONTEXT",
@@ -250,7 +257,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")  # the rows stay if the sweep is cut short
     if not args.no_sweep:
-        result["sweep"] = sweep(steps, copy_gbps)
+        result["sweep"] = sweep(steps, copy_gbps, args.configs)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)
 
