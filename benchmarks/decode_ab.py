@@ -1,6 +1,7 @@
 """Decode TPOT of two checkouts of this repository on the same GPU in one run, in ABBA order so that drift
 on a shared machine cancels: the check that a change left the default path (full policy, CUDA graphs) no
-slower. Each pass runs in its own process and uses only the public Engine API, which both sides share.
+slower (--eager: the eager path instead). Each pass runs in its own process and uses only the public Engine
+API, which both sides share.
 
     python -m benchmarks.decode_ab --a /path/to/before --b . --out benchmarks/results/decode_ab.json
 
@@ -26,16 +27,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def one_pass(tree: str, model: str, batches: list[int], prompt: int, steps: int,
-             profile_steps: int = 0) -> dict:
-    """TPOT ms per batch size, in this process, whose engine is `tree`'s (its PYTHONPATH); with
-    profile_steps, also the per-kernel profile of that many decode steps at the smallest batch."""
+             profile_steps: int = 0, eager: bool = False) -> dict:
+    """TPOT ms per batch size, in this process, whose engine is `tree`'s (its PYTHONPATH), with CUDA graphs
+    or, with eager, without; with profile_steps, also the per-kernel profile of that many decode steps at
+    the smallest batch."""
     import torch
 
     from engine import Engine, SamplingParams
 
     tpot, kernels = {}, None
     with Engine(model, device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
-                max_model_len=prompt + steps + 8, enable_prefix_caching=False, verbose=False) as engine:
+                max_model_len=prompt + steps + 8, enable_prefix_caching=False, enforce_eager=eager,
+                verbose=False) as engine:
         for batch in batches:
             for timed_steps in (4, steps):  # the first round warms up the same shapes
                 rng = random.Random(batch)
@@ -134,12 +137,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="ABBA rounds")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also profile this many decode steps at the smallest batch in each pass")
+    parser.add_argument("--eager", action="store_true", help="time eager steps (enforce_eager) instead")
     parser.add_argument("--out", default=None)
     parser.add_argument("--pass-tree", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.pass_tree is not None:  # a child: one pass, its TPOTs as JSON on the last line
         print(json.dumps(one_pass(args.pass_tree, args.model, args.batches, args.prompt, args.steps,
-                                  args.profile)))
+                                  args.profile, args.eager)))
         return
     from benchmarks.common import checkpoint, environment, write_results
 
@@ -152,7 +156,7 @@ def main() -> None:
         # imports the engine from PYTHONPATH, the tree of its side (and this file, its pass, from here).
         command = [sys.executable, "-P", __file__, "--a", args.a, "--pass-tree", trees[side],
                    "--model", model, "--prompt", str(args.prompt), "--steps", str(args.steps), "--profile",
-                   str(args.profile), "--batches", *map(str, args.batches)]
+                   str(args.profile), *(["--eager"] * args.eager), "--batches", *map(str, args.batches)]
         result = subprocess.run(command, capture_output=True, text=True, cwd=trees[side],
                                 env={**os.environ, "PYTHONPATH": trees[side]})
         if result.returncode != 0:
@@ -169,7 +173,8 @@ def main() -> None:
         rows.append({"batch": batch, key["A"]: round(median["A"], 3), key["B"]: round(median["B"], 3),
                      "ratio_b_over_a": round(median["B"] / median["A"], 3)})
     env = environment()
-    lines = [f"Decode TPOT, full policy, CUDA graphs (the default), {model} (random weights, bf16), prompt "
+    mode = "eager (enforce_eager)" if args.eager else "CUDA graphs (the default)"
+    lines = [f"Decode TPOT, full policy, {mode}, {model} (random weights, bf16), prompt "
              f"{args.prompt}, {args.steps} steps; passes in {'ABBA' * args.rounds} order, medians; "
              f"{env['device']}, torch {env['torch']}, triton {env['triton']}; A = {label['A']}, B = "
              f"{label['B']} (commit {env['commit']}).", "",
@@ -180,8 +185,8 @@ def main() -> None:
         lines += ["", *profile_table(passes, label)]
     table = "\n".join(lines)
     if args.out:
-        write_results(args.out, {**env, "model": model, "a": label["A"], "b": label["B"], "passes": passes,
-                                 "rows": rows}, table)
+        write_results(args.out, {**env, "model": model, "eager": args.eager, "a": label["A"], "b": label["B"],
+                                 "passes": passes, "rows": rows}, table)
     print(table)
 
 
