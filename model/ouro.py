@@ -91,13 +91,20 @@ class OuroLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm_2 = RMSNorm(hidden, eps)
         self.eps = eps
+        self._weight_keys = None  # _fused_weights' gemv_epilogues.WeightKeys, made on the first call
 
-    def _fused_weights(self) -> tuple[torch.Tensor, ...]:
+    def _fused_weights(self) -> tuple[tuple[torch.Tensor, ...], tuple]:
         """The weights of _FUSED_WEIGHTS, read through the module dicts on every call (never cached, so a
         reassigned parameter is seen): attribute access on an nn.Module (Module.__getattr__) costs about
-        1.3 µs of host time each, and an eager decode step makes 96 layer applications of 7 of them."""
+        1.3 µs of host time each, and an eager decode step makes 96 layer applications of 7 of them. With
+        them, what the kernels' plans key on of each (gemv_epilogues.weight_key), read again only when a
+        weight is another tensor or at another address (gemv_epilogues.WeightKeys says why that suffices)."""
         modules = self._modules
-        return tuple(modules[name]._parameters["weight"] for name in _FUSED_WEIGHTS)
+        weights = tuple(modules[name]._parameters["weight"] for name in _FUSED_WEIGHTS)
+        keyed = self._weight_keys
+        if keyed is None or not keyed.describe(weights):
+            keyed = self._weight_keys = gemv_epilogues.WeightKeys(weights)
+        return weights, keyed.keys
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention,
                 slot: int) -> torch.Tensor:
@@ -136,22 +143,26 @@ class OuroLayer(nn.Module):
                            attention: Attention, slot: int,
                            next_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, eps = h.shape[0], self.eps
-        qkv, o, gate_up, down, attention_norm, pre_mlp_norm, mlp_norm = self._fused_weights()
+        (qkv, o, gate_up, down, attention_norm, pre_mlp_norm, mlp_norm), keys = self._fused_weights()
         q, k, v = gemv_epilogues.qkv_rope(normed, qkv, cos, sin, self.num_heads, self.num_kv_heads,
-                                          self.head_dim)
+                                          self.head_dim, weight_keys=keys[:1])
         attn = attention(q, k, v, slot).reshape(n, self.q_size)
         linear_add_norms = (gemv_epilogues.linear_add_norms if n <= gemv_epilogues.MAX_NORM_EPILOGUE_M
                             else _linear_then_add_norms)
-        h, normed = linear_add_norms(attn, o, h, attention_norm, pre_mlp_norm, eps)
-        act = gemv_epilogues.gate_up_silu(normed, gate_up)
-        return linear_add_norms(act, down, h, mlp_norm, next_weight, eps)
+        h, normed = linear_add_norms(attn, o, h, attention_norm, pre_mlp_norm, eps,
+                                     weight_keys=(keys[1], keys[4], keys[5]))
+        act = gemv_epilogues.gate_up_silu(normed, gate_up, weight_keys=keys[2:3])
+        # next_weight is the next layer's (or the final norm's): read here, on every call.
+        return linear_add_norms(act, down, h, mlp_norm, next_weight, eps,
+                                weight_keys=(keys[3], keys[6], gemv_epilogues.weight_key(next_weight)))
 
 
 def _linear_then_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                            norm_weight: torch.Tensor, next_weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           eps: float, weight_keys: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_epilogues.linear_add_norms as two launches: the projection, then the norm kernel, whose programs
-    norm the rows side by side (faster past MAX_NORM_EPILOGUE_M rows; the reference composition's too)."""
+    norm the rows side by side (faster past MAX_NORM_EPILOGUE_M rows; the reference composition's too).
+    weight_keys is linear_add_norms' and not used: these launches' plans read their operands."""
     y = skinny_or_cublas_linear(x, weight)
     return fused.add_rmsnorm_rmsnorm(residual, y, norm_weight, next_weight, eps)
 

@@ -18,7 +18,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from model.config import OuroConfig
-from model.kernels import gemv
+from model.kernels import gemv, gemv_epilogues
 from model.kernels.fused import add_rmsnorm_rmsnorm, rmsnorm, rope_qkv, silu_mul
 from model.kernels.gemv import GemvConfig, skinny_linear
 from model.kernels.gemv_epilogues import gate_up_silu, linear_add_norms, qkv_rope
@@ -162,6 +162,60 @@ def test_mismatched_operands_are_refused_by_name():
         qkv_rope(x, w, cos, sin, HEADS, KV_HEADS, HEAD_DIM)  # 96 rows are not (3 + 2) x 16
     with pytest.raises(ValueError, match="gate_up"):
         gate_up_silu(x, w[:95])
+
+
+def off_alignment(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor's values at an address one element past a 16-byte boundary (torch allocates at 64 bytes)."""
+    moved = torch.empty(tensor.numel() + 1, dtype=tensor.dtype, device=tensor.device)[1:].view_as(tensor)
+    assert moved.data_ptr() % 16
+    return moved.copy_(tensor)
+
+
+def test_a_plan_is_built_again_for_another_dtype_or_alignment(monkeypatch):
+    """A plan is reused for new operands with the facts it was built for, and only for those: another dtype,
+    or any pointer Triton specializes on at another 16-byte alignment (the weight, or an activation), gets a
+    plan of its own. Counted in fresh caches, so earlier tests' plans do not count."""
+    silu_plans = gemv_epilogues._Plans(gemv_epilogues.skinny_gemm_silu_mul_kernel)
+    norm_plans = gemv_epilogues._Plans(gemv_epilogues.skinny_gemm_add_norms_kernel, row_ticket=True)
+    monkeypatch.setattr(gemv_epilogues, "_SILU_MUL_PLANS", silu_plans)
+    monkeypatch.setattr(gemv_epilogues, "_ADD_NORMS_PLANS", norm_plans)
+    x, w = inputs(1, 32, torch.float32, seed=60)
+    calls = [(x, w), (x.clone(), w.clone()),  # the same facts: one plan for both
+             (off_alignment(x), w), (x, off_alignment(w)), (x.half(), w.half())]
+    for count, (xi, wi) in zip([1, 1, 2, 3, 4], calls):
+        gate_up_silu(xi, wi)
+        assert len(silu_plans.plans) == count
+
+    x, w, residual, weight, next_weight = norm_operands(1, 96, torch.float32, seed=61)
+    calls = [(residual, weight, next_weight), (residual.clone(), weight.clone(), next_weight.clone()),
+             (off_alignment(residual), weight, next_weight), (residual, off_alignment(weight), next_weight),
+             (residual, weight, off_alignment(next_weight))]
+    for count, (res, norm, following) in zip([1, 1, 2, 3, 4], calls):
+        linear_add_norms(x, w, res, norm, following, EPS)
+        assert len(norm_plans.plans) == count
+    # weight_keys a caller keeps stand for the weights they were read of, so they key the same plan.
+    keys = gemv_epilogues.WeightKeys((w, off_alignment(weight), next_weight)).keys
+    linear_add_norms(x, w, residual, off_alignment(weight), next_weight, EPS, weight_keys=keys)
+    assert len(norm_plans.plans) == 4
+
+
+def test_a_layers_weight_keys_are_read_again_when_a_weight_changes():
+    """OuroLayer keeps what the plans key on of its weights (gemv_epilogues.WeightKeys) between calls and
+    reads it again when a weight was replaced: converted by .to() (its data, in place), assigned, or its data
+    replaced by data at another alignment. Copying into the weights (load_state_dict) keeps the keys."""
+    layer = OuroLayer(OuroConfig.from_dict(hf_config(PRESETS["tiny"])))
+    _, keys = layer._fused_weights()
+    assert keys[0] == gemv_epilogues.weight_key(layer.qkv_proj.weight) and keys[0][0] == torch.float32
+    layer.load_state_dict(OuroLayer(OuroConfig.from_dict(hf_config(PRESETS["tiny"]))).state_dict())
+    assert layer._fused_weights()[1] is keys
+    layer.half()
+    _, keys = layer._fused_weights()
+    assert all(key[0] == torch.float16 for key in keys)
+    layer.o_proj.weight = torch.nn.Parameter(off_alignment(layer.o_proj.weight.detach()))
+    assert layer._fused_weights()[1][1][2] == layer.o_proj.weight.data_ptr() % 16 != 0
+    with torch.no_grad():
+        layer.down_proj.weight.data = off_alignment(layer.down_proj.weight)
+    assert layer._fused_weights()[1][3][2] == layer.down_proj.weight.data_ptr() % 16 != 0
 
 
 # --------------------------------------------------------------------------------------------------

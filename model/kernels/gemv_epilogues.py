@@ -23,13 +23,13 @@ in a layer.
 
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from attention.launch import specialization
 from attention.workspace import current_stream
 from model.kernels.fused import PRECISE, rms_normalize, rotate_half, round_to, silu_times
 from model.kernels.gemv import (ROW_TICKET, GemvConfig, Plan, build_plan, check_operands, prefetch_l2,
@@ -242,23 +242,69 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return skinny_ok(x, weight, MAX_EPILOGUE_M)
 
 
-_PLANS: dict[tuple, Plan] = {}
+def weight_key(weight: torch.Tensor) -> tuple:
+    """What a plan keys on of a weight operand (a projection's [N, K], a norm's [N]): its dtype, device,
+    16-byte alignment (attention/launch.py's specialization), shape and row stride."""
+    return (weight.dtype, weight.device, weight.data_ptr() & 15, weight.shape, weight.stride(0))
 
 
-def _plan(kernel, key_args: tuple, x: torch.Tensor, weight: torch.Tensor, stride_ym: int,
-          config: GemvConfig | None, check: Callable[[], None], row_ticket: bool = False) -> Plan:
-    """The cached plan for this kernel, these shapes and everything Triton specializes on in key_args;
+def _pointer_key(tensor: torch.Tensor) -> tuple:
+    """What Triton specializes on of an activation pointer: dtype, device, 16-byte alignment."""
+    return (tensor.dtype, tensor.device, tensor.data_ptr() & 15)
+
+
+class WeightKeys:
+    """weight_key of each of a layer's weights, read once: reading a tensor's dtype, device, address, shape
+    and stride costs about 0.5 µs of host time, some 3.5 µs for a decode layer application's 7 weights, and
+    a layer's weights stay put between its calls. `describe(weights)` says whether the keys still hold.
+
+    They hold while `weights` are the same tensor objects, each at the address it had when read. That sees
+    every way PyTorch replaces a weight: a new Parameter (assigned, or load_state_dict(assign=True)) is
+    another object (these are held, so no other tensor can take their place); .to(), .half() or .cuda()
+    replace a parameter's data in place (`param.data = ..` or swap_tensors) with data allocated while the
+    old is still held, so at another address. load_state_dict copying into the weights changes nothing a
+    plan keys on. Not seen: a weight's dtype, shape or strides changed at the same address (t_(), set_(),
+    `.data =` a view of itself, or its data replaced twice between two calls, the second time where it
+    first was), which nothing here does to a model's weights."""
+
+    __slots__ = ("keys", "pointers", "weights")
+
+    def __init__(self, weights: tuple[torch.Tensor, ...]) -> None:
+        self.weights = weights
+        self.pointers = tuple(map(torch.Tensor.data_ptr, weights))
+        self.keys = tuple(map(weight_key, weights))
+
+    def describe(self, weights: tuple[torch.Tensor, ...]) -> bool:
+        return (all(map(operator.is_, weights, self.weights))
+                and tuple(map(torch.Tensor.data_ptr, weights)) == self.pointers)
+
+
+class _Plans:
+    """One kernel's plans, by a key its caller builds of everything a plan depends on: each operand's
+    _pointer_key or weight_key, shapes and strides, and the ints Triton specializes on. A dict per kernel
+    keeps the kernel out of the key (hashing a JITFunction is a Python call, 0.35 µs on the CI CPU).
     `check` validates the operands once, when a plan is built."""
-    key = (kernel, config, x.shape, weight.shape) + specialization(key_args)
-    plan = _PLANS.get(key)
-    if plan is None:
-        check_operands(x, weight)
-        check()
-        plan = build_plan(kernel, x, weight, stride_ym, config, row_ticket)
-        if len(_PLANS) > 4096:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
+
+    def __init__(self, kernel, row_ticket: bool = False) -> None:
+        self.kernel, self.row_ticket = kernel, row_ticket
+        self.plans: dict[tuple, Plan] = {}
+
+    def get(self, key: tuple, x: torch.Tensor, weight: torch.Tensor, stride_ym: int,
+            config: GemvConfig | None, check: Callable[[], None]) -> Plan:
+        plan = self.plans.get(key)
+        if plan is None:
+            check_operands(x, weight)
+            check()
+            plan = build_plan(self.kernel, x, weight, stride_ym, config, self.row_ticket)
+            if len(self.plans) > 4096:
+                self.plans.clear()
+            self.plans[key] = plan
+        return plan
+
+
+_ROPE_PLANS = _Plans(skinny_gemm_rope_kernel)
+_SILU_MUL_PLANS = _Plans(skinny_gemm_silu_mul_kernel)
+_ADD_NORMS_PLANS = _Plans(skinny_gemm_add_norms_kernel, row_ticket=True)
 
 
 def _check_rows(name: str, tensor: torch.Tensor, rows: int, width: int, dtype: torch.dtype) -> None:
@@ -268,12 +314,13 @@ def _check_rows(name: str, tensor: torch.Tensor, rows: int, width: int, dtype: t
 
 
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-             num_kv_heads: int, head_dim: int, config: GemvConfig | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             num_kv_heads: int, head_dim: int, config: GemvConfig | None = None,
+             weight_keys: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The qkv projection of x [M, K] by weight [(H + 2 Hkv) D, K] with RoPE on q and k, as
     fused.rope_qkv(linear(x, weight), ..) gives it; cos, sin [M, 1, D] or [M, D] (a layer stack passes the
     2-D views, made once for all its layers). Returns q [M, H, D], k and v [M, Hkv, D]: views into one
-    [M, (H + 2 Hkv) D] buffer (row stride (H + 2 Hkv) D)."""
+    [M, (H + 2 Hkv) D] buffer (row stride (H + 2 Hkv) D). weight_keys: (weight_key(weight),) where the
+    caller keeps it (WeightKeys); None reads it."""
     m, n = x.shape[0], weight.shape[0]
     if n != (num_heads + 2 * num_kv_heads) * head_dim or head_dim % 2:  # every call: the split below needs it
         raise ValueError(f"weight has {n} rows, not (heads {num_heads} + 2 x kv heads {num_kv_heads}) x "
@@ -289,8 +336,10 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
 
         rotated_pairs = (num_heads + num_kv_heads) * head_dim // 2
         scalars = (cos.stride(0), sin.stride(0), rotated_pairs, head_dim // 2, PRECISE)
-        plan = _plan(skinny_gemm_rope_kernel, (x, weight, y, cos, sin, x.stride(0), weight.stride(0), n)
-                     + scalars, x, weight, y.stride(0), config, check)
+        # y is new, [M, N] contiguous in x's dtype on x's device: of it only the alignment is not known.
+        key = (config, weight_keys or (weight_key(weight),), x.shape, x.stride(0), _pointer_key(x),
+               y.data_ptr() & 15, _pointer_key(cos), _pointer_key(sin), scalars)
+        plan = _ROPE_PLANS.get(key, x, weight, n, config, check)
         plan.launch(current_stream(x.device),
                     (x, weight, y, plan.partials, plan.tickets, cos, sin) + plan.tail + scalars)
     # One split of a [M, H + 2 Hkv, D] view: the host cost of this runs 96 times a decode step.
@@ -298,9 +347,10 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
                                   [num_heads, num_kv_heads, num_kv_heads], 1)
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
+                 weight_keys: tuple | None = None) -> torch.Tensor:
     """silu(gate) * up with [gate, up] = x @ weight^T, weight [2 I, K] (gate rows, then up rows): returns
-    [M, I], as fused.silu_mul(linear(x, weight)) gives it."""
+    [M, I], as fused.silu_mul(linear(x, weight)) gives it. weight_keys: as qkv_rope's."""
     m, n = x.shape[0], weight.shape[0]
     y = x.new_empty(m, n // 2)
     if m:
@@ -308,19 +358,22 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | Non
             if n % 2:
                 raise ValueError(f"gate_up weight must have an even number of rows, got {n}")
 
-        key_args = (x, weight, y, x.stride(0), weight.stride(0), y.stride(0), n)
-        plan = _plan(skinny_gemm_silu_mul_kernel, key_args, x, weight, y.stride(0), config, check)
+        # y is new, [M, N / 2] contiguous, as in qkv_rope.
+        key = (config, weight_keys or (weight_key(weight),), x.shape, x.stride(0), _pointer_key(x),
+               y.data_ptr() & 15)
+        plan = _SILU_MUL_PLANS.get(key, x, weight, n // 2, config, check)
         plan.launch(current_stream(x.device),
                     (x, weight, y, plan.partials, plan.tickets) + plan.tail + (PRECISE,))
     return y
 
 
 def linear_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                     next_weight: torch.Tensor, eps: float, config: GemvConfig | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     next_weight: torch.Tensor, eps: float, config: GemvConfig | None = None,
+                     weight_keys: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, RMSNorm(h) * next_weight) with h = residual + RMSNorm(x @ weight^T) * norm_weight: a projection,
     its post-norm, the residual add and the next sublayer's pre-norm, as fused.add_rmsnorm_rmsnorm(residual,
-    linear(x, weight), ..) gives them. weight [N, K], residual [M, N]."""
+    linear(x, weight), ..) gives them. weight [N, K], residual [M, N]. weight_keys: weight_key of weight,
+    norm_weight and next_weight, where the caller keeps them (WeightKeys); None reads them."""
     m, n = x.shape[0], weight.shape[0]
     out, normed = torch.empty_like(residual), torch.empty_like(residual)
     if m:
@@ -332,10 +385,14 @@ def linear_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
                                      f"{tuple(vector.shape)} in {vector.dtype}")
 
         pointers = (x, weight, normed, residual, norm_weight, next_weight, out)
-        scalars = (residual.stride(0), out.stride(0), eps, n, 1 << (n - 1).bit_length(), PRECISE)  # pow2 >= n
-        key_args = pointers + (x.stride(0), weight.stride(0), normed.stride(0)) + scalars
-        plan = _plan(skinny_gemm_add_norms_kernel, key_args, x, weight, normed.stride(0), config, check,
-                     row_ticket=True)
+        stride_out = out.stride(0)  # normed's too: both are empty_like(residual)
+        scalars = (residual.stride(0), stride_out, eps, n, 1 << (n - 1).bit_length(), PRECISE)  # pow2 >= n
+        # out and normed are new, laid out as residual in its dtype on its device: of them only the
+        # alignments and the row stride (in scalars) are not known.
+        key = (config, weight_keys or tuple(map(weight_key, (weight, norm_weight, next_weight))), x.shape,
+               x.stride(0), _pointer_key(x), _pointer_key(residual), out.data_ptr() & 15,
+               normed.data_ptr() & 15, scalars)
+        plan = _ADD_NORMS_PLANS.get(key, x, weight, stride_out, config, check)
         plan.launch(current_stream(x.device), pointers[:3] + (plan.partials, plan.tickets) + pointers[3:]
                     + plan.tail + scalars)
     return out, normed
