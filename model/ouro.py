@@ -102,7 +102,7 @@ class OuroLayer(nn.Module):
         modules = self._modules
         weights = tuple(modules[name]._parameters["weight"] for name in _FUSED_WEIGHTS)
         keyed = self._weight_keys
-        if keyed is None or not keyed.describe(weights):
+        if keyed is None or not keyed.still_hold(weights):
             keyed = self._weight_keys = gemv_epilogues.WeightKeys(weights)
         return weights, keyed.keys
 

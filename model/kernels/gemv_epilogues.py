@@ -256,7 +256,7 @@ def _pointer_key(tensor: torch.Tensor) -> tuple:
 class WeightKeys:
     """weight_key of each of a layer's weights, read once: reading a tensor's dtype, device, address, shape
     and stride costs about 0.5 µs of host time, some 3.5 µs for a decode layer application's 7 weights, and
-    a layer's weights stay put between its calls. `describe(weights)` says whether the keys still hold.
+    a layer's weights stay put between its calls. `still_hold(weights)` says whether the keys still hold.
 
     They hold while `weights` are the same tensor objects, each at the address it had when read. That sees
     every way PyTorch replaces a weight: a new Parameter (assigned, or load_state_dict(assign=True)) is
@@ -274,7 +274,7 @@ class WeightKeys:
         self.pointers = tuple(map(torch.Tensor.data_ptr, weights))
         self.keys = tuple(map(weight_key, weights))
 
-    def describe(self, weights: tuple[torch.Tensor, ...]) -> bool:
+    def still_hold(self, weights: tuple[torch.Tensor, ...]) -> bool:
         return (all(map(operator.is_, weights, self.weights))
                 and tuple(map(torch.Tensor.data_ptr, weights)) == self.pointers)
 
