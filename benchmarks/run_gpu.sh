@@ -38,6 +38,10 @@
 #   trigger: the one-row preload with the next kernel let launch before the weight loads instead of after the
 #            wait (a copy of this tree; about 95 registers a thread instead of about 150, docs/h200.md): its
 #            skinny GEMM gpu tests, then decode TPOT (CUDA graphs, ABBA) against this tree at 1 x 512 and 1 x 2K
+#   eagerkeys: the fused-model and epilogue gpu tests, then eager decode TPOT (ABBA, 1 x 512 and 1 x 2K) of this
+#              tree against a copy without the layers' kept weight keys (7321d6d); needs eager-keys.patch in
+#              the tree root, made before the call: git diff ad22ccc HEAD -- model > eager-keys.patch (while
+#              model/ is as 7321d6d and its rename left it)
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
@@ -189,6 +193,17 @@ elif [ "$PART" = trigger ]; then
   for prompt in 512 2048; do
     step 220 python -m benchmarks.decode_ab --a . --b /tmp/trigger-first --labels trigger-after trigger-first \
       --batches 1 --prompt "$prompt" --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-trigger-$prompt.json"
+  done
+elif [ "$PART" = eagerkeys ]; then
+  timeout 150 python -m pytest -q -m gpu tests/test_gemv_epilogues.py tests/test_fused_model.py --timeout 100 -rfE \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+  wait
+  rm -rf /tmp/keys-every-call && cp -r . /tmp/keys-every-call
+  (cd /tmp/keys-every-call && patch -R -p1 < eager-keys.patch) || exit 1
+  for prompt in 512 2048; do
+    step 250 python -m benchmarks.decode_ab --eager --a /tmp/keys-every-call --b . \
+      --labels keys-every-call weight-keys-kept --batches 1 --prompt "$prompt" \
+      --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-eager-keys-$prompt.json"
   done
 elif [ "$PART" = gputests ]; then
   timeout "${TEST_LIMIT:-560}" python -m pytest -q -m gpu tests/ --timeout 150 -rfE --durations=25 2>&1 \
