@@ -39,9 +39,9 @@
 #            wait (a copy of this tree; about 95 registers a thread instead of about 150, docs/h200.md): its
 #            skinny GEMM gpu tests, then decode TPOT (CUDA graphs, ABBA) against this tree at 1 x 512 and 1 x 2K
 #   eagerkeys: the fused-model and epilogue gpu tests, then eager decode TPOT (ABBA, 1 x 512 and 1 x 2K) of this
-#              tree against a copy without the layers' kept weight keys (7321d6d); needs eager-keys.patch in
-#              the tree root, made before the call: git diff ad22ccc HEAD -- model > eager-keys.patch (while
-#              model/ is as 7321d6d and its rename left it)
+#              tree against a copy with ad22ccc's model/ (before the layers kept their weight keys, 7321d6d,
+#              and the fused loop stopped slicing its ModuleList, 1ce694d); needs eager-keys.patch in the tree
+#              root, made before the call: git diff ad22ccc HEAD -- model > eager-keys.patch
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
