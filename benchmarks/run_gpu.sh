@@ -42,6 +42,8 @@
 #              tree against a copy with ad22ccc's model/ (before the layers kept their weight keys, 7321d6d,
 #              and the fused loop stopped slicing its ModuleList, 1ce694d); needs eager-keys.patch in the tree
 #              root, made before the call: git diff ad22ccc HEAD -- model > eager-keys.patch
+#   noattn: what the decode attention costs a step: TPOT (CUDA graphs, ABBA, 1 x 512, 1 x 2K, 16 x 2K) of this tree
+#           against a copy whose decode kernel does nothing after its PDL wait (wrong tokens, timing only)
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
@@ -205,6 +207,16 @@ elif [ "$PART" = eagerkeys ]; then
       --labels keys-every-call weight-keys-kept --batches 1 --prompt "$prompt" \
       --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-eager-keys-$prompt.json"
   done
+elif [ "$PART" = noattn ]; then
+  wait
+  rm -rf /tmp/no-attention && cp -r . /tmp/no-attention
+  sed -i 's/^    if split < num_splits:$/    if (split < num_splits) \& (split < 0):  # timing only/' \
+    /tmp/no-attention/attention/kernels/decode.py
+  echo "stubbed: $(grep -c '# timing only' /tmp/no-attention/attention/kernels/decode.py) (1 expected)"
+  step 200 python -m benchmarks.decode_ab --a . --b /tmp/no-attention --labels attention no-attention \
+    --batches 1 16 --prompt 2048 --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-noattn-2048.json"
+  step 150 python -m benchmarks.decode_ab --a . --b /tmp/no-attention --labels attention no-attention \
+    --batches 1 --prompt 512 --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-noattn-512.json"
 elif [ "$PART" = gputests ]; then
   timeout "${TEST_LIMIT:-560}" python -m pytest -q -m gpu tests/ --timeout 150 -rfE --durations=25 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 60
