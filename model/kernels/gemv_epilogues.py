@@ -242,15 +242,16 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return skinny_ok(x, weight, MAX_EPILOGUE_M)
 
 
-def weight_key(weight: torch.Tensor) -> tuple:
-    """What a plan keys on of a weight operand (a projection's [N, K], a norm's [N]): its dtype, device,
-    16-byte alignment (attention/launch.py's specialization), shape and row stride."""
-    return (weight.dtype, weight.device, weight.data_ptr() & 15, weight.shape, weight.stride(0))
-
-
 def _pointer_key(tensor: torch.Tensor) -> tuple:
-    """What Triton specializes on of an activation pointer: dtype, device, 16-byte alignment."""
+    """What Triton specializes on of a pointer operand: dtype, device, 16-byte alignment (as
+    attention/launch.py's specialization reads them)."""
     return (tensor.dtype, tensor.device, tensor.data_ptr() & 15)
+
+
+def weight_key(weight: torch.Tensor) -> tuple:
+    """What a plan keys on of a weight operand (a projection's [N, K], a norm's [N]): its _pointer_key, shape
+    and row stride."""
+    return _pointer_key(weight) + (weight.shape, weight.stride(0))
 
 
 class WeightKeys:
