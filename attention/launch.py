@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 
 # TRITON_INTERPRET is read once, at import, as Triton itself reads it when decorating kernels.
@@ -20,7 +21,7 @@ class CompiledLaunch:
     """One kernel at one grid. The caller rebuilds it whenever the argument layouts change. Options beyond
     num_warps and num_stages (enable_fp_fusion, say) go to the first, compiling call."""
 
-    __slots__ = ("compiled", "direct", "fn", "grid", "options")
+    __slots__ = ("compiled", "direct", "fn", "grid", "options", "pointers")
 
     def __init__(self, fn, grid: tuple[int, int, int], num_warps: int, num_stages: int,
                  direct: bool = True, **options) -> None:
@@ -29,6 +30,7 @@ class CompiledLaunch:
         self.options = {"num_warps": num_warps, "num_stages": num_stages, **options}
         self.direct = direct and DIRECT_LAUNCH
         self.compiled = None
+        self.pointers = ()  # the positions of the tensor arguments, found at the first call
 
     def __call__(self, stream: int, args: tuple) -> None:
         compiled = self.compiled
@@ -36,12 +38,23 @@ class CompiledLaunch:
             compiled = self.fn[self.grid](*args, **self.options)
             if self.direct:
                 self.compiled = compiled.result() if hasattr(compiled, "result") else compiled
+                self.pointers = tuple(i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor))
             return
         grid = self.grid
         runtime = triton.knobs.runtime
         enter, leave = _registered(runtime.launch_enter_hook), _registered(runtime.launch_exit_hook)
-        # The metadata exists for the hooks alone (Triton's launcher passes it to them and reads nothing else)
-        metadata = None if enter is None and leave is None else compiled.launch_metadata(grid, stream, *args)
+        if enter is None and leave is None:
+            metadata = None
+            if self.pointers:
+                # Addresses as ints: given a tensor, Triton's C launcher (3.6 and 3.8 checked) calls its
+                # data_ptr() and then asks the driver about the address (cuPointerGetAttribute), for every
+                # pointer argument of every launch; an int it takes as the address. The plans checked each
+                # tensor's device when they were built.
+                args = list(args)
+                for i in self.pointers:
+                    args[i] = args[i].data_ptr()
+        else:  # the hooks get the tensors, and the metadata, which exists for them alone
+            metadata = compiled.launch_metadata(grid, stream, *args)
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata,
                      enter, leave, *args)
 

@@ -44,6 +44,9 @@
 #              root, made before the call: git diff ad22ccc HEAD -- model > eager-keys.patch
 #   noattn: what the decode attention costs a step: TPOT (CUDA graphs, ABBA, 1 x 512, 1 x 2K, 16 x 2K) of this tree
 #           against a copy whose decode kernel does nothing after its PDL wait (wrong tokens, timing only)
+#   pointers: host µs a launch by how pointers reach Triton's launcher (benchmarks/launch_cost.py), eager decode
+#             TPOT (ABBA, 1 x 512 and 1 x 2K) of this tree against a copy whose CompiledLaunch hands Triton the
+#             tensors (as before 2026-12-04), then the launch, GEMM, fused-kernel and attention gpu tests
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
@@ -217,6 +220,20 @@ elif [ "$PART" = noattn ]; then
     --batches 1 16 --prompt 2048 --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-noattn-2048.json"
   step 150 python -m benchmarks.decode_ab --a . --b /tmp/no-attention --labels attention no-attention \
     --batches 1 --prompt 512 --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-noattn-512.json"
+elif [ "$PART" = pointers ]; then
+  step 90 python -m benchmarks.launch_cost --out "$OUT/launch_cost.json"
+  wait
+  rm -rf /tmp/tensors-to-triton && cp -r . /tmp/tensors-to-triton
+  sed -i 's/^            if self.pointers:$/            if False:  # timing only/' /tmp/tensors-to-triton/attention/launch.py
+  echo "tensors-to-triton copy: $(grep -c '# timing only' /tmp/tensors-to-triton/attention/launch.py) (1 expected)"
+  for prompt in 512 2048; do
+    step 200 python -m benchmarks.decode_ab --eager --a /tmp/tensors-to-triton --b . \
+      --labels tensors-to-triton addresses-as-ints --batches 1 --prompt "$prompt" \
+      --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-eager-pointers-$prompt.json"
+  done
+  timeout "${TEST_LIMIT:-200}" python -m pytest -q -m gpu tests/test_launch.py tests/test_gemv.py \
+    tests/test_gemv_epilogues.py tests/test_fused_model.py tests/test_fused_kernels.py tests/test_triton_gpu.py \
+    --timeout 150 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
 elif [ "$PART" = gputests ]; then
   timeout "${TEST_LIMIT:-560}" python -m pytest -q -m gpu tests/ --timeout 150 -rfE --durations=25 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 60
