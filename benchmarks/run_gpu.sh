@@ -47,6 +47,9 @@
 #   pointers: host µs a launch by how pointers reach Triton's launcher (benchmarks/launch_cost.py), eager decode
 #             TPOT (ABBA, 1 x 512 and 1 x 2K) of this tree against a copy whose CompiledLaunch hands Triton the
 #             tensors (as before 2026-12-04), then the launch, GEMM, fused-kernel and attention gpu tests
+#   whatif: what parts of the o and down kernels cost a batch-1 step: TPOT (CUDA graphs, ABBA, 1 x 512) of this
+#           tree against copies whose add-norms epilogue skips its norm tail, or whose o (K = 2,048) or down
+#           (K = 5,632) projection reads 16 (o) or 512 (down) columns of its weight (wrong tokens, timing only)
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
@@ -234,6 +237,20 @@ elif [ "$PART" = pointers ]; then
   timeout "${TEST_LIMIT:-200}" python -m pytest -q -m gpu tests/test_launch.py tests/test_gemv.py \
     tests/test_gemv_epilogues.py tests/test_fused_model.py tests/test_fused_kernels.py tests/test_triton_gpu.py \
     --timeout 150 -rfE 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+elif [ "$PART" = whatif ]; then
+  wait
+  E=model/kernels/gemv_epilogues.py
+  stub() {  # a copy of this tree at /tmp/$1 with sed expression $2 applied to $E (timing only: wrong tokens)
+    rm -rf "/tmp/$1" && cp -r . "/tmp/$1" && sed -i "$2" "/tmp/$1/$E"
+    echo "$1: $(grep -c '# timing only' "/tmp/$1/$E") stubbed line (1 expected)"
+  }
+  stub no-norm-tail 's/^    if tl.atomic_add(tickets_ptr + _ROW_TICKET, 1, sem="acq_rel") == tl.num_programs(0) - 1:$/    if tl.atomic_add(tickets_ptr + _ROW_TICKET, 1, sem="acq_rel") == -5:  # timing only/'
+  stub no-o-weights 's/^    offs_n = tl.program_id(0) \* BLOCK_N + tl.arange(0, BLOCK_N)$/    K = tl.where(K == 2048, 16, K)  # timing only\n&/'
+  stub no-down-weights 's/^    offs_n = tl.program_id(0) \* BLOCK_N + tl.arange(0, BLOCK_N)$/    K = tl.where(K == 5632, 16, K)  # timing only\n&/'
+  for variant in no-norm-tail no-o-weights no-down-weights; do
+    step 150 python -m benchmarks.decode_ab --a . --b "/tmp/$variant" --labels main "$variant" --batches 1 \
+      --prompt 512 --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-whatif-$variant-512.json"
+  done
 elif [ "$PART" = gputests ]; then
   timeout "${TEST_LIMIT:-560}" python -m pytest -q -m gpu tests/ --timeout 150 -rfE --durations=25 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 60
