@@ -76,7 +76,9 @@ def main() -> None:
     print(table)
     if args.out:
         write_results(args.out, {"environment": env, "calls": args.calls, "rows": rows},
-                      f"Host µs a launch by how pointers are passed ({env}).\n\n" + table)
+                      f"Host µs a launch by how its pointers are passed, {args.calls} launches a figure; "
+                      f"{env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}"
+                      ".\n\n" + table)
 
 
 if __name__ == "__main__":
