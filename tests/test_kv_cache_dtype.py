@@ -217,6 +217,18 @@ def greedy_through(model, prompt, new_tokens, attention, gaps: list | None = Non
     return tokens
 
 
+def assert_reference_or_near_tie(tokens: list[int], model, prompt: list[int], attention,
+                                 near_tie: float = 1e-3) -> None:
+    """The engine's greedy tokens are greedy_through's, or leave them only where the reference's top two
+    logprobs are within near_tie. A row's fp32 products depend on the batch's shape (cuBLAS, and on the CPU
+    the BLAS and its thread count, pick kernels by it), and the reference reads the prompt in one call, the
+    engine in chunks beside other rows; a lossy format rounds those ulps apart at a code boundary."""
+    gaps = []
+    want = greedy_through(model, prompt, len(tokens), attention, gaps)
+    parted = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), len(want))
+    assert parted == len(want) or gaps[parted] < near_tie, (parted, gaps[parted])
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8_e4m3"])
 def test_engine_greedy_tokens_equal_the_one_sequence_reference(tiny_checkpoint, kv_cache_dtype):
     """The paged pool, its scales and the batch (chunked prefill, four rows) read what a sequence's own
@@ -353,9 +365,10 @@ def test_kvarn_shared_last_engine_greedy_tokens_equal_the_one_sequence_reference
                                                                                  tail):
     """kv_sharing="last" over a KVarN pool: three rows of different lengths, 150 generated tokens each, so
     that two generated tiles fill and pack (in two pages: 2 loops, 128 generated tokens a page) and a third
-    fills. The engine's tokens are those of the one-sequence reference, which reads each prompt in one call;
-    and the format is in effect (dense K/V gives other tokens). The sink and tail of 0 leave the side pool
-    two side blocks, fewer than three rows prefilling need: admission waits for them."""
+    fills. The engine's tokens are those of the one-sequence reference, which reads each prompt in one call,
+    or leave them only at a near tie (on a 16-thread CPU with torch 2.11 one row left at token 136; CI's CPU
+    gives every token); and the format is in effect (dense K/V gives other tokens). The sink and tail of 0
+    leave the side pool two side blocks, fewer than three rows prefilling need: admission waits for them."""
     params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
     with kvarn_engine(tiny_checkpoint, name, sink, tail, kv_sharing="last", loops=2,
                       max_num_batched_tokens=40) as engine:
@@ -364,8 +377,9 @@ def test_kvarn_shared_last_engine_greedy_tokens_equal_the_one_sequence_reference
         for prompt, output in zip(SHARED_PROMPTS, outputs):
             ids = engine.tokenizer.encode(prompt)
             tokens = output.outputs[0].token_ids
-            assert tokens == greedy_through(engine.model, ids, 150, shared_reference(engine, name, ids, sink,
-                                                                                        tail))
+            assert len(tokens) == 150
+            store = shared_reference(engine, name, ids, sink, tail)
+            assert_reference_or_near_tie(tokens, engine.model, ids, store)
             differs += tokens != greedy_through(engine.model, ids, 150, shared_reference(engine, "auto", ids))
         assert [len(engine.tokenizer.encode(p)) % 64 for p in SHARED_PROMPTS] == [34, 40, 52]
         side = engine.block_manager.side_rows
@@ -390,11 +404,8 @@ def test_kvarn_shared_last_engine_on_cuda_gives_the_one_sequence_reference_token
         for prompt, output in zip(SHARED_PROMPTS, outputs):
             ids = engine.tokenizer.encode(prompt)
             store = shared_reference(engine, "kvarn_k4v2_g64", ids, 16, 32, device="cuda")
-            gaps = []
-            want = greedy_through(engine.model, ids, 150, store, gaps)
-            got = output.outputs[0].token_ids
-            parted = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
-            assert parted == len(want) or gaps[parted] < 1e-3, (parted, gaps[parted])
+            assert len(output.outputs[0].token_ids) == 150
+            assert_reference_or_near_tie(output.outputs[0].token_ids, engine.model, ids, store)
 
 
 def admit_at_full_length(manager, prompt: int, generated: int) -> int:
