@@ -21,7 +21,7 @@ class CompiledLaunch:
     """One kernel at one grid. The caller rebuilds it whenever the argument layouts change. Options beyond
     num_warps and num_stages (enable_fp_fusion, say) go to the first, compiling call."""
 
-    __slots__ = ("compiled", "direct", "fn", "grid", "options", "pointers")
+    __slots__ = ("c_launch", "compiled", "direct", "fn", "grid", "options", "pointers")
 
     def __init__(self, fn, grid: tuple[int, int, int], num_warps: int, num_stages: int,
                  direct: bool = True, **options) -> None:
@@ -31,6 +31,7 @@ class CompiledLaunch:
         self.direct = direct and DIRECT_LAUNCH
         self.compiled = None
         self.pointers = ()  # the positions of the tensor arguments, found at the first call
+        self.c_launch = None  # c_launcher's, after the first call
 
     def __call__(self, stream: int, args: tuple) -> None:
         compiled = self.compiled
@@ -39,6 +40,7 @@ class CompiledLaunch:
             if self.direct:
                 self.compiled = compiled.result() if hasattr(compiled, "result") else compiled
                 self.pointers = tuple(i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor))
+                self.c_launch = c_launcher(self.compiled, self.grid)
             return
         grid = self.grid
         runtime = triton.knobs.runtime
@@ -53,10 +55,45 @@ class CompiledLaunch:
                 args = list(args)
                 for i in self.pointers:
                     args[i] = args[i].data_ptr()
+            if self.c_launch is not None:
+                self.c_launch(stream, args)
+                return
         else:  # the hooks get the tensors, and the metadata, which exists for them alone
             metadata = compiled.launch_metadata(grid, stream, *args)
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata,
                      enter, leave, *args)
+
+
+def c_launcher(compiled, grid: tuple[int, int, int]):
+    """Triton's C launch function for `compiled` at `grid`, called as (stream, kernel arguments) without its
+    Python launcher's frame, where this project has read that frame (Triton 3.6 and 3.8) and it does
+    nothing but pass fixed values: no scratch memory, no sanitizer. Otherwise None (launch through
+    compiled.run). The Python frame builds two closures and asks for scratch memory at every launch, about
+    ... µs of host time on the H200's host (benchmarks/launch_cost.py)."""
+    run = compiled.run
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    if (version not in ((3, 6), (3, 8)) or getattr(run, "global_scratch_size", 1) != 0
+            or getattr(run, "profile_scratch_size", 1) != 0 or getattr(run, "gsan_enabled", False)):
+        return None
+    launch, function = run.launch, compiled.function
+    cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
+    grid_x, grid_y, grid_z = grid
+    if version == (3, 6):  # a C module per signature: the kernel's arguments follow the launcher's
+        metadata = compiled.packed_metadata
+
+        def launch_36(stream: int, args) -> None:
+            launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, None, None, metadata, None,
+                   None, None, *args)
+
+        return launch_36
+    # 3.8: one generic launcher, given the kernel's signature and its arguments as one sequence
+    metadata, annotations, signature = compiled.packed_metadata, run.arg_annotations, run.kernel_signature
+
+    def launch_38(stream: int, args) -> None:
+        launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, metadata, None, None, None, None,
+               None, annotations, signature, args)
+
+    return launch_38
 
 
 def _registered(hook):

@@ -2,12 +2,17 @@
 addresses as ints, and every call reads its own tensors; with a launch hook registered it hands over the
 tensors and the hook runs at every launch."""
 
+import types
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from attention.launch import DIRECT_LAUNCH, CompiledLaunch
+from attention import launch as launch_module
+from attention.launch import DIRECT_LAUNCH, CompiledLaunch, c_launcher
+
+CHECKED_TRITON = tuple(int(part) for part in triton.__version__.split(".")[:2]) in ((3, 6), (3, 8))
 
 
 @triton.jit
@@ -32,6 +37,39 @@ def test_a_direct_launch_reads_the_tensors_of_its_own_call():
     launch = CompiledLaunch(_scaled_copy_kernel, (1, 1, 1), 4, 1)
     _launch_twice(launch)
     assert launch.pointers == ((0, 1) if DIRECT_LAUNCH else ())
+    assert (launch.c_launch is not None) == (DIRECT_LAUNCH and CHECKED_TRITON)  # the path just run
+
+
+@pytest.mark.gpu
+def test_a_launch_through_compiled_run_reads_its_own_tensors_too():
+    launch = CompiledLaunch(_scaled_copy_kernel, (1, 1, 1), 4, 1)
+    _launch_twice(launch)
+    launch.c_launch = None
+    _launch_twice(launch)
+
+
+def _compiled(**run_fields):
+    """A stand-in for a compiled kernel, with the fields c_launcher reads of it and its launcher."""
+    fields = {"launch": lambda *args: None, "launch_cooperative_grid": False, "launch_pdl": True,
+              "global_scratch_size": 0, "profile_scratch_size": 0, "arg_annotations": (),
+              "kernel_signature": b"", **run_fields}
+    run = types.SimpleNamespace(**fields)
+    return types.SimpleNamespace(run=run, function=1, packed_metadata=(4, 1, 0))
+
+
+@pytest.mark.parametrize("version", ["3.6.0", "3.8.0"])
+def test_the_c_launcher_is_taken_on_the_triton_versions_read_and_without_scratch(monkeypatch, version):
+    monkeypatch.setattr(launch_module.triton, "__version__", version)
+    assert c_launcher(_compiled(), (1, 1, 1)) is not None
+    assert c_launcher(_compiled(global_scratch_size=8), (1, 1, 1)) is None
+    assert c_launcher(_compiled(profile_scratch_size=8), (1, 1, 1)) is None
+    assert c_launcher(_compiled(gsan_enabled=True), (1, 1, 1)) is None
+
+
+@pytest.mark.parametrize("version", ["3.5.1", "3.7.0", "3.9.0"])
+def test_other_triton_versions_launch_through_compiled_run(monkeypatch, version):
+    monkeypatch.setattr(launch_module.triton, "__version__", version)
+    assert c_launcher(_compiled(), (1, 1, 1)) is None
 
 
 @pytest.mark.gpu
