@@ -64,36 +64,37 @@ class CompiledLaunch:
                      enter, leave, *args)
 
 
+# The Triton versions whose Python launcher frame c_launcher stands in for: read and run on the H200. (3.8's
+# frame is alike but calls one generic C launcher with another argument layout; it has not run here.)
+C_LAUNCH_VERSIONS = ((3, 6),)
+
+
 def c_launcher(compiled, grid: tuple[int, int, int]):
     """Triton's C launch function for `compiled` at `grid`, called as (stream, kernel arguments) without its
-    Python launcher's frame, where this project has read that frame (Triton 3.6 and 3.8) and it does
-    nothing but pass fixed values: no scratch memory, no sanitizer. Otherwise None (launch through
-    compiled.run). That frame builds closures and asks for scratch memory at every launch: 1.2-2.7 µs of
-    host time a launch on the H200's host, of 6.3-6.7 without it (benchmarks/launch_cost.py)."""
+    Python launcher's frame, on C_LAUNCH_VERSIONS and where that frame does nothing but pass fixed values: no
+    scratch memory. Otherwise None (launch through compiled.run). The frame builds closures and asks for
+    scratch memory at every launch: 1.2-2.7 µs of host time a launch on the H200's host, of 6.3-6.7 without
+    it (benchmarks/launch_cost.py)."""
     run = compiled.run
-    version = tuple(int(part) for part in triton.__version__.split(".")[:2])
-    if (version not in ((3, 6), (3, 8)) or getattr(run, "global_scratch_size", 1) != 0
-            or getattr(run, "profile_scratch_size", 1) != 0 or getattr(run, "gsan_enabled", False)):
+    try:
+        version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    except ValueError:
         return None
-    launch, function = run.launch, compiled.function
+    if (version not in C_LAUNCH_VERSIONS or getattr(run, "global_scratch_size", 1) != 0
+            or getattr(run, "profile_scratch_size", 1) != 0):
+        return None
+    # Triton 3.6 compiles a C module per kernel signature; its launch takes the grid, stream, function,
+    # cooperative and PDL flags, the two scratch pointers, the packed metadata, the launch metadata and the
+    # two hooks (None: CompiledLaunch comes here only without hooks), then the kernel's arguments.
+    launch, function, metadata = run.launch, compiled.function, compiled.packed_metadata
     cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
     grid_x, grid_y, grid_z = grid
-    if version == (3, 6):  # a C module per signature: the kernel's arguments follow the launcher's
-        metadata = compiled.packed_metadata
 
-        def launch_36(stream: int, args) -> None:
-            launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, None, None, metadata, None,
-                   None, None, *args)
+    def c_launch(stream: int, args) -> None:
+        launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, None, None, metadata, None, None,
+               None, *args)
 
-        return launch_36
-    # 3.8: one generic launcher, given the kernel's signature and its arguments as one sequence
-    metadata, annotations, signature = compiled.packed_metadata, run.arg_annotations, run.kernel_signature
-
-    def launch_38(stream: int, args) -> None:
-        launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, metadata, None, None, None, None,
-               None, annotations, signature, args)
-
-    return launch_38
+    return c_launch
 
 
 def _registered(hook):
