@@ -17,7 +17,6 @@ A torch.add of two small tensors is timed beside them: the host's own speed.
 from __future__ import annotations
 
 import argparse
-
 import linecache
 import tempfile
 

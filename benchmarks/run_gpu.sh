@@ -46,7 +46,8 @@
 #           against a copy whose decode kernel does nothing after its PDL wait (wrong tokens, timing only)
 #   pointers: host µs a launch by how pointers reach Triton's launcher (benchmarks/launch_cost.py), eager decode
 #             TPOT (ABBA, 1 x 512 and 1 x 2K) of this tree against a copy whose CompiledLaunch hands Triton the
-#             tensors (as before 2026-12-04), then the launch, GEMM, fused-kernel and attention gpu tests
+#             tensors (as before eafc711; since b4cd2b3 both sides take the C launch on Triton 3.6), then the
+#             launch, GEMM, fused-kernel and attention gpu tests
 #   whatif: what parts of the o and down kernels cost a batch-1 step: TPOT (CUDA graphs, ABBA, 1 x 512) of this
 #           tree against copies whose add-norms epilogue skips its norm tail, or whose o (K = 2,048) or down
 #           (K = 5,632) projection reads 16 (o) or 512 (down) columns of its weight (wrong tokens, timing only)
