@@ -71,6 +71,54 @@ def test_other_triton_versions_launch_through_compiled_run(monkeypatch, version)
     assert c_launcher(_compiled(), (1, 1, 1)) is None
 
 
+def _compiled_launch_after_its_first_call(calls: list) -> CompiledLaunch:
+    """A CompiledLaunch in the state its first call leaves on CUDA with the C launcher: a compiled kernel
+    and a C launcher (stand-ins recording how they are called into `calls`) and the positions of its tensor
+    arguments, 0 and 2."""
+    launch = CompiledLaunch(None, (3, 2, 1), 4, 1)
+    compiled = _compiled()
+    compiled.run = lambda *args: calls.append(("run", args))
+    compiled.launch_metadata = lambda grid, stream, *args: ("metadata", grid, stream, args)
+    launch.compiled, launch.pointers = compiled, (0, 2)
+    launch.c_launch = lambda stream, args: calls.append(("c", stream, args))
+    return launch
+
+
+def test_after_its_first_call_a_launch_hands_over_addresses_and_takes_the_c_launcher():
+    """The direct path, run on a CPU with stand-ins: each call's tensors go to the C launcher as their
+    addresses, the other arguments as they are; without a C launcher, through compiled.run."""
+    calls = []
+    x, y = torch.zeros(4), torch.zeros(8)
+    launch = _compiled_launch_after_its_first_call(calls)
+    launch(7, (x, 5, y, 2.5))
+    assert calls == [("c", 7, [x.data_ptr(), 5, y.data_ptr(), 2.5])]
+    calls.clear()
+    launch.c_launch = None
+    launch(7, (y, 6, x, 1.5))
+    launcher_args = (3, 2, 1, 7, 1, (4, 1, 0), None, None, None)  # grid, stream, function, metadata, no hooks
+    assert calls == [("run", launcher_args + (y.data_ptr(), 6, x.data_ptr(), 1.5))]
+
+
+def test_with_a_launch_hook_registered_a_launch_hands_over_tensors_and_metadata():
+    hooks = triton.knobs.runtime.launch_enter_hook
+
+    def hook(metadata) -> None:
+        pass
+
+    calls = []
+    x, y = torch.zeros(4), torch.zeros(8)
+    launch = _compiled_launch_after_its_first_call(calls)
+    hooks.add(hook)
+    try:
+        launch(7, (x, 5, y))
+    finally:
+        hooks.remove(hook)
+    (name, args), = calls
+    assert name == "run" and args[:6] == (3, 2, 1, 7, 1, (4, 1, 0))
+    assert args[6] == ("metadata", (3, 2, 1), 7, (x, 5, y)) and args[7] is hooks
+    assert args[9] is x and args[10] == 5 and args[11] is y
+
+
 @pytest.mark.gpu
 def test_a_registered_launch_hook_is_called_at_every_launch():
     hooks = triton.knobs.runtime.launch_enter_hook
