@@ -366,9 +366,10 @@ def test_kvarn_shared_last_engine_greedy_tokens_equal_the_one_sequence_reference
     """kv_sharing="last" over a KVarN pool: three rows of different lengths, 150 generated tokens each, so
     that two generated tiles fill and pack (in two pages: 2 loops, 128 generated tokens a page) and a third
     fills. The engine's tokens are those of the one-sequence reference, which reads each prompt in one call,
-    or leave them only at a near tie (on a 16-thread CPU with torch 2.11 one row left at token 136; CI's CPU
-    gives every token); and the format is in effect (dense K/V gives other tokens). The sink and tail of 0
-    leave the side pool two side blocks, fewer than three rows prefilling need: admission waits for them."""
+    or leave them only at a near tie (a 16-thread CPU with torch 2.11 left one row's at token 136, its gap
+    not recorded; CI's CPU gives every token); and the format is in effect (dense K/V gives other tokens).
+    The sink and tail of 0 leave the side pool two side blocks, fewer than three rows prefilling need:
+    admission waits for them."""
     params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
     with kvarn_engine(tiny_checkpoint, name, sink, tail, kv_sharing="last", loops=2,
                       max_num_batched_tokens=40) as engine:
