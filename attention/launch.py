@@ -69,6 +69,14 @@ class CompiledLaunch:
 C_LAUNCH_VERSIONS = ((3, 6),)
 
 
+def triton_version() -> tuple[int, ...] | None:
+    """Triton's (major, minor), or None where its version string does not read as one."""
+    try:
+        return tuple(int(part) for part in triton.__version__.split(".")[:2])
+    except ValueError:
+        return None
+
+
 def c_launcher(compiled, grid: tuple[int, int, int]):
     """Triton's C launch function for `compiled` at `grid`, called as (stream, kernel arguments) without its
     Python launcher's frame, on C_LAUNCH_VERSIONS and where that frame does nothing but pass fixed values: no
@@ -76,11 +84,7 @@ def c_launcher(compiled, grid: tuple[int, int, int]):
     scratch memory at every launch: 1.2-2.7 µs of host time a launch on the H200's host, of 6.3-6.7 without
     it (benchmarks/launch_cost.py)."""
     run = compiled.run
-    try:
-        version = tuple(int(part) for part in triton.__version__.split(".")[:2])
-    except ValueError:
-        return None
-    if (version not in C_LAUNCH_VERSIONS or getattr(run, "global_scratch_size", 1) != 0
+    if (triton_version() not in C_LAUNCH_VERSIONS or getattr(run, "global_scratch_size", 1) != 0
             or getattr(run, "profile_scratch_size", 1) != 0):
         return None
     # Triton 3.6 compiles a C module per kernel signature; its launch takes the grid, stream, function,

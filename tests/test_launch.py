@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 
 from attention import launch as launch_module
-from attention.launch import C_LAUNCH_VERSIONS, DIRECT_LAUNCH, CompiledLaunch, c_launcher
+from attention.launch import C_LAUNCH_VERSIONS, DIRECT_LAUNCH, CompiledLaunch, c_launcher, triton_version
 
-C_LAUNCH_HERE = tuple(int(part) for part in triton.__version__.split(".")[:2]) in C_LAUNCH_VERSIONS
+C_LAUNCH_HERE = triton_version() in C_LAUNCH_VERSIONS
 
 
 @triton.jit
