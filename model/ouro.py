@@ -120,15 +120,16 @@ class OuroLayer(nn.Module):
 
     def forward_fused(self, h: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       attention: Attention, slot: int, next_weight: torch.Tensor,
-                      epilogues: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      epilogues: EpilogueBuffers | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() with Triton kernels. `normed` is input_layernorm(h), made by the launch before; returns
         (h', RMSNorm(h') * next_weight), the next sublayer's pre-norm (or the loop's final norm).
-        With `epilogues` (decode-sized batches, gemv_epilogues.fits): each projection's skinny GEMM does the
-        elementwise work after it, 4 launches; past MAX_NORM_EPILOGUE_M rows the o and down projections' norms
-        are launches of their own (6). Otherwise the reference composition: 4 projections (a skinny
-        GEMM for decode-sized batches, cuBLAS otherwise) and 4 elementwise launches."""
-        if epilogues:
-            return self._forward_epilogues(h, normed, cos, sin, attention, slot, next_weight)
+        With `epilogues` (decode-sized batches, gemv_epilogues.fits; the buffers its layers write): each
+        projection's skinny GEMM does the elementwise work after it, 4 launches; past MAX_NORM_EPILOGUE_M rows
+        the o and down projections' norms are launches of their own (6). Otherwise the reference
+        composition: 4 projections (a skinny GEMM for decode-sized batches, cuBLAS otherwise) and 4
+        elementwise launches."""
+        if epilogues is not None:
+            return self._forward_epilogues(h, normed, cos, sin, attention, slot, next_weight, epilogues)
         n, eps, linear = h.shape[0], self.input_layernorm.eps, skinny_or_cublas_linear
         qkv = linear(normed, self.qkv_proj.weight)
         q, k, v = fused.rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -140,31 +141,59 @@ class OuroLayer(nn.Module):
                                       next_weight, eps)
 
     def _forward_epilogues(self, h: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                           attention: Attention, slot: int,
-                           next_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                           attention: Attention, slot: int, next_weight: torch.Tensor,
+                           buffers: EpilogueBuffers) -> tuple[torch.Tensor, torch.Tensor]:
         n, eps = h.shape[0], self.eps
         (qkv, o, gate_up, down, attention_norm, pre_mlp_norm, mlp_norm), keys = self._fused_weights()
         q, k, v = gemv_epilogues.qkv_rope(normed, qkv, cos, sin, self.num_heads, self.num_kv_heads,
-                                          self.head_dim, weight_keys=keys[:1])
+                                          self.head_dim, weight_keys=keys[:1], out=buffers.qkv)
         attn = attention(q, k, v, slot).reshape(n, self.q_size)
-        linear_add_norms = (gemv_epilogues.linear_add_norms if n <= gemv_epilogues.MAX_NORM_EPILOGUE_M
-                            else _linear_then_add_norms)
-        h, normed = linear_add_norms(attn, o, h, attention_norm, pre_mlp_norm, eps,
-                                     weight_keys=(keys[1], keys[4], keys[5]))
-        act = gemv_epilogues.gate_up_silu(normed, gate_up, weight_keys=keys[2:3])
         # next_weight is the next layer's (or the final norm's): read here, on every call.
-        return linear_add_norms(act, down, h, mlp_norm, next_weight, eps,
-                                weight_keys=(keys[3], keys[6], gemv_epilogues.weight_key(next_weight)))
+        down_keys = (keys[3], keys[6], gemv_epilogues.weight_key(next_weight))
+        if n <= gemv_epilogues.MAX_NORM_EPILOGUE_M:
+            h, normed = gemv_epilogues.linear_add_norms(attn, o, h, attention_norm, pre_mlp_norm, eps,
+                                                        weight_keys=(keys[1], keys[4], keys[5]),
+                                                        outputs=buffers.after_attention)
+            act = gemv_epilogues.gate_up_silu(normed, gate_up, weight_keys=keys[2:3], out=buffers.act)
+            return gemv_epilogues.linear_add_norms(act, down, h, mlp_norm, next_weight, eps,
+                                                   weight_keys=down_keys, outputs=buffers.after_mlp)
+        h, normed = _linear_then_add_norms(attn, o, h, attention_norm, pre_mlp_norm, eps)
+        act = gemv_epilogues.gate_up_silu(normed, gate_up, weight_keys=keys[2:3], out=buffers.act)
+        return _linear_then_add_norms(act, down, h, mlp_norm, next_weight, eps)
 
 
 def _linear_then_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
                            norm_weight: torch.Tensor, next_weight: torch.Tensor,
-                           eps: float, weight_keys: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_epilogues.linear_add_norms as two launches: the projection, then the norm kernel, whose programs
-    norm the rows side by side (faster past MAX_NORM_EPILOGUE_M rows; the reference composition's too).
-    weight_keys is linear_add_norms' and not used: these launches' plans read their operands."""
+    norm the rows side by side (faster past MAX_NORM_EPILOGUE_M rows; the reference composition's too)."""
     y = skinny_or_cublas_linear(x, weight)
     return fused.add_rmsnorm_rmsnorm(residual, y, norm_weight, next_weight, eps)
+
+
+@dataclasses.dataclass(slots=True)
+class EpilogueBuffers:
+    """What a loop's epilogue layers write, allocated once a loop instead of six times a layer application
+    (an eager decode step's host time counts every allocation). Each layer overwrites them in turn: the qkv
+    output once attention has read it (and stored K and V), SiLU-mul's output once down has read it; the o
+    projection's (h, normed) land in after_attention and down's in after_mlp, so each reads the other's h as
+    its residual and never writes what it reads. The loop's output is the last layer's after_mlp normed,
+    which the next loop's buffers (new ones) do not overwrite. The two pairs exist at one row only (past
+    MAX_NORM_EPILOGUE_M rows the norm kernel allocates its own)."""
+
+    qkv: torch.Tensor
+    act: torch.Tensor
+    after_attention: tuple[torch.Tensor, torch.Tensor] | None
+    after_mlp: tuple[torch.Tensor, torch.Tensor] | None
+
+    @classmethod
+    def for_rows(cls, h: torch.Tensor, config: OuroConfig) -> EpilogueBuffers:
+        rows, hidden = h.shape
+        pairs = (None, None)
+        if rows <= gemv_epilogues.MAX_NORM_EPILOGUE_M:
+            pairs = tuple((h.new_empty(rows, hidden), h.new_empty(rows, hidden)) for _ in range(2))
+        return cls(h.new_empty(rows, config.q_size + 2 * config.kv_size),
+                   h.new_empty(rows, config.intermediate_size), *pairs)
 
 
 @dataclasses.dataclass(slots=True)
@@ -222,8 +251,10 @@ class OuroForCausalLM(nn.Module):
         """Each layer's last launch also makes the next layer's pre-norm; the last layer's makes the final
         norm, which is the loop's output and readout."""
         layers = self.layers
-        epilogues = self.fused_epilogues and gemv_epilogues.fits(h, layers[0].qkv_proj.weight)
-        if epilogues:  # the [M, D] views qkv_rope takes, made once for the loop's layers
+        epilogues = None
+        if self.fused_epilogues and gemv_epilogues.fits(h, layers[0].qkv_proj.weight):
+            epilogues = EpilogueBuffers.for_rows(h, self.config)
+            # the [M, D] views qkv_rope takes, made once for the loop's layers
             cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
         # Through the module dicts, and without slicing the ModuleList: a slice is a new ModuleList, which
         # cost an eager step about 0.5 ms of host work on the CI CPU (4 loops of 24 layers).

@@ -164,6 +164,34 @@ def test_mismatched_operands_are_refused_by_name():
         gate_up_silu(x, w[:95])
 
 
+def test_buffers_a_caller_passes_are_written_as_new_ones_would_be():
+    """out / outputs (a layer stack reuses them): the same bits as new outputs, in the caller's buffers, one
+    of them off 16-byte alignment (another plan); a buffer that is not what a new one would be is refused by
+    its name."""
+    x, w, residual, weight, next_weight = norm_operands(2, 96, torch.float32, seed=55)
+    expected = linear_add_norms(x, w, residual, weight, next_weight, EPS)
+    nans = torch.full_like(residual, float("nan"))
+    buffers = (nans.clone(), off_alignment(nans))
+    got = linear_add_norms(x, w, residual, weight, next_weight, EPS, outputs=buffers)
+    assert got[0] is buffers[0] and got[1] is buffers[1]
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    xq, wq = inputs(2, (HEADS + 2 * KV_HEADS) * HEAD_DIM, torch.float32, seed=56)
+    cos, sin = rope_tables(2, torch.float32)
+    out = torch.full((2, wq.shape[0]), float("nan"), device=DEVICE)
+    q, k, v = qkv_rope(xq, wq, cos, sin, HEADS, KV_HEADS, HEAD_DIM, out=out)
+    assert q.data_ptr() == out.data_ptr()
+    new = qkv_rope(xq, wq, cos, sin, HEADS, KV_HEADS, HEAD_DIM)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), new))
+    act = torch.full((2, wq.shape[0] // 2), float("nan"), device=DEVICE)
+    assert gate_up_silu(xq, wq, out=act) is act and torch.equal(act, gate_up_silu(xq, wq))
+    with pytest.raises(ValueError, match=r"outputs\[1\]"):
+        linear_add_norms(x, w, residual, weight, next_weight, EPS, outputs=(buffers[0], residual.double()))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        qkv_rope(xq, wq, cos, sin, HEADS, KV_HEADS, HEAD_DIM, out=out.t().contiguous().t())
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        gate_up_silu(xq, wq, out=act[:1])
+
+
 def off_alignment(tensor: torch.Tensor) -> torch.Tensor:
     """tensor's values at an address one element past a 16-byte boundary (torch allocates at 64 bytes)."""
     moved = torch.empty(tensor.numel() + 1, dtype=tensor.dtype, device=tensor.device)[1:].view_as(tensor)

@@ -314,19 +314,33 @@ def _check_rows(name: str, tensor: torch.Tensor, rows: int, width: int, dtype: t
                          f"{tuple(tensor.shape)} in {tensor.dtype}, strides {tensor.stride()}")
 
 
+def _output(out: torch.Tensor | None, like: torch.Tensor, rows: int, width: int, name: str) -> torch.Tensor:
+    """A new [rows, width] buffer in like's dtype on its device, or `out` where the caller passes one (a layer
+    stack reuses a few through its layers): checked to be what a new one would be, since a plan keys on a new
+    buffer's alignment only."""
+    if out is None:
+        return like.new_empty(rows, width)
+    if (out.shape != (rows, width) or out.stride(0) != width or out.stride(1) != 1 or out.dtype != like.dtype
+            or out.device != like.device):
+        raise ValueError(f"{name} must be a contiguous [{rows}, {width}] in {like.dtype} on {like.device}, "
+                         f"got {tuple(out.shape)} in {out.dtype} on {out.device}, strides {out.stride()}")
+    return out
+
+
 def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
              num_kv_heads: int, head_dim: int, config: GemvConfig | None = None,
-             weight_keys: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             weight_keys: tuple | None = None,
+             out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The qkv projection of x [M, K] by weight [(H + 2 Hkv) D, K] with RoPE on q and k, as
     fused.rope_qkv(linear(x, weight), ..) gives it; cos, sin [M, 1, D] or [M, D] (a layer stack passes the
     2-D views, made once for all its layers). Returns q [M, H, D], k and v [M, Hkv, D]: views into one
-    [M, (H + 2 Hkv) D] buffer (row stride (H + 2 Hkv) D). weight_keys: (weight_key(weight),) where the
-    caller keeps it (WeightKeys); None reads it."""
+    [M, (H + 2 Hkv) D] buffer (row stride (H + 2 Hkv) D): `out` where given, else a new one. weight_keys:
+    (weight_key(weight),) where the caller keeps it (WeightKeys); None reads it."""
     m, n = x.shape[0], weight.shape[0]
     if n != (num_heads + 2 * num_kv_heads) * head_dim or head_dim % 2:  # every call: the split below needs it
         raise ValueError(f"weight has {n} rows, not (heads {num_heads} + 2 x kv heads {num_kv_heads}) x "
                          f"head_dim {head_dim} with an even head_dim")
-    y = x.new_empty(m, n)
+    y = _output(out, x, m, n, "out")
     if m:
         if cos.dim() != 2:
             cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
@@ -337,7 +351,8 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
 
         rotated_pairs = (num_heads + num_kv_heads) * head_dim // 2
         scalars = (cos.stride(0), sin.stride(0), rotated_pairs, head_dim // 2, PRECISE)
-        # y is new, [M, N] contiguous in x's dtype on x's device: of it only the alignment is not known.
+        # y is [M, N] contiguous in x's dtype on x's device (new, or checked by _output): of it only the
+        # alignment is not known.
         key = (config, weight_keys or (weight_key(weight),), x.shape, x.stride(0), _pointer_key(x),
                y.data_ptr() & 15, _pointer_key(cos), _pointer_key(sin), scalars)
         plan = _ROPE_PLANS.get(key, x, weight, n, config, check)
@@ -349,17 +364,18 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torc
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
-                 weight_keys: tuple | None = None) -> torch.Tensor:
+                 weight_keys: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up with [gate, up] = x @ weight^T, weight [2 I, K] (gate rows, then up rows): returns
-    [M, I], as fused.silu_mul(linear(x, weight)) gives it. weight_keys: as qkv_rope's."""
+    [M, I] (in `out` where given), as fused.silu_mul(linear(x, weight)) gives it. weight_keys: as
+    qkv_rope's."""
     m, n = x.shape[0], weight.shape[0]
-    y = x.new_empty(m, n // 2)
+    y = _output(out, x, m, n // 2, "out")
     if m:
         def check() -> None:
             if n % 2:
                 raise ValueError(f"gate_up weight must have an even number of rows, got {n}")
 
-        # y is new, [M, N / 2] contiguous, as in qkv_rope.
+        # y is [M, N / 2] contiguous, as in qkv_rope.
         key = (config, weight_keys or (weight_key(weight),), x.shape, x.stride(0), _pointer_key(x),
                y.data_ptr() & 15)
         plan = _SILU_MUL_PLANS.get(key, x, weight, n // 2, config, check)
@@ -368,15 +384,24 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | Non
     return y
 
 
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
 def linear_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                      next_weight: torch.Tensor, eps: float, config: GemvConfig | None = None,
-                     weight_keys: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     weight_keys: tuple | None = None, outputs: Pair | None = None) -> Pair:
     """(h, RMSNorm(h) * next_weight) with h = residual + RMSNorm(x @ weight^T) * norm_weight: a projection,
     its post-norm, the residual add and the next sublayer's pre-norm, as fused.add_rmsnorm_rmsnorm(residual,
-    linear(x, weight), ..) gives them. weight [N, K], residual [M, N]. weight_keys: weight_key of weight,
-    norm_weight and next_weight, where the caller keeps them (WeightKeys); None reads them."""
+    linear(x, weight), ..) gives them. weight [N, K], residual [M, N] with contiguous rows. weight_keys:
+    weight_key of weight, norm_weight and next_weight, where the caller keeps them (WeightKeys); None reads
+    them. outputs: the (h, normed) buffers to write, where the caller reuses them (neither may be x or
+    residual); else new ones."""
     m, n = x.shape[0], weight.shape[0]
-    out, normed = torch.empty_like(residual), torch.empty_like(residual)
+    if outputs is None:
+        out, normed = residual.new_empty(m, n), residual.new_empty(m, n)
+    else:
+        out = _output(outputs[0], residual, m, n, "outputs[0]")
+        normed = _output(outputs[1], residual, m, n, "outputs[1]")
     if m:
         def check() -> None:
             _check_rows("residual", residual, m, n, x.dtype)
@@ -386,10 +411,10 @@ def linear_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
                                      f"{tuple(vector.shape)} in {vector.dtype}")
 
         pointers = (x, weight, normed, residual, norm_weight, next_weight, out)
-        stride_out = out.stride(0)  # normed's too: both are empty_like(residual)
+        stride_out = out.stride(0)  # normed's too: both are contiguous [M, N]
         scalars = (residual.stride(0), stride_out, eps, n, 1 << (n - 1).bit_length(), PRECISE)  # pow2 >= n
-        # out and normed are new, laid out as residual in its dtype on its device: of them only the
-        # alignments and the row stride (in scalars) are not known.
+        # out and normed are contiguous [M, N] in residual's dtype on its device (new, or checked by
+        # _output): of them only the alignments are not known.
         key = (config, weight_keys or tuple(map(weight_key, (weight, norm_weight, next_weight))), x.shape,
                x.stride(0), _pointer_key(x), _pointer_key(residual), out.data_ptr() & 15,
                normed.data_ptr() & 15, scalars)
