@@ -22,7 +22,7 @@ from model.kernels import gemv, gemv_epilogues
 from model.kernels.fused import add_rmsnorm_rmsnorm, rmsnorm, rope_qkv, silu_mul
 from model.kernels.gemv import GemvConfig, skinny_linear
 from model.kernels.gemv_epilogues import gate_up_silu, linear_add_norms, qkv_rope
-from model.ouro import OuroLayer, Rotary
+from model.ouro import EpilogueBuffers, OuroLayer, Rotary
 from model.tiny import PRESETS, hf_config, write_checkpoint
 from tests.numerics import assert_within_noise
 from tests.test_fused_kernels import assert_matches_torch
@@ -321,8 +321,9 @@ def test_a_bf16_layer_at_ouro_shape_is_as_exact_on_the_epilogue_path_as_unfused(
         hb, wb = h.bfloat16(), next_weight.bfloat16()
         cos, sin = rotary(positions, torch.bfloat16)
         normed = rmsnorm(hb, bf16.input_layernorm.weight, config.rms_norm_eps)
-        fused = bf16.forward_fused(hb, normed, cos, sin, own_key_only, 0, wb, epilogues=True)
-        unfused = bf16.forward_fused(hb, normed, cos, sin, own_key_only, 0, wb, epilogues=False)
+        buffers = EpilogueBuffers.for_rows(hb, config)
+        fused = bf16.forward_fused(hb, normed, cos, sin, own_key_only, 0, wb, epilogues=buffers)
+        unfused = bf16.forward_fused(hb, normed, cos, sin, own_key_only, 0, wb, epilogues=None)
         cos64, sin64 = rotary(positions, torch.float64)
         h64 = exact(hb.double(), cos64, sin64, own_key_only, 0)
         xf = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
