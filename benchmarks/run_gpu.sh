@@ -252,6 +252,21 @@ elif [ "$PART" = whatif ]; then
     step 150 python -m benchmarks.decode_ab --a . --b "/tmp/$variant" --labels main "$variant" --batches 1 \
       --prompt 512 --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-whatif-$variant-512.json"
   done
+elif [ "$PART" = arena ]; then
+  timeout "${TEST_LIMIT:-230}" python -m pytest -q -m gpu tests/test_gemv_epilogues.py tests/test_fused_model.py \
+    tests/test_gpu_engine.py tests/test_piecewise_graphs.py --timeout 150 -rfE 2>&1 | tee "$OUT/gpu_tests.log" \
+    | tail -n 15
+  pkill -f pytest  # what a cut-short test left running must not share the GPU with the timings
+  wait
+  rm -rf /tmp/no-arena && cp -r . /tmp/no-arena && (cd /tmp/no-arena && patch -s -R -p1 < arena.patch) || exit 1
+  rm -rf /tmp/no-c-launch && cp -r /tmp/no-arena /tmp/no-c-launch
+  sed -i 's/^C_LAUNCH_VERSIONS = .*/C_LAUNCH_VERSIONS = ()/' /tmp/no-c-launch/attention/launch.py
+  for prompt in 512 2048; do
+    step 140 python -m benchmarks.decode_ab --eager --a /tmp/no-arena --b . --labels main eager-arena --batches 1 \
+      --prompt "$prompt" --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-eager-arena-$prompt.json"
+  done
+  step 120 python -m benchmarks.decode_ab --eager --a /tmp/no-c-launch --b /tmp/no-arena --labels compiled-run c-launch \
+    --batches 1 --prompt 512 --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-eager-c-launch-512.json"
 elif [ "$PART" = gputests ]; then
   timeout "${TEST_LIMIT:-560}" python -m pytest -q -m gpu tests/ --timeout 150 -rfE --durations=25 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 60
