@@ -51,6 +51,10 @@
 #   whatif: what parts of the o and down kernels cost a batch-1 step: TPOT (CUDA graphs, ABBA, 1 x 512) of this
 #           tree against copies whose add-norms epilogue skips its norm tail, or whose o (K = 2,048) or down
 #           (K = 5,632) projection reads 16 (o) or 512 (down) columns of its weight (wrong tokens, timing only)
+#   arena: the epilogue-buffer gpu tests (fused model, epilogues, engine, piecewise graphs), eager TPOT (ABBA, 1 x
+#          512 and 1 x 2K) of this tree against a copy without EpilogueBuffers, then that copy's C launch against
+#          compiled.run (C_LAUNCH_VERSIONS = ()); needs arena.patch in the tree root, made before the call:
+#          git diff e7920aa 63e01e7 > arena.patch
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
