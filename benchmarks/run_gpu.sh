@@ -55,6 +55,9 @@
 #          512 and 1 x 2K) of this tree against a copy without EpilogueBuffers, then that copy's C launch against
 #          compiled.run (C_LAUNCH_VERSIONS = ()); needs arena.patch in the tree root, made before the call:
 #          git diff e7920aa 63e01e7 > arena.patch
+#   persistent: the batch-1 projection chain as one launch a product against one persistent kernel with grid
+#               barriers (benchmarks/persistent_chain.py), then the gpu tests in TESTS (the engine and
+#               piecewise-graph ones by default) for TEST_LIMIT s
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
@@ -271,6 +274,10 @@ elif [ "$PART" = arena ]; then
   done
   step 120 python -m benchmarks.decode_ab --eager --a /tmp/no-c-launch --b /tmp/no-arena --labels compiled-run c-launch \
     --batches 1 --prompt 512 --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-eager-c-launch-512.json"
+elif [ "$PART" = persistent ]; then
+  step 170 python -m benchmarks.persistent_chain --out "$OUT/persistent_chain.json"
+  timeout "${TEST_LIMIT:-330}" python -m pytest -q -m gpu ${TESTS:-tests/test_gpu_engine.py tests/test_piecewise_graphs.py} \
+    --timeout 150 -rfE --durations=10 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
 elif [ "$PART" = gputests ]; then
   timeout "${TEST_LIMIT:-560}" python -m pytest -q -m gpu tests/ --timeout 150 -rfE --durations=25 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -n 60
