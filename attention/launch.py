@@ -64,9 +64,10 @@ class CompiledLaunch:
                      enter, leave, *args)
 
 
-# The Triton versions whose Python launcher frame c_launcher stands in for: read and run on the H200. (3.8's
-# frame is alike but calls one generic C launcher with another argument layout; it has not run here.)
-C_LAUNCH_VERSIONS = ((3, 6),)
+# The Triton versions whose Python launcher frame (CudaLauncher.__call__) c_launcher stands in for, each
+# checked by tests/test_launch.py against that frame's own call. 3.6 also ran on the H200; 3.8 (one generic C
+# launcher, another argument layout) has run on CPU stand-ins only: no GPU here has had it.
+C_LAUNCH_VERSIONS = ((3, 6), (3, 8))
 
 
 def triton_version() -> tuple[int, ...] | None:
@@ -84,19 +85,30 @@ def c_launcher(compiled, grid: tuple[int, int, int]):
     scratch memory at every launch: 1.2-2.7 µs of host time a launch on the H200's host, of 6.3-6.7 without
     it (benchmarks/launch_cost.py)."""
     run = compiled.run
-    if (triton_version() not in C_LAUNCH_VERSIONS or getattr(run, "global_scratch_size", 1) != 0
-            or getattr(run, "profile_scratch_size", 1) != 0):
+    version = triton_version()
+    if (version not in C_LAUNCH_VERSIONS or getattr(run, "global_scratch_size", 1) != 0
+            or getattr(run, "profile_scratch_size", 1) != 0 or getattr(run, "gsan_enabled", False)):
         return None
-    # Triton 3.6 compiles a C module per kernel signature; its launch takes the grid, stream, function,
-    # cooperative and PDL flags, the two scratch pointers, the packed metadata, the launch metadata and the
-    # two hooks (None: CompiledLaunch comes here only without hooks), then the kernel's arguments.
     launch, function, metadata = run.launch, compiled.function, compiled.packed_metadata
     cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
     grid_x, grid_y, grid_z = grid
+    if version == (3, 6):
+        # A C module per kernel signature; its launch takes the grid, stream, function, cooperative and PDL
+        # flags, the two scratch pointers, the packed metadata, the launch metadata and the two hooks (None:
+        # CompiledLaunch comes here only without hooks), then the kernel's arguments.
+        def c_launch(stream: int, args) -> None:
+            launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, None, None, metadata, None,
+                   None, None, *args)
+    else:
+        # 3.8: one C launcher for every kernel, told the kernel's arguments by their annotations and packed
+        # signature; after the flags come the packed metadata, the launch metadata, the two hooks, the two
+        # scratch pointers, then the arguments as one sequence (any sequence: it reads them with
+        # PySequence_Fast).
+        annotations, signature = run.arg_annotations, run.kernel_signature
 
-    def c_launch(stream: int, args) -> None:
-        launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, None, None, metadata, None, None,
-               None, *args)
+        def c_launch(stream: int, args) -> None:
+            launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, metadata, None, None, None,
+                   None, None, annotations, signature, args)
 
     return c_launch
 

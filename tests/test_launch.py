@@ -52,20 +52,46 @@ def test_a_launch_through_compiled_run_reads_its_own_tensors_too():
 def _compiled(**run_fields):
     """A stand-in for a compiled kernel, with the fields c_launcher reads of it and its launcher."""
     fields = {"launch": lambda *args: None, "launch_cooperative_grid": False, "launch_pdl": True,
-              "global_scratch_size": 0, "profile_scratch_size": 0, **run_fields}
+              "global_scratch_size": 0, "global_scratch_align": 1, "profile_scratch_size": 0,
+              "profile_scratch_align": 1, "num_ctas": 1, "gsan_enabled": False,
+              "arg_annotations": ("annotations",), "kernel_signature": b"signature", **run_fields}
     run = types.SimpleNamespace(**fields)
     return types.SimpleNamespace(run=run, function=1, packed_metadata=(4, 1, 0))
 
 
-@pytest.mark.parametrize("version", ["3.6.0", "3.6.1+git0a1b2c3"])
-def test_the_c_launcher_is_taken_on_the_triton_versions_run_here_and_without_scratch(monkeypatch, version):
+@pytest.mark.parametrize("version", ["3.6.0", "3.6.1+git0a1b2c3", "3.8.0"])
+def test_the_c_launcher_is_taken_on_the_triton_versions_checked_and_without_scratch(monkeypatch, version):
     monkeypatch.setattr(launch_module.triton, "__version__", version)
     assert c_launcher(_compiled(), (1, 1, 1)) is not None
     assert c_launcher(_compiled(global_scratch_size=8), (1, 1, 1)) is None
     assert c_launcher(_compiled(profile_scratch_size=8), (1, 1, 1)) is None
+    assert c_launcher(_compiled(gsan_enabled=True), (1, 1, 1)) is None
 
 
-@pytest.mark.parametrize("version", ["3.5.1", "3.7.0", "3.8.0", "4.0.0", "3.x"])
+def test_the_c_launch_passes_what_tritons_own_launcher_frame_passes(monkeypatch):
+    """c_launcher's function against the frame it stands in for, the installed Triton's
+    CudaLauncher.__call__, both calling one recording stand-in for the C launch function: the same arguments
+    in the same order (the kernel's arguments as a list from CompiledLaunch, a tuple from Triton)."""
+    if triton_version() not in C_LAUNCH_VERSIONS:
+        pytest.skip(f"Triton {triton.__version__} launches through compiled.run: no C launch to check")
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    calls = []
+    compiled = _compiled(launch=lambda *args: calls.append(args))
+    monkeypatch.setattr(triton.runtime, "driver", types.SimpleNamespace(active=None))  # 3.8 reads it first
+    args = (0x7F0000001000, 5, 0x7F0000002000, 2.5)
+    CudaLauncher.__call__(compiled.run, 3, 2, 1, 7, compiled.function, compiled.packed_metadata, None, None,
+                          None, *args)
+    c_launcher(compiled, (3, 2, 1))(7, list(args))
+
+    def as_tuples(call):
+        return [tuple(arg) if isinstance(arg, list) else arg for arg in call]
+
+    frame, direct = calls
+    assert as_tuples(direct) == as_tuples(frame)
+
+
+@pytest.mark.parametrize("version", ["3.5.1", "3.7.0", "4.0.0", "3.x"])
 def test_other_triton_versions_launch_through_compiled_run(monkeypatch, version):
     monkeypatch.setattr(launch_module.triton, "__version__", version)
     assert c_launcher(_compiled(), (1, 1, 1)) is None
