@@ -161,6 +161,7 @@ class Chain:
 
 
 def check_shapes(chain: Chain, block_n: int, block_k: int) -> None:
+    """Raises ValueError naming the first product the chain kernel's tiles and hints do not fit."""
     for phase, (n, k) in enumerate(chain.shapes):
         if n % block_n or k % block_k or k < block_k or chain.offsets[phase] % 16:
             raise ValueError(f"product {phase} is {n} x {k}: N must be a multiple of block_n={block_n} and K "
