@@ -203,24 +203,9 @@ def torch_chain(chain: Chain, x: torch.Tensor, phases: int) -> torch.Tensor:
     return x
 
 
-def graph_ms(run, replays: int = 10) -> float:
-    """ms a replay of a CUDA graph of run() (warmed up once eagerly)."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def graph_ms(run) -> float:
+    """ms a replay of a CUDA graph of run() (warmed up once eagerly), the median of 10."""
+    return common.graph_time_us([run], replays=10, median=True) / 1e3
 
 
 def main() -> None:
