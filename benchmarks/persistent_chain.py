@@ -41,11 +41,20 @@ MAX_SPINS = tl.constexpr(1 << 22)
 
 
 @triton.jit
-def _prefetch_tile(w_ptr, table_ptr, phase, pid, BLOCK_N: tl.constexpr, PREFETCH_K: tl.constexpr):
-    """Asks L2 for this program's first tile of `phase`: BLOCK_N rows, the first PREFETCH_K columns."""
-    w_off = tl.load(table_ptr + 3 * phase)
+def _product(table_ptr, phase, BLOCK_K: tl.constexpr):
+    """Product `phase`'s weight offset, N and K from the table. The hints (check_shapes holds them) let the
+    compiler vectorize and pipeline the weight loads."""
+    w_off = tl.multiple_of(tl.load(table_ptr + 3 * phase), 16)
     n = tl.load(table_ptr + 3 * phase + 1).to(tl.int32)
-    k = tl.load(table_ptr + 3 * phase + 2).to(tl.int32)
+    k = tl.multiple_of(tl.load(table_ptr + 3 * phase + 2).to(tl.int32), BLOCK_K)
+    return w_off, n, k
+
+
+@triton.jit
+def _prefetch_tile(w_ptr, table_ptr, phase, pid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PREFETCH_K: tl.constexpr):
+    """Asks L2 for this program's first tile of `phase`: BLOCK_N rows, the first PREFETCH_K columns."""
+    w_off, n, k = _product(table_ptr, phase, BLOCK_K)
     if pid * BLOCK_N < n:
         LINE: tl.constexpr = 64  # bf16 elements in a 128-byte line
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,15 +76,12 @@ def chain_kernel(table_ptr, w_ptr, act_ptr, counter_ptr, flag_ptr, first_phase, 
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     if PREFETCH_K:
-        _prefetch_tile(w_ptr, table_ptr, first_phase, pid, BLOCK_N, PREFETCH_K)
+        _prefetch_tile(w_ptr, table_ptr, first_phase, pid, BLOCK_N, BLOCK_K, PREFETCH_K)
     wait_for_previous(PDL)
     launch_dependents(PDL)
     for step in range(phases):
         phase = first_phase + step
-        # The hints let the compiler vectorize and pipeline the weight loads (check_shapes holds them).
-        w_off = tl.multiple_of(tl.load(table_ptr + 3 * phase), 16)
-        n = tl.load(table_ptr + 3 * phase + 1).to(tl.int32)
-        k = tl.multiple_of(tl.load(table_ptr + 3 * phase + 2).to(tl.int32), BLOCK_K)
+        w_off, n, k = _product(table_ptr, phase, BLOCK_K)
         x_ptr = act_ptr + (phase % 2) * act_stride
         y_ptr = act_ptr + ((phase + 1) % 2) * act_stride
         for tile in range(pid, n // BLOCK_N, programs):
@@ -94,7 +100,7 @@ def chain_kernel(table_ptr, w_ptr, act_ptr, counter_ptr, flag_ptr, first_phase, 
             tl.debug_barrier()
             tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
             if PREFETCH_K:
-                _prefetch_tile(w_ptr, table_ptr, phase + 1, pid, BLOCK_N, PREFETCH_K)
+                _prefetch_tile(w_ptr, table_ptr, phase + 1, pid, BLOCK_N, BLOCK_K, PREFETCH_K)
             target = programs * (step + 1)
             seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
             spins = 0
