@@ -39,9 +39,9 @@ from attention import fp8
 from attention.base import AttentionMetadata, select
 from attention.torch_backend import gather_context
 
-# 64 x 512: many short rows, where the short split class multiplies the programs of a batch that already
-# fills the GPU.
-SHAPES = [(1, 512), (64, 512), (1, 2048), (16, 2048), (64, 2048), (16, 8192)]
+# 16 and 64 x 512: many short rows, where the short split class multiplies the programs of a batch that
+# already fills the GPU.
+SHAPES = [(1, 512), (16, 512), (64, 512), (1, 2048), (16, 2048), (64, 2048), (16, 8192)]
 TARGETS = {(64, 2048): 0.85, (16, 8192): 0.85}  # fraction of copy bandwidth
 LATENCY_TARGETS_US = {(1, 512): 6.0}  # graph mode, per call
 # The sweep's launch-wide tunables (key tile, warps, stages) and short classes (short_context,
