@@ -58,6 +58,9 @@
 #   persistent: the batch-1 projection chain as one launch a product against one persistent kernel with grid
 #               barriers (benchmarks/persistent_chain.py), then the gpu tests in TESTS (the engine and
 #               piecewise-graph ones by default) for TEST_LIMIT s
+#   shortkeys: decode attention (graph mode) at 1, 16, 64 x 512 and 1, 16 x 1K with the short class's splits of
+#              128 keys (main) and SHORT_KEYS keys, then decode TPOT (CUDA graphs, ABBA) of this tree against a
+#              copy with SHORT_KEYS at 1, 16 and 64 x 512
 #   gputests: every gpu test, nothing else (one call's whole time), with failures and the slowest 25 listed
 #   kv: the gpu tests (for TEST_LIMIT s, 280 by default: too short for all of them, PART=check runs them
 #       all), the KV-format tests, decode attention and TPOT of bf16 against fp8_e4m3 at 64 x 2K and 16 x 8K,
@@ -274,6 +277,18 @@ elif [ "$PART" = arena ]; then
   done
   step 120 python -m benchmarks.decode_ab --eager --a /tmp/no-c-launch --b /tmp/no-arena --labels compiled-run c-launch \
     --batches 1 --prompt 512 --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-eager-c-launch-512.json"
+elif [ "$PART" = shortkeys ]; then
+  # The short class's split length: decode attention (graph mode) with 128-key short splits (main) and
+  # SHORT_KEYS-key ones, then decode TPOT (CUDA graphs, ABBA) of this tree against a copy with SHORT_KEYS.
+  step 150 python -m benchmarks.attention --shapes 1x512 16x512 64x512 1x1024 16x1024 \
+    --out "$OUT/attention-shortkeys.json" --configs "[{}, {\"short_split_keys\": ${SHORT_KEYS:?set SHORT_KEYS}}, {}]"
+  wait
+  rm -rf /tmp/shortkeys && cp -r . /tmp/shortkeys
+  sed -i "s/^        self.short_split_keys = 128$/        self.short_split_keys = ${SHORT_KEYS}/" \
+    /tmp/shortkeys/attention/triton_backend.py
+  echo "shortkeys copy: $(grep -c "self.short_split_keys = ${SHORT_KEYS}$" /tmp/shortkeys/attention/triton_backend.py) (1 expected)"
+  step 330 python -m benchmarks.decode_ab --a . --b /tmp/shortkeys --labels short-128 "short-${SHORT_KEYS}" \
+    --batches 1 16 64 --prompt 512 --model /tmp/loop-engine-bench/ouro-1.4b --out "$OUT/decode_ab-shortkeys-512.json"
 elif [ "$PART" = persistent ]; then
   step 170 python -m benchmarks.persistent_chain --out "$OUT/persistent_chain.json"
   timeout "${TEST_LIMIT:-330}" python -m pytest -q -m gpu ${TESTS:-tests/test_gpu_engine.py tests/test_piecewise_graphs.py} \
