@@ -397,11 +397,9 @@ def linear_add_norms(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
     them. outputs: the (h, normed) buffers to write, where the caller reuses them (neither may be x or
     residual); else new ones."""
     m, n = x.shape[0], weight.shape[0]
-    if outputs is None:
-        out, normed = residual.new_empty(m, n), residual.new_empty(m, n)
-    else:
-        out = _output(outputs[0], residual, m, n, "outputs[0]")
-        normed = _output(outputs[1], residual, m, n, "outputs[1]")
+    given_out, given_normed = outputs or (None, None)
+    out = _output(given_out, residual, m, n, "outputs[0]")
+    normed = _output(given_normed, residual, m, n, "outputs[1]")
     if m:
         def check() -> None:
             _check_rows("residual", residual, m, n, x.dtype)
