@@ -126,3 +126,40 @@ def test_i_prompt_logprobs_from_prefill_equal_decoding_the_same_tokens(tiny_chec
                               use_tqdm=False)[0]
     prefilled = out.prompt_logprobs[len(prompt):]
     assert tuple(tuple(sorted((t, e.logprob) for t, e in step.items())) for step in prefilled) == decoded
+
+
+@pytest.mark.interpreter
+def test_fused_layers_give_row_0_its_bits_at_every_row_count(tmp_path, monkeypatch):
+    """The CUDA path's kernels in deterministic mode (here in Triton's interpreter): a row's hidden states and
+    gate logits through the epilogue GEMMs with the norm epilogue (1 row), the epilogue GEMMs with the norm
+    kernel (2 rows), the unfused composition on the skinny kernel (17) and on the tiled one (66), all one GEMM
+    config per weight (coarse here, one layer and 2 loops: the interpreter runs every program in Python)."""
+    from model import ouro
+    from model.config import OuroConfig
+    from model.kernels.gemv import GemvConfig
+    from model.loader import load_model
+    from model.tiny import write_checkpoint
+    from tests.test_fused_model import dense_causal_attention
+
+    monkeypatch.setattr(ouro, "invariant_config",
+                        lambda n, k, dtype, sm_count=0: GemvConfig(128, 128, 2, block_m=64))
+    path = write_checkpoint(tmp_path, preset="tiny", seed=0, loops=2, layers=1)
+    config = OuroConfig.from_file(path / "config.json")
+    model = load_model(path, config, torch.device("cpu"), torch.float32, fused_kernels=True,
+                       batch_invariant=True)
+    ids = torch.randint(3, config.vocab_size, (66,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        states = [model(ids[:m], torch.arange(m), dense_causal_attention) for m in (1, 2, 17, 66)]
+    for state in states[1:]:
+        assert torch.equal(state.hidden[:, :1], states[0].hidden)
+        assert torch.equal(state.gate_logits[:, :1], states[0].gate_logits)
+
+
+@pytest.mark.interpreter
+def test_triton_backend_attends_a_one_token_prompt_chunk_as_a_prompt(tiny_checkpoint):
+    """A prompt of 17 tokens in chunks of 16 leaves a last chunk of one token: a batch-invariant Triton
+    backend attends it with the prefill kernel, as the unchunked prompt's, not the decode kernel."""
+    prompt = _prompts(1, seed=9, low=17, high=17)
+    options = dict(attention="triton", enable_prefix_caching=False)
+    assert _run(tiny_checkpoint, prompt, max_num_batched_tokens=16, **options) == \
+        _run(tiny_checkpoint, prompt, **options)
