@@ -294,8 +294,8 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = C
 # it (dot configs pad M to at least 16, so buckets 2..16 run the same tile), else the nearest below;
 # unlisted shapes and fp32 take default_config. The fractions in the comments are of a graph-captured
 # memcpy's rate (2.76 TB/s); against the 4.22 TB/s event-timed copy multiply them by 0.65.
-# The one-row preload configs were chosen by decode TPOT instead (benchmarks/decode_ab.py, PART=preload in
-# benchmarks/run_gpu.sh): what preloading buys is overlap with the kernel before, which a chain of one
+# The one-row preload configs were chosen by decode TPOT instead (benchmarks/decode_ab.py; docs/h200.md,
+# "One row"): what preloading buys is overlap with the kernel before, which a chain of one
 # projection's calls does not show. qkv, o and gate_up preloaded took batch-1 TPOT from 4.73 to 4.06 ms at
 # 512 tokens of context and from 5.63 to 4.76 at 2K; down preloaded in 3 splits cost 1.6-3.4% more.
 TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
