@@ -43,8 +43,9 @@ def _bits(output) -> tuple:
 
 
 def _engine(path, **options) -> Engine:
-    options = {"max_num_seqs": 16, "max_model_len": 1024, "gpu_memory_utilization": 0.5, **options}
-    return Engine(path, device="cuda", dtype="bfloat16", deterministic=True, verbose=False, **options)
+    options = {"max_num_seqs": 16, "max_model_len": 1024, "gpu_memory_utilization": 0.5,
+               "deterministic": True, **options}
+    return Engine(path, device="cuda", dtype="bfloat16", verbose=False, **options)
 
 
 def _run(path, prompts=PROMPTS, **options) -> list[tuple]:
@@ -146,13 +147,14 @@ def test_g_self_speculative_verify_rows_have_the_plain_decode_bits(ouro_shape, b
     assert _run(ouro_shape, speculative="loops:2", num_speculative_tokens=3) == batch[0]
 
 
-def test_h_forced_exits_hold_for_a_batch_of_32_after_a_batch_of_1(ouro_shape):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_h_forced_exits_hold_for_a_batch_of_32_after_a_batch_of_1(ouro_shape, deterministic):
     """benchmarks/early_exit.py's order: an engine that ran a batch of one first still exits every token of a
-    batch of 32 where the forced gate says (after loop 0: one loop a token)."""
+    batch of 32 where the forced gate says (after loop 0: one loop a token), in either mode."""
     from benchmarks.early_exit import decode_run
 
     with _engine(ouro_shape, exit_policy="early:0.5", max_num_seqs=32, max_model_len=600,
-                 enable_prefix_caching=False) as engine:
+                 enable_prefix_caching=False, deterministic=deterministic) as engine:
         force_exit_loop(engine.model, 0, 0.5)
         assert decode_run(engine, 1, 512, 8, seed=1)["loops_per_token"] == 1.0
         assert decode_run(engine, 32, 512, 8, seed=32)["loops_per_token"] == 1.0

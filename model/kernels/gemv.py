@@ -24,7 +24,9 @@ kernel ends.
 
 Batch invariance within an M bucket: the config depends on (bucket(M), N, K, dtype) only, buckets
 being powers of two, and each row's arithmetic does not depend on the other rows, so a row gives the
-same bits at any M of its bucket (a batch of 3 and the same rows padded to 4 agree).
+same bits at any M of its bucket (a batch of 3 and the same rows padded to 4 agree). At every M:
+invariant_config's one config per weight, with tiled_gemm_kernel past MAX_SKINNY_M rows (invariant_linear;
+deterministic mode).
 
 Workspace: one per device, shared by every launch (launches on one stream never overlap; with PDL a
 kernel touches it only after waiting for the one before): an int32 ticket array that the kernels keep at
@@ -348,7 +350,7 @@ def select_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = CP
 # chain of tensor-core products over the same K splits, summed in split order, through skinny_gemm_kernel up
 # to MAX_SKINNY_M rows and tiled_gemm_kernel beyond (which runs the splits inside one program). The FMA path
 # is out: its one-row reduction orders the products otherwise. The Ouro-1.4B shapes take TUNED's tensor-core
-# entries for 4 to 16 rows; others take invariant_default.
+# entries for 4 to 16 rows; other shapes invariant_config's rule.
 INVARIANT_TUNED: dict[tuple[int, int], GemvConfig] = {
     (6144, 2048): GemvConfig(64, 128, 2, 4, 4, True),  # qkv
     (2048, 2048): GemvConfig(64, 128, 4, 4, 4, True),  # o
