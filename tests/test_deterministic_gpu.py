@@ -43,8 +43,8 @@ def _bits(output) -> tuple:
 
 
 def _engine(path, **options) -> Engine:
-    options = {"max_num_seqs": 16, "max_model_len": 1024, "gpu_memory_utilization": 0.5,
-               "deterministic": True, **options}
+    options = {"max_num_seqs": 16, "max_model_len": 1024, "gpu_memory_utilization": 0.4,
+               "piecewise_graph_tokens": 128, "deterministic": True, **options}
     return Engine(path, device="cuda", dtype="bfloat16", verbose=False, **options)
 
 
@@ -53,15 +53,35 @@ def _run(path, prompts=PROMPTS, **options) -> list[tuple]:
         return [_bits(out) for out in engine.generate(prompts, PARAMS, use_tqdm=False)]
 
 
+SHARED = _prompts(1, seed=5, low=160, high=160)[0]
+PREFIXED = [SHARED + [11, 12, 13], SHARED + [21]]
+
+
 @pytest.fixture(scope="module")
 def batch(ouro_shape):
-    """The prompts in one batch, with CUDA graphs and async scheduling (the CUDA defaults); then the first
-    four each alone, in the same engine ((a), (h))."""
+    """One engine with the CUDA defaults (graphs, piecewise graphs for short prompt steps, async scheduling,
+    prefix caching): the prompts in one batch; then the first four each alone ((a), (h)); then two prompts
+    that share 160 tokens, the second hitting the first's blocks ((d))."""
     with _engine(ouro_shape) as engine:
         assert engine.uses_cuda_graphs
         together = [_bits(out) for out in engine.generate(PROMPTS, PARAMS, use_tqdm=False)]
         alone = [_bits(engine.generate([p], PARAMS, use_tqdm=False)[0]) for p in PROMPTS[:4]]
-    return together, alone
+        engine.generate(PREFIXED[:1], PARAMS, use_tqdm=False)
+        hit = engine.generate(PREFIXED[1:], PARAMS, use_tqdm=False)[0]
+        assert hit.num_cached_tokens == 160
+    return together, alone, _bits(hit)
+
+
+@pytest.fixture(scope="module")
+def eager_chunked_sync(ouro_shape):
+    """Another engine: no graphs of any kind, prompt steps of at most 40 tokens, synchronous steps, no prefix
+    cache ((b), (c), (f), and the miss of (d))."""
+    with _engine(ouro_shape, enforce_eager=True, max_num_batched_tokens=40, async_scheduling=False,
+                 enable_prefix_caching=False) as engine:
+        assert not engine.uses_cuda_graphs
+        outputs = [_bits(out) for out in engine.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        miss = _bits(engine.generate(PREFIXED[1:], PARAMS, use_tqdm=False)[0])
+    return outputs, miss
 
 
 @pytest.mark.parametrize("name", SHAPES)
@@ -103,33 +123,18 @@ def test_epilogue_kernels_give_the_unfused_bits_under_invariant_configs():
 
 
 def test_a_request_alone_has_its_batch_bits_and_h_earlier_batches_change_none(batch):
-    together, alone = batch
+    together, alone, _ = batch
     assert alone == together[:4]
 
 
-def test_b_eager_steps_have_the_graph_bits(ouro_shape, batch):
-    assert _run(ouro_shape, enforce_eager=True) == batch[0]
+def test_b_c_f_eager_chunked_synchronous_steps_have_the_graph_bits(batch, eager_chunked_sync):
+    """Graphs (decode buckets with padding rows, piecewise prompt graphs padded to a token bucket), whole
+    prompts and async scheduling against eager steps, 40-token chunks and synchronous scheduling."""
+    assert eager_chunked_sync[0] == batch[0]
 
 
-def test_b_piecewise_prompt_steps_have_the_eager_bits(ouro_shape, batch):
-    """Prompt steps of at most 512 tokens replay piecewise graphs (padded to a token bucket) by default;
-    with piecewise_graph_tokens=0 they run eagerly."""
-    assert _run(ouro_shape, piecewise_graph_tokens=0) == batch[0]
-
-
-@pytest.mark.parametrize("budget", [40, 256])
-def test_c_chunked_prefill_has_the_unchunked_bits(ouro_shape, batch, budget):
-    assert _run(ouro_shape, max_num_batched_tokens=budget) == batch[0]
-
-
-def test_d_prefix_cache_hit_has_the_bits_of_a_miss(ouro_shape):
-    shared = _prompts(1, seed=5, low=160, high=160)[0]
-    prompts = [shared + [11, 12, 13], shared + [21]]
-    with _engine(ouro_shape) as engine:
-        engine.generate(prompts[:1], PARAMS, use_tqdm=False)
-        hit = engine.generate(prompts[1:], PARAMS, use_tqdm=False)[0]
-    assert hit.num_cached_tokens == 160
-    assert [_bits(hit)] == _run(ouro_shape, prompts[1:], enable_prefix_caching=False)
+def test_d_prefix_cache_hit_has_the_bits_of_a_miss(batch, eager_chunked_sync):
+    assert batch[2] == eager_chunked_sync[1]
 
 
 def test_e_preempted_requests_keep_their_bits(ouro_shape, batch):
@@ -137,10 +142,6 @@ def test_e_preempted_requests_keep_their_bits(ouro_shape, batch):
         outputs = engine.generate(PROMPTS, PARAMS, use_tqdm=False)
         assert engine.scheduler.num_preemptions > 0
     assert [_bits(out) for out in outputs] == batch[0]
-
-
-def test_f_synchronous_steps_have_the_async_bits(ouro_shape, batch):
-    assert _run(ouro_shape, async_scheduling=False) == batch[0]
 
 
 def test_g_self_speculative_verify_rows_have_the_plain_decode_bits(ouro_shape, batch):
