@@ -251,7 +251,8 @@ class Engine:
         if fmt.kind == "kvarn":
             return KVarNPool(fmt, *shape, model.num_key_value_heads, model.head_dim, config.dtype,
                              config.device, config.kv_sink_tokens, config.kv_tail_tokens, side_blocks,
-                             generated_side_tiles=generated_side_tiles, rotate=config.kv_rotation)
+                             generated_side_tiles=generated_side_tiles, rotate=config.kv_rotation,
+                             batch_invariant=config.batch_invariant)
         return KVPool(*shape, config.block_size, model.num_key_value_heads, model.head_dim,
                       fmt.storage_dtype(config.dtype), config.device,
                       loop_uniform_scales=config.exit_policy.can_exit or config.kv_sharing == "last")

@@ -140,7 +140,7 @@ class EngineConfig:
     def deterministic_refusal(self) -> str | None:
         """Why deterministic mode cannot run with these options (None: it can): it runs the Triton kernels on
         CUDA (cuBLAS picks its kernels by the batch's shape) and the torch backend's tiles on CPU, over the
-        paged and shared-last layouts in the model dtype or fp8."""
+        paged and shared-last layouts in the model dtype, fp8 or (torch backend) KVarN."""
         backend = self.backend_name
         refused = [
             (self.packed_prefill, "cannot be combined with packed_prefill=True (its packed tiles give a "
@@ -149,8 +149,9 @@ class EngineConfig:
              f"runs on CUDA with attention='triton' (the engine's own kernels; the torch backend's products "
              f"go through cuBLAS, which picks kernels by the batch's shape), got "
              f"attention={self.attention!r}"),
-            (parse_kv_cache_dtype(self.kv_cache_dtype).kind == "kvarn",
-             f"cannot be combined with kv_cache_dtype={self.kv_cache_dtype!r} yet"),
+            (parse_kv_cache_dtype(self.kv_cache_dtype).kind == "kvarn" and backend == "triton",
+             f"cannot be combined with kv_cache_dtype={self.kv_cache_dtype!r} on attention='triton' yet (its "
+             f"KVarN kernels are not batch-invariant; the torch backend's tiles are)"),
         ]
         return next((reason for bad, reason in refused if bad), None)
 

@@ -27,11 +27,10 @@ def tile_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     tiles = _tiles(keys.float())  # [H, T, KEY_TILE, D]
     count = tiles.shape[1]
     out = q.new_empty((heads, n, count * KEY_TILE), dtype=torch.float32)
-    for head in range(heads):
-        for start, stop in _query_chunks(n, count * KEY_TILE * dim):
-            rows = q[start:stop, head].float()[:, None, :].expand(-1, count, -1)
-            products = _row_products(rows.reshape(-1, dim), tiles[head].expand(stop - start, -1, -1, -1))
-            out[head, start:stop] = products.view(stop - start, count * KEY_TILE)
+    for start, stop in _query_chunks(n, heads * count * KEY_TILE * dim):
+        rows = q[start:stop].float().transpose(0, 1)[:, :, None, :].expand(-1, -1, count, -1)  # [H, m, T, D]
+        products = _row_products(rows.reshape(-1, dim), tiles[:, None].expand(-1, stop - start, -1, -1, -1))
+        out[:, start:stop] = products.view(heads, stop - start, count * KEY_TILE)
     return out[..., :length]
 
 
@@ -45,15 +44,14 @@ def tile_weighted_sums(weights: torch.Tensor, values: torch.Tensor) -> tuple[tor
     count = tiles.shape[1]
     padded = torch.nn.functional.pad(weights.float(), (0, count * KEY_TILE - length))
     total = weights.new_empty((heads, n, dim + 1), dtype=torch.float32)
-    for head in range(heads):
-        for start, stop in _query_chunks(n, count * KEY_TILE * (dim + 1)):
-            rows = padded[head, start:stop].reshape(-1, KEY_TILE)
-            parts = _row_products(rows, tiles[head].expand(stop - start, -1, -1, -1))
-            parts = parts.view(stop - start, count, dim + 1)
-            acc = parts[:, 0]
-            for tile in range(1, count):
-                acc = acc + parts[:, tile]
-            total[head, start:stop] = acc
+    for start, stop in _query_chunks(n, heads * count * KEY_TILE * (dim + 1)):
+        rows = padded[:, start:stop].reshape(-1, KEY_TILE)
+        parts = _row_products(rows, tiles[:, None].expand(-1, stop - start, -1, -1, -1))
+        parts = parts.view(heads, stop - start, count, dim + 1)
+        acc = parts[:, :, 0]
+        for tile in range(1, count):
+            acc = acc + parts[:, :, tile]
+        total[:, start:stop] = acc
     return total[..., :dim], total[..., dim:]
 
 

@@ -2,7 +2,9 @@
 
 It is slow and obviously right; every other backend is tested against it. An fp8 pool is stored and read
 through attention/fp8.py with the slot's scales. A KVarN pool (bind_packed) stores and reads through the
-pool itself, and each query attends over its history read two ways (attention/packed_attention.py).
+pool itself, and each query attends over its history read two ways (attention/packed_attention.py). A
+batch_invariant instance (Engine(deterministic=True)) attends in fixed key tiles
+(attention/tiled_reference.py), over a KVarN pool too.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class TorchBackend(AttentionBackend):
         the new rows that stay high precision (after the reads: a ring entry may pass to a newer block).
         Under kv_sharing="last" a generated row's token goes through its generated tiles instead."""
         meta, shared = self.meta, self.meta.shared_kv
+        invariant = self.capabilities.batch_invariant
         out = torch.empty_like(q)
         starts = meta.query_starts_cpu
         for row, side_table in enumerate(meta.side_tables_cpu):
@@ -112,11 +115,20 @@ class TorchBackend(AttentionBackend):
                 generated = (shared.generated_side_tables_cpu[row], shared.generated_block_tables[row])
                 out[new] = attend_generated_row_through_pool(
                     self.packed_pool, slot, prompt, generated, prompt_len, first - prompt_len, q[new], k[new],
-                    v[new], self.scale).to(q.dtype)
+                    v[new], self.scale, invariant).to(q.dtype)
             else:
                 out[new] = attend_row_through_pool(self.packed_pool, slot, *prompt, first, q[new], k[new],
-                                                   v[new], self.scale, prompt_len).to(q.dtype)
+                                                   v[new], self.scale, prompt_len, invariant).to(q.dtype)
         return out
+
+    def bind_packed(self, pool, scale: float) -> None:
+        """As the base class's; a batch_invariant instance needs a pool made batch_invariant (its tiles'
+        rotation row by row), and the other way round, so that the two read a tile alike."""
+        if pool.batch_invariant != self.capabilities.batch_invariant:
+            raise ValueError(f"a KVarN pool made with batch_invariant={pool.batch_invariant} cannot serve a "
+                             f"torch backend with batch_invariant={self.capabilities.batch_invariant}: make "
+                             "both with Engine(deterministic=...)'s choice")
+        super().bind_packed(pool, scale)
 
     def _slot_scales(self, slot: int) -> torch.Tensor | None:
         """The slot's [2, kv_heads] fp8 scales; None for a pool of another dtype."""

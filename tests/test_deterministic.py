@@ -128,6 +128,47 @@ def test_i_prompt_logprobs_from_prefill_equal_decoding_the_same_tokens(tiny_chec
     assert tuple(tuple(sorted((t, e.logprob) for t, e in step.items())) for step in prefilled) == decoded
 
 
+# A KVarN pool (the torch backend's reference path, batch-invariant: attention in fixed key tiles, the tiles'
+# rotation row by row): prompts of 58 to 90 tokens, so that tiles of 64 pack in prefill (cut by chunks of 16)
+# and, for the 58-token one, in decode.
+KVARN = dict(kv_cache_dtype="kvarn_k4v2_g64", block_size=64, kv_sink_tokens=16, kv_tail_tokens=32)
+KVARN_PROMPTS = _prompts(1, seed=21, low=58, high=58) + _prompts(3, seed=22, low=60, high=90)
+
+
+@pytest.fixture(scope="module", params=["none", "last"])
+def kvarn_batch(tiny_checkpoint, request):
+    options = dict(KVARN, kv_sharing=request.param)
+    return options, _run(tiny_checkpoint, KVARN_PROMPTS, **options)
+
+
+def test_kvarn_request_alone_at_two_threads_and_chunked_has_its_batch_bits(tiny_checkpoint, kvarn_batch):
+    options, batch = kvarn_batch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alone = _run(tiny_checkpoint, KVARN_PROMPTS[:1], **options)
+    finally:
+        torch.set_num_threads(threads)
+    assert alone == batch[:1]
+    assert _run(tiny_checkpoint, KVARN_PROMPTS, max_num_batched_tokens=16, **options) == batch
+
+
+def test_kvarn_preempted_and_recomputed_requests_keep_their_bits(tiny_checkpoint, kvarn_batch):
+    options, batch = kvarn_batch
+    with Engine(tiny_checkpoint, device="cpu", dtype="float32", deterministic=True, verbose=False,
+                num_kv_blocks=3, admission="greedy", max_model_len=128, **options) as engine:
+        outputs = engine.generate(KVARN_PROMPTS, PARAMS, use_tqdm=False)
+        assert engine.scheduler.num_preemptions > 0
+    assert [_bits(out) for out in outputs] == batch
+
+
+def test_kvarn_on_the_triton_backend_is_refused(tiny_checkpoint):
+    """The Triton KVarN kernels are not batch-invariant: deterministic mode refuses them, naming both."""
+    with pytest.raises(ValueError, match="deterministic=True cannot be combined with kv_cache_dtype="
+                                         "'kvarn_k4v2_g64' on attention='triton'"):
+        Engine(tiny_checkpoint, device="cpu", attention="triton", deterministic=True, verbose=False, **KVARN)
+
+
 @pytest.mark.interpreter
 def test_fused_layers_give_row_0_its_bits_at_every_row_count(tmp_path, monkeypatch):
     """The CUDA path's kernels in deterministic mode (here in Triton's interpreter): a row's hidden states and
