@@ -11,7 +11,7 @@ import json
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import uvicorn
@@ -118,9 +118,12 @@ def create_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
         submission = submit(engine_loop, plan)
         stream = ChoiceStream(plan)
         if req.stream:
+            def abort_unfinished() -> None:
+                if not stream.finished:
+                    engine_loop.abort(submission)
+
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return StreamingResponse(sse(engine_loop, submission, stream, shape, usage),
-                                     media_type="text/event-stream")
+            return EventStream(sse(submission, stream, shape, usage), on_close=abort_unfinished)
         work = asyncio.ensure_future(collect(engine_loop, submission, stream))
         left = asyncio.ensure_future(until_disconnected(request))
         try:
@@ -228,11 +231,10 @@ async def collect(engine_loop: EngineLoop, submission: Submission, stream: Choic
             engine_loop.abort(submission)
 
 
-async def sse(engine_loop: EngineLoop, submission: Submission, stream: ChoiceStream,
-              shape: Completions | ChatCompletions, include_usage: bool) -> AsyncIterator[str]:
+async def sse(submission: Submission, stream: ChoiceStream, shape: Completions | ChatCompletions,
+              include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: one chunk per choice that advanced, then the usage chunk if asked, then [DONE].
-    An error after the stream began is sent as an error event. Leaving early (the client disconnected, or the
-    server shut down past its grace period) aborts the submission's requests."""
+    An error after the stream began is sent as an error event."""
     try:
         while not stream.finished:
             for index, item in await submission.mailbox.take():
@@ -242,10 +244,22 @@ async def sse(engine_loop: EngineLoop, submission: Submission, stream: ChoiceStr
             yield event(shape.usage_chunk(stream))
     except APIError as err:
         yield event(err.body())
-    finally:
-        if not stream.finished:
-            engine_loop.abort(submission)
     yield "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A text/event-stream response that calls on_close() however it ends: sent whole, the client gone (before
+    the first chunk too), or cancelled at shutdown; there the server aborts what has not finished."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Any]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 def event(body: dict[str, Any]) -> str:
