@@ -124,7 +124,8 @@ class Engine:
                  num_speculative_tokens: int | None = None, admission: str = "reserve",
                  kv_cache_dtype: str = "auto", kv_sink_tokens: int = 0, kv_tail_tokens: int = 0,
                  kv_rotation: bool = True, async_scheduling: bool | None = None,
-                 piecewise_graph_tokens: int = 512, verbose: bool = True) -> None:
+                 piecewise_graph_tokens: int = 512, deterministic: bool | None = None,
+                 verbose: bool = True) -> None:
         if not isinstance(verbose, bool):
             raise ValueError(f"verbose must be True or False, got {verbose!r}")
         self.engine_config = config = EngineConfig.resolve(
@@ -137,11 +138,12 @@ class Engine:
             speculative=speculative, num_speculative_tokens=num_speculative_tokens, admission=admission,
             kv_cache_dtype=kv_cache_dtype, kv_sink_tokens=kv_sink_tokens, kv_tail_tokens=kv_tail_tokens,
             kv_rotation=kv_rotation, async_scheduling=async_scheduling,
-            piecewise_graph_tokens=piecewise_graph_tokens)
+            piecewise_graph_tokens=piecewise_graph_tokens, deterministic=deterministic)
         model_dir = config.model_dir
         self.config: OuroConfig = config.model
         self.tokenizer = Tokenizer(model_dir)
-        self.backend = select(config.attention, config.device, {"packed_prefill": config.packed_prefill})
+        self.backend = select(config.attention, config.device, {"packed_prefill": config.packed_prefill,
+                                                                "batch_invariant": config.batch_invariant})
         self.backend.check(config.dtype, self.config.head_dim, config.device)
         layout_name = KV_SHARING[config.kv_sharing]
         if layout_name not in self.backend.capabilities.kv_formats:
@@ -150,7 +152,8 @@ class Engine:
                              f"(it has {', '.join(self.backend.capabilities.kv_formats)})")
         # Fused Triton kernels around the GEMMs on CUDA; the plain torch ops elsewhere.
         self.model = load_model(model_dir, self.config, config.device, config.dtype,
-                                fused_kernels=config.device.type == "cuda" and fused_kernels_available())
+                                fused_kernels=config.device.type == "cuda" and fused_kernels_available(),
+                                batch_invariant=config.batch_invariant)
         loops, layers = config.loops, self.config.num_hidden_layers
         kvarn = parse_kv_cache_dtype(config.kv_cache_dtype).kind == "kvarn"
         side_rows = SideRows(config.max_num_seqs, config.block_size, config.kv_sink_tokens,
@@ -169,8 +172,11 @@ class Engine:
             self.backend.bind_packed(self.kv_pool, scale)
         else:
             self.backend.bind(self.kv_pool.key_cache, self.kv_pool.value_cache, scale, self.kv_pool.kv_scales)
-        self.layout = make_layout(config.kv_sharing, loops, layers, config.block_size,
-                                  config.generated_kv_exact)
+        # In deterministic mode a generated token's K/V stands for a prompt's (in the prefix cache, in a
+        # recompute) only where the backend gives a prompt token what decoding it gives.
+        exact = config.generated_kv_exact and (not config.batch_invariant
+                                               or self.backend.capabilities.prefill_matches_decode)
+        self.layout = make_layout(config.kv_sharing, loops, layers, config.block_size, exact)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           layout=self.layout, side_rows=side_rows)
         if self.layout.blocks_per_sequence(config.max_model_len, 0) > num_blocks:
@@ -1048,6 +1054,10 @@ def add_engine_flags(engine: argparse._ArgumentGroup) -> None:
     engine.add_argument("--piecewise-graph-tokens", type=int, default=512, metavar="N",
                         help="steps with prompt tokens, of at most N tokens, replay piecewise CUDA graphs "
                              "(attention eager between them); 0: such steps run eagerly (default 512)")
+    engine.add_argument("--deterministic", default="auto", choices=["auto", "on", "off"],
+                        help="batch invariance: a request's logits have the same bits whatever runs beside "
+                             "it, eager or under CUDA graphs (docs/deterministic.md); auto (default): the "
+                             "device's default")
     engine.add_argument("--max-num-seqs", type=int, default=256,
                         help="sequences that run at once (default 256)")
 
@@ -1125,7 +1135,8 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
                   kv_rotation=not args.kv_no_rotation,
                   block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                   async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-                  piecewise_graph_tokens=args.piecewise_graph_tokens, max_num_seqs=args.max_num_seqs)
+                  piecewise_graph_tokens=args.piecewise_graph_tokens, max_num_seqs=args.max_num_seqs,
+                  deterministic={"auto": None, "on": True, "off": False}[args.deterministic])
 
 
 def cli_serve(args: argparse.Namespace) -> int:

@@ -7,11 +7,14 @@ pool itself, and each query attends over its history read two ways (attention/pa
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from attention import fp8
 from attention.base import AttentionBackend, Capabilities, SharedKVMetadata, register
 from attention.packed_attention import attend_generated_row_through_pool, attend_row_through_pool
+from attention.tiled_reference import tiled_attention
 
 
 def encode(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
@@ -62,6 +65,15 @@ def paged_attention_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 class TorchBackend(AttentionBackend):
     name = "torch"
     default_capabilities = Capabilities(kv_formats=("paged", "shared-last"), kvarn=True)
+    # batch_invariant: every query through attention/tiled_reference.py's fixed key tiles, which give a prompt
+    # token what decoding it gives.
+    optional_capabilities = frozenset({"batch_invariant"})
+
+    def __init__(self, capabilities: Capabilities) -> None:
+        if capabilities.batch_invariant:
+            capabilities = dataclasses.replace(capabilities, prefill_matches_decode=True)
+        super().__init__(capabilities)
+        self.attend_row = tiled_attention if capabilities.batch_invariant else paged_attention_row
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
         meta = self.meta
@@ -79,8 +91,7 @@ class TorchBackend(AttentionBackend):
             table = meta.block_tables[row]
             keys = gather_context(key_cache, table, context_len, key_scales)
             values = gather_context(value_cache, table, context_len, value_scales)
-            out[start:start + num_new] = paged_attention_row(q[start:start + num_new], keys, values,
-                                                             self.scale)
+            out[start:start + num_new] = self.attend_row(q[start:start + num_new], keys, values, self.scale)
             start += num_new
         return out
 
@@ -140,7 +151,7 @@ class TorchBackend(AttentionBackend):
                               decode(key_flat[generated], key_scales)])
             values = torch.cat([gather_context(value_cache, table, prompt_len, value_scales),
                                 decode(value_flat[generated], value_scales)])
-            out[new] = paged_attention_row(q[new], keys, values, self.scale)
+            out[new] = self.attend_row(q[new], keys, values, self.scale)
             start += num_new
         return out
 

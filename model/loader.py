@@ -165,12 +165,12 @@ def read_tensors(files: dict[str, Path], names: list[str], device: torch.device,
 
 
 def load_model(model_dir: Path, config: OuroConfig, device: torch.device, dtype: torch.dtype,
-               fused_kernels: bool = False) -> OuroForCausalLM:
+               fused_kernels: bool = False, batch_invariant: bool = False) -> OuroForCausalLM:
     files = checkpoint_files(model_dir)
     check_tensors(config, files)
     tensors = read_tensors(files, list(expected_tensors(config)), device, dtype)
     with torch.device("meta"):
-        model = OuroForCausalLM(config, fused_kernels=fused_kernels)
+        model = OuroForCausalLM(config, fused_kernels=fused_kernels, batch_invariant=batch_invariant)
     state = {"embed_tokens.weight": tensors["model.embed_tokens.weight"],
              "norm.weight": tensors["model.norm.weight"],
              "early_exit_gate.weight": tensors["model.early_exit_gate.weight"],

@@ -245,6 +245,7 @@ class ModelRunner:
             shared_kv=shared,
             side_tables_cpu=side_tables,
             side_tables=int32[-1] if side_tables is not None else None,
+            decode_rows=generated_rows,
         )
         return StepInputs(ids, positions_d, meta, readout_d, generated_rows,
                           readout == list(range(len(input_ids))))
@@ -269,7 +270,7 @@ class ModelRunner:
             self.backend.prepare(inputs.meta)
             hidden = piecewise.run(inputs.input_ids, inputs.positions)[:, inputs.readout]
             # each loop's gate on its own, as the eager loop driver computes it
-            gates = [self.model.early_exit_gate(h).squeeze(-1) for h in hidden]
+            gates = [self.model.gate_logits(h) for h in hidden]
             return LoopStates(hidden, torch.stack(gates))
         executor = self.executor_for(rows) if decode else self.eager
         return run_loops(executor, self.model, inputs, range(self.loops), self.hook)
