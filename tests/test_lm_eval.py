@@ -41,9 +41,9 @@ def task_manager():
 
 
 @contextlib.contextmanager
-def served_engine():
+def served_engine(**options):
     """`loop-engine serve` of the embedded model (fp32, CPU) on an ephemeral port; yields its base URL."""
-    engine = Engine(device="cpu", dtype="float32", num_kv_blocks=512, verbose=False)
+    engine = Engine(device="cpu", dtype="float32", num_kv_blocks=512, verbose=False, **options)
     server = build_server(engine, "tiny-ouro", log_level="warning")
     sock = bound_socket("127.0.0.1", 0)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -84,6 +84,19 @@ def test_local_completions_through_the_server_equals_the_in_process_model_item_b
     assert admitted == 4 * LIMIT + LIMIT + LIMIT  # four choices an item, one generation, one window
     assert in_process["results"]["tiny_addition_mc"]["acc,none"] == 1.0
     assert in_process["results"]["tiny_addition_gen"]["exact_match,none"] == 1.0
+
+
+def test_deterministic_engines_agree_item_by_item_however_the_requests_are_batched(task_manager):
+    """deterministic=True (batch invariance) on both: the server takes 4 requests at once, the in-process
+    model all 16 together, and each loglikelihood has the same bits on both."""
+    with served_engine(deterministic=True) as (url, _):
+        through_server = lm_eval.simple_evaluate(
+            model="local-completions", model_args=f"base_url={url}/v1/completions,model=tiny-ouro,"
+            "num_concurrent=4", tasks=TASKS[:1], task_manager=task_manager, log_samples=True, limit=LIMIT)
+    batched = lm_eval.simple_evaluate(
+        model="loop-engine", model_args="dtype=float32,num_kv_blocks=512,deterministic=True", device="cpu",
+        batch_size="auto", tasks=TASKS[:1], task_manager=task_manager, log_samples=True, limit=LIMIT)
+    assert responses(through_server, TASKS[0]) == responses(batched, TASKS[0])
 
 
 def test_loglikelihoods_are_the_engines_own_prompt_logprobs(in_process):
