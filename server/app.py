@@ -55,8 +55,8 @@ def create_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
         await asyncio.to_thread(engine_loop.stop)
         stats = engine_loop.stats
         print(f"loop-engine serve: stopped; {stats.finished} requests finished, {stats.aborted} aborted, "
-              f"{stats.failed} failed, {stats.refused} refused; {engine_loop.leaked_blocks} KV blocks held "
-              "when the engine closed", file=sys.stderr, flush=True)
+              f"{stats.failed} failed, {stats.refused} refused (429); {engine_loop.leaked_blocks} KV blocks "
+              "held when the engine closed", file=sys.stderr, flush=True)
 
     app = FastAPI(title="loop-engine", lifespan=lifespan)
 
@@ -64,14 +64,22 @@ def create_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
     async def api_error(request: Request, err: APIError) -> JSONResponse:
         return err.response()
 
+    def check_open() -> None:
+        """503 once draining (shutdown, or a failed engine, which is closed): before the engine is touched."""
+        if engine_loop.failure is not None:
+            raise APIError(503, f"the engine failed ({engine_loop.failure}); the server takes no new "
+                           "requests", code="engine_failed")
+        if engine_loop.draining:
+            raise APIError(503, "the server is shutting down and takes no new requests", code="shutting_down")
+
     @app.get("/health")
     async def health() -> Response:
-        if engine_loop.draining:
-            return APIError(503, "the server is shutting down", code="shutting_down").response()
+        check_open()
         return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        check_open()
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "loop-engine",
             "root": str(engine.engine_config.model_dir), "max_model_len": engine.max_model_len,
@@ -79,12 +87,14 @@ def create_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info() -> dict[str, Any]:
+        check_open()
         return tokenizer_info(engine.tokenizer, engine.max_model_len)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         req = parse_body(Tokenize, await read_json(request))
         check_model(req.model, model_name)
+        check_open()
         tokens = engine.tokenizer.encode(req.prompt)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
                 "token_strs": None}
@@ -93,6 +103,7 @@ def create_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
     async def detokenize(request: Request) -> dict[str, Any]:
         req = parse_body(Detokenize, await read_json(request))
         check_model(req.model, model_name)
+        check_open()
         bad = [t for t in req.tokens if not 0 <= t < engine.config.vocab_size]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary (vocab_size "
@@ -103,6 +114,7 @@ def create_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
     async def completions(request: Request) -> Response:
         req = parse_body(CompletionRequest, await read_json(request))
         check_model(req.model, model_name)
+        check_open()
         plan = completion_plan(req, engine)
         return await respond(request, plan, Completions(new_id("cmpl"), model_name, engine), req)
 
@@ -110,6 +122,7 @@ def create_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await read_json(request))
         check_model(req.model, model_name)
+        check_open()
         plan = chat_plan(req, engine)
         return await respond(request, plan, ChatCompletions(new_id("chatcmpl"), model_name), req)
 

@@ -13,6 +13,7 @@ import itertools
 import queue
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -63,7 +64,7 @@ class Submission:
 @dataclasses.dataclass(slots=True)
 class LoopStats:
     """Counts since the loop started: requests admitted, finished (by their own stop or length), aborted (a
-    client that left, or shutdown), failed (finish_reason "error"), refused (queue full or draining)."""
+    client that left, or shutdown), failed (finish_reason "error"), refused because the queue was full."""
 
     admitted: int = 0
     finished: int = 0
@@ -91,6 +92,7 @@ class EngineLoop:
         self._draining = False  # set from a signal handler too: a plain store, no lock
         self._stopping = False
         self.leaked_blocks: int | None = None  # KV blocks held when the Engine closed (None: not closed yet)
+        self.failure: str | None = None  # why the engine loop stopped on its own (a step raised)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     @property
@@ -110,7 +112,6 @@ class EngineLoop:
         max_pending_requests, ShuttingDown once draining. Called on the event loop."""
         with self._lock:
             if self._draining or self._stopping:
-                self.stats.refused += 1
                 raise ShuttingDown("the server is shutting down and takes no new requests")
             if self._pending + len(prompts) > self.max_pending_requests:
                 self.stats.refused += 1
@@ -172,11 +173,12 @@ class EngineLoop:
                     break
                 else:
                     self._wake.wait()
-        except BaseException as err:  # the engine is broken: fail every request, refuse new ones
+        except Exception as err:  # the engine is broken: fail every request, refuse new ones (503)
+            self.failure = f"{type(err).__name__}: {err}"
             self._draining = True
-            print(f"loop-engine serve: the engine loop stopped: {type(err).__name__}: {err}", file=sys.stderr)
+            print("loop-engine serve: the engine loop stopped; the requests in flight fail:", file=sys.stderr)
+            traceback.print_exc()
             self._fail_all(err)
-            raise
         finally:
             with self._lock:
                 self._stopping = True

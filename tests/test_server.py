@@ -279,9 +279,9 @@ def test_a_client_that_leaves_mid_stream_is_aborted_and_its_blocks_freed(served)
         chunks = 0
         for line in response.iter_lines():
             chunks += line.startswith("data: {")
-            if chunks == 3:
+            if chunks == 3:  # read inside the loop: leaving the lines' iterator closes the response
+                free, total, busy = engine_state(server)
                 break
-        free, total, busy = engine_state(server)
         assert free < total and busy  # the request holds blocks while it streams
     wait_until_idle(server)
     assert server.engine_loop.stats.aborted == aborted + 1
@@ -317,7 +317,7 @@ def test_a_full_queue_answers_429_and_a_draining_server_503_at_once():
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         assert httpx.get(f"{url}/health").status_code == 503
         stats = server.engine_loop.stats
-    assert (stats.admitted, stats.finished, stats.aborted, stats.refused) == (3, 1, 2, 2)
+    assert (stats.admitted, stats.finished, stats.aborted, stats.refused) == (3, 1, 2, 1)
     assert server.engine_loop.leaked_blocks == 0
 
 
@@ -391,6 +391,28 @@ def test_after_disconnects_aborts_and_overload_no_block_leaks_and_no_request_is_
     assert stats.failed == 0 and server.engine_loop.leaked_blocks == 0
 
 
+def test_an_engine_failure_fails_the_requests_in_flight_with_500_and_then_refuses_with_503(capsys):
+    engine = tiny_engine()
+    real_step, steps = engine.step, []
+
+    def failing_step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise RuntimeError("a kernel fault")
+        return real_step()
+
+    engine.step = failing_step
+    with running_server(engine) as (url, server):
+        failed = httpx.post(f"{url}/v1/completions", json={"prompt": "A looped", **LONG}, timeout=30)
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        health = httpx.get(f"{url}/health").status_code
+    assert failed.status_code == 500
+    assert "the engine failed: a kernel fault" in failed.json()["error"]["message"]
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_failed" and health == 503
+    assert (server.engine_loop.stats.failed, server.engine_loop.pending) == (1, 0)
+    assert "RuntimeError: a kernel fault" in capsys.readouterr().err
+
+
 def test_the_serve_command_listens_answers_and_exits_on_sigterm():
     process = subprocess.Popen([sys.executable, "engine.py", "serve", "--device", "cpu", "--threads", "1",
                                 "--port", "0", "--num-kv-blocks", "64", "--log-level", "warning"],
@@ -412,4 +434,4 @@ def test_the_serve_command_listens_answers_and_exits_on_sigterm():
     finally:
         if process.poll() is None:
             process.kill()
-    assert "stopped; 1 requests finished, 0 aborted, 0 failed, 0 refused; 0 KV blocks held" in rest
+    assert "stopped; 1 requests finished, 0 aborted, 0 failed, 0 refused (429); 0 KV blocks held" in rest
