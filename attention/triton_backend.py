@@ -191,7 +191,8 @@ class TritonBackend(AttentionBackend):
         self.short_split_keys = 128
         self.pdl = pdl_supported(device)
         # Decode key tiles of 32 KB for K and V (128 keys x 128 dims in bf16), fastest on an H200 with the
-        # tensor-core loop (benchmarks/decode_variants.py); 64 keys for fp8 pools and head_dim 256.
+        # tensor-core loop (timed 2026-12-01 by a variants benchmark, now in git history); 64 keys for fp8
+        # pools and head_dim 256.
         wide = self.head_dim <= 128 and key_cache.element_size() != 1
         self.decode_block_n = (128 if wide else 64) // narrow
         self.decode_num_warps = 4

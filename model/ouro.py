@@ -134,8 +134,9 @@ class OuroLayer(nn.Module):
         """forward() with Triton kernels. `normed` is input_layernorm(h), made by the launch before; returns
         (h', RMSNorm(h') * next_weight), the next sublayer's pre-norm (or the loop's final norm).
         With `epilogues` (decode-sized batches, gemv_epilogues.fits; the buffers its layers write): each
-        projection's skinny GEMM does the elementwise work after it, 4 launches; past MAX_NORM_EPILOGUE_M rows
-        the o and down projections' norms are launches of their own (6). Otherwise the reference
+        projection's skinny GEMM does the elementwise work after it, 4 launches; where `epilogues` has no
+        buffers for the norm epilogue (past MAX_NORM_EPILOGUE_M rows, or in deterministic mode) the o and down
+        projections' norms are launches of their own (6). Otherwise the reference
         composition: 4 projections (a skinny GEMM for decode-sized batches, cuBLAS otherwise) and 4
         elementwise launches. `configs` (deterministic mode): the one GEMM config of each projection (qkv, o,
         gate_up, down) for every row count (gemv.invariant_config), cuBLAS never."""
@@ -166,7 +167,7 @@ class OuroLayer(nn.Module):
         attn = attention(q, k, v, slot).reshape(n, self.q_size)
         # next_weight is the next layer's (or the final norm's): read here, on every call.
         down_keys = (keys[3], keys[6], gemv_epilogues.weight_key(next_weight))
-        if n <= gemv_epilogues.MAX_NORM_EPILOGUE_M:
+        if buffers.after_attention is not None:  # the norm epilogue (EpilogueBuffers.for_rows)
             h, normed = gemv_epilogues.linear_add_norms(attn, o, h, attention_norm, pre_mlp_norm, eps,
                                                         config=o_config,
                                                         weight_keys=(keys[1], keys[4], keys[5]),
@@ -206,8 +207,10 @@ class EpilogueBuffers:
     output once attention has read it (and stored K and V), SiLU-mul's output once down has read it; the o
     projection's (h, normed) land in after_attention and down's in after_mlp, so each reads the other's h as
     its residual and never writes what it reads. The loop's output is the last layer's after_mlp normed,
-    which the next loop's buffers (new ones) do not overwrite. The two pairs exist at one row only (past
-    MAX_NORM_EPILOGUE_M rows the norm kernel allocates its own)."""
+    which the next loop's buffers (new ones) do not overwrite. The two pairs exist where the o and down
+    projections end in the norm epilogue: at most MAX_NORM_EPILOGUE_M rows, outside deterministic mode (past
+    them, or in it, the norm kernel runs and allocates its own); the layers take the norm epilogue where
+    they are."""
 
     qkv: torch.Tensor
     act: torch.Tensor
@@ -215,10 +218,12 @@ class EpilogueBuffers:
     after_mlp: tuple[torch.Tensor, torch.Tensor] | None
 
     @classmethod
-    def for_rows(cls, h: torch.Tensor, config: OuroConfig) -> EpilogueBuffers:
+    def for_rows(cls, h: torch.Tensor, config: OuroConfig, norm_epilogue: bool = True) -> EpilogueBuffers:
+        """norm_epilogue False: never the norm epilogue (deterministic mode: the norm kernel, a program a row,
+        gives a row its bits at every row count by construction)."""
         rows, hidden = h.shape
         pairs = (None, None)
-        if rows <= gemv_epilogues.MAX_NORM_EPILOGUE_M:
+        if norm_epilogue and rows <= gemv_epilogues.MAX_NORM_EPILOGUE_M:
             pairs = tuple((h.new_empty(rows, hidden), h.new_empty(rows, hidden)) for _ in range(2))
         return cls(h.new_empty(rows, config.q_size + 2 * config.kv_size),
                    h.new_empty(rows, config.intermediate_size), *pairs)
@@ -292,7 +297,7 @@ class OuroForCausalLM(nn.Module):
         configs = self._layer_configs() if self.batch_invariant else None
         epilogues = None
         if self.fused_epilogues and gemv_epilogues.fits(h, layers[0].qkv_proj.weight):
-            epilogues = EpilogueBuffers.for_rows(h, self.config)
+            epilogues = EpilogueBuffers.for_rows(h, self.config, norm_epilogue=not self.batch_invariant)
             # the [M, D] views qkv_rope takes, made once for the loop's layers
             cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
         # Through the module dicts, and without slicing the ModuleList: a slice is a new ModuleList, which

@@ -259,6 +259,8 @@ class ModelRunner:
         if self.hook is None:
             stats.decode_loops += self.loops * len(inputs.generated_rows)
         graphs, decode, rows = self.graphs, inputs.meta.is_decode, inputs.meta.num_rows
+        if self.config.batch_invariant:  # a one-token prompt chunk takes the prompt path (decode_rows)
+            decode = decode and len(inputs.generated_rows) == rows
         if graphs is not None and graphs.mode == "step" and decode and graphs.bucket_for(rows):
             states = graphs.replay_step(inputs)
             if inputs.reads_out_every_token:

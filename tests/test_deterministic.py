@@ -131,8 +131,8 @@ def test_i_prompt_logprobs_from_prefill_equal_decoding_the_same_tokens(tiny_chec
 @pytest.mark.interpreter
 def test_fused_layers_give_row_0_its_bits_at_every_row_count(tmp_path, monkeypatch):
     """The CUDA path's kernels in deterministic mode (here in Triton's interpreter): a row's hidden states and
-    gate logits through the epilogue GEMMs with the norm epilogue (1 row), the epilogue GEMMs with the norm
-    kernel (2 rows), the unfused composition on the skinny kernel (17) and on the tiled one (66), all one GEMM
+    gate logits through the epilogue GEMMs and the norm kernel (1 and 2 rows), the unfused composition on the
+    skinny kernel (17) and on the tiled one (66), all one GEMM
     config per weight (coarse here, one layer and 2 loops: the interpreter runs every program in Python)."""
     from model import ouro
     from model.config import OuroConfig

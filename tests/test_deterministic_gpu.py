@@ -43,8 +43,9 @@ def _bits(output) -> tuple:
 
 
 def _engine(path, **options) -> Engine:
-    options = {"max_num_seqs": 16, "max_model_len": 1024, "gpu_memory_utilization": 0.5, **options}
-    return Engine(path, device="cuda", dtype="bfloat16", deterministic=True, verbose=False, **options)
+    options = {"max_num_seqs": 16, "max_model_len": 1024, "gpu_memory_utilization": 0.4,
+               "piecewise_graph_tokens": 128, "deterministic": True, **options}
+    return Engine(path, device="cuda", dtype="bfloat16", verbose=False, **options)
 
 
 def _run(path, prompts=PROMPTS, **options) -> list[tuple]:
@@ -52,15 +53,35 @@ def _run(path, prompts=PROMPTS, **options) -> list[tuple]:
         return [_bits(out) for out in engine.generate(prompts, PARAMS, use_tqdm=False)]
 
 
+SHARED = _prompts(1, seed=5, low=160, high=160)[0]
+PREFIXED = [SHARED + [11, 12, 13], SHARED + [21]]
+
+
 @pytest.fixture(scope="module")
 def batch(ouro_shape):
-    """The prompts in one batch, with CUDA graphs and async scheduling (the CUDA defaults); then the first
-    four each alone, in the same engine ((a), (h))."""
+    """One engine with the CUDA defaults (graphs, piecewise graphs for short prompt steps, async scheduling,
+    prefix caching): the prompts in one batch; then the first four each alone ((a), (h)); then two prompts
+    that share 160 tokens, the second hitting the first's blocks ((d))."""
     with _engine(ouro_shape) as engine:
         assert engine.uses_cuda_graphs
         together = [_bits(out) for out in engine.generate(PROMPTS, PARAMS, use_tqdm=False)]
         alone = [_bits(engine.generate([p], PARAMS, use_tqdm=False)[0]) for p in PROMPTS[:4]]
-    return together, alone
+        engine.generate(PREFIXED[:1], PARAMS, use_tqdm=False)
+        hit = engine.generate(PREFIXED[1:], PARAMS, use_tqdm=False)[0]
+        assert hit.num_cached_tokens == 160
+    return together, alone, _bits(hit)
+
+
+@pytest.fixture(scope="module")
+def eager_chunked_sync(ouro_shape):
+    """Another engine: no graphs of any kind, prompt steps of at most 40 tokens, synchronous steps, no prefix
+    cache ((b), (c), (f), and the miss of (d))."""
+    with _engine(ouro_shape, enforce_eager=True, max_num_batched_tokens=40, async_scheduling=False,
+                 enable_prefix_caching=False) as engine:
+        assert not engine.uses_cuda_graphs
+        outputs = [_bits(out) for out in engine.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        miss = _bits(engine.generate(PREFIXED[1:], PARAMS, use_tqdm=False)[0])
+    return outputs, miss
 
 
 @pytest.mark.parametrize("name", SHAPES)
@@ -81,18 +102,17 @@ def test_invariant_gemm_gives_a_row_the_same_bits_at_every_row_count(name):
 
 
 def test_epilogue_kernels_give_the_unfused_bits_under_invariant_configs():
-    """At 1 to 16 rows a layer's projections run with their elementwise work in the GEMM epilogue; past 16
-    rows, the unfused composition. Deterministic mode needs both to give a row the same bits."""
+    """At 1 to 16 rows a layer's qkv and gate_up projections run RoPE and SiLU-mul in their GEMM epilogue;
+    past 16 rows, the unfused composition. Deterministic mode needs both to give a row the same bits (its o
+    and down projections take the norm kernel at every row count)."""
     from model.kernels import fused, gemv, gemv_epilogues
     from model.ouro import Rotary
 
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    wq, wo, wg = ((torch.randn(n, 2048, device="cuda") * 0.02).bfloat16() for n in (6144, 2048, 11264))
-    cq, co, cg = (gemv.invariant_config(w.shape[0], 2048, torch.bfloat16, sms) for w in (wq, wo, wg))
+    wq, wg = ((torch.randn(n, 2048, device="cuda") * 0.02).bfloat16() for n in (6144, 11264))
+    cq, cg = (gemv.invariant_config(w.shape[0], 2048, torch.bfloat16, sms) for w in (wq, wg))
     x = torch.randn(16, 2048, device="cuda").bfloat16()
-    residual = torch.randn(16, 2048, device="cuda").bfloat16()
-    norm, next_norm = ((1 + 0.1 * torch.randn(2048, device="cuda")).bfloat16() for _ in range(2))
     cos, sin = Rotary(128, 10000.0).cuda()(torch.arange(16, device="cuda") + 300, torch.bfloat16)
     for m in (1, 4, 16):
         fused_qkv = gemv_epilogues.qkv_rope(x[:m], wq, cos[:m], sin[:m], 16, 16, 128, config=cq)
@@ -100,39 +120,21 @@ def test_epilogue_kernels_give_the_unfused_bits_under_invariant_configs():
         assert all(torch.equal(a, b) for a, b in zip(fused_qkv, plain_qkv)), m
         assert torch.equal(gemv_epilogues.gate_up_silu(x[:m], wg, config=cg),
                            fused.silu_mul(gemv.invariant_linear(x[:m], wg, cg))), m
-    epilogue = gemv_epilogues.linear_add_norms(x[:1], wo, residual[:1], norm, next_norm, 1e-6, config=co)
-    kernel = fused.add_rmsnorm_rmsnorm(residual, gemv.invariant_linear(x, wo, co), norm, next_norm, 1e-6)
-    assert torch.equal(epilogue[0], kernel[0][:1]) and torch.equal(epilogue[1], kernel[1][:1])
 
 
 def test_a_request_alone_has_its_batch_bits_and_h_earlier_batches_change_none(batch):
-    together, alone = batch
+    together, alone, _ = batch
     assert alone == together[:4]
 
 
-def test_b_eager_steps_have_the_graph_bits(ouro_shape, batch):
-    assert _run(ouro_shape, enforce_eager=True) == batch[0]
+def test_b_c_f_eager_chunked_synchronous_steps_have_the_graph_bits(batch, eager_chunked_sync):
+    """Graphs (decode buckets with padding rows, piecewise prompt graphs padded to a token bucket), whole
+    prompts and async scheduling against eager steps, 40-token chunks and synchronous scheduling."""
+    assert eager_chunked_sync[0] == batch[0]
 
 
-def test_b_piecewise_prompt_steps_have_the_eager_bits(ouro_shape, batch):
-    """Prompt steps of at most 512 tokens replay piecewise graphs (padded to a token bucket) by default;
-    with piecewise_graph_tokens=0 they run eagerly."""
-    assert _run(ouro_shape, piecewise_graph_tokens=0) == batch[0]
-
-
-@pytest.mark.parametrize("budget", [40, 256])
-def test_c_chunked_prefill_has_the_unchunked_bits(ouro_shape, batch, budget):
-    assert _run(ouro_shape, max_num_batched_tokens=budget) == batch[0]
-
-
-def test_d_prefix_cache_hit_has_the_bits_of_a_miss(ouro_shape):
-    shared = _prompts(1, seed=5, low=160, high=160)[0]
-    prompts = [shared + [11, 12, 13], shared + [21]]
-    with _engine(ouro_shape) as engine:
-        engine.generate(prompts[:1], PARAMS, use_tqdm=False)
-        hit = engine.generate(prompts[1:], PARAMS, use_tqdm=False)[0]
-    assert hit.num_cached_tokens == 160
-    assert [_bits(hit)] == _run(ouro_shape, prompts[1:], enable_prefix_caching=False)
+def test_d_prefix_cache_hit_has_the_bits_of_a_miss(batch, eager_chunked_sync):
+    assert batch[2] == eager_chunked_sync[1]
 
 
 def test_e_preempted_requests_keep_their_bits(ouro_shape, batch):
@@ -142,21 +144,18 @@ def test_e_preempted_requests_keep_their_bits(ouro_shape, batch):
     assert [_bits(out) for out in outputs] == batch[0]
 
 
-def test_f_synchronous_steps_have_the_async_bits(ouro_shape, batch):
-    assert _run(ouro_shape, async_scheduling=False) == batch[0]
-
-
 def test_g_self_speculative_verify_rows_have_the_plain_decode_bits(ouro_shape, batch):
     assert _run(ouro_shape, speculative="loops:2", num_speculative_tokens=3) == batch[0]
 
 
-def test_h_forced_exits_hold_for_a_batch_of_32_after_a_batch_of_1(ouro_shape):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_h_forced_exits_hold_for_a_batch_of_32_after_a_batch_of_1(ouro_shape, deterministic):
     """benchmarks/early_exit.py's order: an engine that ran a batch of one first still exits every token of a
-    batch of 32 where the forced gate says (after loop 0: one loop a token)."""
+    batch of 32 where the forced gate says (after loop 0: one loop a token), in either mode."""
     from benchmarks.early_exit import decode_run
 
     with _engine(ouro_shape, exit_policy="early:0.5", max_num_seqs=32, max_model_len=600,
-                 enable_prefix_caching=False) as engine:
+                 enable_prefix_caching=False, deterministic=deterministic) as engine:
         force_exit_loop(engine.model, 0, 0.5)
         assert decode_run(engine, 1, 512, 8, seed=1)["loops_per_token"] == 1.0
         assert decode_run(engine, 32, 512, 8, seed=32)["loops_per_token"] == 1.0

@@ -24,7 +24,9 @@ kernel ends.
 
 Batch invariance within an M bucket: the config depends on (bucket(M), N, K, dtype) only, buckets
 being powers of two, and each row's arithmetic does not depend on the other rows, so a row gives the
-same bits at any M of its bucket (a batch of 3 and the same rows padded to 4 agree).
+same bits at any M of its bucket (a batch of 3 and the same rows padded to 4 agree). At every M:
+invariant_config's one config per weight, with tiled_gemm_kernel past MAX_SKINNY_M rows (invariant_linear;
+deterministic mode).
 
 Workspace: one per device, shared by every launch (launches on one stream never overlap; with PDL a
 kernel touches it only after waiting for the one before): an int32 ticket array that the kernels keep at
@@ -294,8 +296,8 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = C
 # it (dot configs pad M to at least 16, so buckets 2..16 run the same tile), else the nearest below;
 # unlisted shapes and fp32 take default_config. The fractions in the comments are of a graph-captured
 # memcpy's rate (2.76 TB/s); against the 4.22 TB/s event-timed copy multiply them by 0.65.
-# The one-row preload configs were chosen by decode TPOT instead (benchmarks/decode_ab.py, PART=preload in
-# benchmarks/run_gpu.sh): what preloading buys is overlap with the kernel before, which a chain of one
+# The one-row preload configs were chosen by decode TPOT instead (benchmarks/decode_ab.py; docs/h200.md,
+# "One row"): what preloading buys is overlap with the kernel before, which a chain of one
 # projection's calls does not show. qkv, o and gate_up preloaded took batch-1 TPOT from 4.73 to 4.06 ms at
 # 512 tokens of context and from 5.63 to 4.76 at 2K; down preloaded in 3 splits cost 1.6-3.4% more.
 TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
@@ -348,7 +350,7 @@ def select_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = CP
 # chain of tensor-core products over the same K splits, summed in split order, through skinny_gemm_kernel up
 # to MAX_SKINNY_M rows and tiled_gemm_kernel beyond (which runs the splits inside one program). The FMA path
 # is out: its one-row reduction orders the products otherwise. The Ouro-1.4B shapes take TUNED's tensor-core
-# entries for 4 to 16 rows; others take invariant_default.
+# entries for 4 to 16 rows; other shapes invariant_config's rule.
 INVARIANT_TUNED: dict[tuple[int, int], GemvConfig] = {
     (6144, 2048): GemvConfig(64, 128, 2, 4, 4, True),  # qkv
     (2048, 2048): GemvConfig(64, 128, 4, 4, 4, True),  # o
