@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps a pass")
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds a shape")
     parser.add_argument("--prefill", type=int, default=8192, help="prefill MFU's prompt (0: skip)")
+    parser.add_argument("--kv-cache-gib", type=float, default=48.0,
+                        help="each engine's KV pool (the two share the GPU)")
     parser.add_argument("--out", default=f"benchmarks/results/deterministic-{environment()['date']}.json")
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
@@ -54,14 +56,22 @@ def main() -> None:
     longest = max(longest, args.prefill + 8)
     engines = {name: Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                             max_model_len=longest, max_num_batched_tokens=BATCHED_TOKENS,
-                            enable_prefix_caching=False, deterministic=on, gpu_memory_utilization=0.4,
+                            enable_prefix_caching=False, deterministic=on, kv_cache_gib=args.kv_cache_gib,
                             verbose=False)
                for name, on in MODES.items()}
     weights = weight_bytes_per_step(engines["default"])
     kv_token = engines["default"].kv_pool.bytes_per_token
+    capacity = min(e.block_manager.num_blocks * e.kv_pool.block_size for e in engines.values())
     rows = []
     for prompt in args.prompts:
         for batch in args.batches:
+            needed = batch * (prompt + args.steps + 1 + head_start(batch, prompt, BATCHED_TOKENS))
+            if needed > capacity:
+                rows.append({"batch": batch, "prompt": prompt,
+                             "note": f"does not fit: {needed} tokens of KV, each engine's pool holds "
+                                     f"{capacity} (--kv-cache-gib)"})
+                print(rows[-1], flush=True)
+                continue
             times = abba(engines, batch, prompt, args.steps, args.rounds)
             # the mean context of a timed step, as benchmarks/latency.py takes it
             floor_ms = (weights + batch * (prompt + args.steps // 2) * kv_token) / bandwidth * 1e3
@@ -90,7 +100,8 @@ def main() -> None:
              "| batch x prompt | floor ms | default ms | deterministic ms | deterministic / default |",
              "|---|---|---|---|---|"]
     lines += [f"| {r['batch']} x {r['prompt']} | {r['floor_ms']} | {r['default_ms']} | "
-              f"{r['deterministic_ms']} | {r['ratio']} |" for r in rows]
+              f"{r['deterministic_ms']} | {r['ratio']} |" if "note" not in r else
+              f"| {r['batch']} x {r['prompt']} | {r['note']} | | | |" for r in rows]
     if prefill:
         lines += ["", "| prefill | seconds | MFU |", "|---|---|---|"]
         lines += [f"| 1 x {p['prompt']}, {p['mode']} | {p['seconds']} | {p['mfu']} |" for p in prefill]
