@@ -23,7 +23,6 @@ import torch
 from model.exit_criteria import ExitCriterion
 from tests.reference import load_hf_tensors, rms_norm
 
-STRATEGIES = ("latest", "compress:k")
 WARM_STARTS = (None, "normalized", "raw")
 
 
@@ -148,6 +147,8 @@ class ReferenceHuginn:
         if strategy != "latest" and not (strategy.startswith("compress:") and
                                          int(strategy.partition(":")[2]) % self.core == 0):
             raise ValueError(f"strategy must be latest or compress:k with k a multiple of {self.core}")
+        if warm_start not in WARM_STARTS:
+            raise ValueError(f"warm_start must be one of {WARM_STARTS}, got {warm_start!r}")
         kv: dict[tuple, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         ran: dict[int, int] = {}
         checks: dict[int, list[tuple[int, float]]] = {}
