@@ -291,7 +291,7 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = C
     return GemvConfig(block_n, block_k, split, 4, 3, use_dot)
 
 
-# Measured on the H200 by benchmarks/gemv.py (bf16; benchmarks/results/gemv-2026-11-30.json), which prints
+# Measured on the H200 by benchmarks/gemv.py (bf16, 2026-11-30; the run is in git history), which prints
 # this table: (N, K) -> {M bucket: config}. A bucket without an entry takes the nearest measured bucket above
 # it (dot configs pad M to at least 16, so buckets 2..16 run the same tile), else the nearest below;
 # unlisted shapes and fp32 take default_config. The fractions in the comments are of a graph-captured
