@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import importlib.util
 import inspect
@@ -23,7 +24,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -190,6 +191,7 @@ class Engine:
         self._step_inbox: Inbox = {}  # add_request()'s groups, read by step()
         self._unreported: list[Request] = []  # finished, but their outputs never reached a caller
         self._handed_back: list[Request] = []  # what the last _step() returned, until it was delivered
+        self._unsettled: list[Callable[[], None]] = []  # parts of an applied step that raised (_run_parts)
         self._pending: LaunchedStep | None = None  # async scheduling: the step launched ahead, unresolved
         self._ids = itertools.count()
         self.num_prefill_tokens = self.num_decode_tokens = 0
@@ -346,9 +348,11 @@ class Engine:
         return self._add(request_id, token_ids, text, params, self._step_inbox).request_id
 
     def _check_params(self, params: SamplingParams | None) -> SamplingParams:
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
+        """A checked copy of the params (SamplingParams.validate again: a field may have been set since they
+        were built), which the request keeps, so a later change to the caller's params never reaches it."""
+        if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params) if params is not None else SamplingParams()
         request_policy(params.exit_policy, self.exit_policy, self.config.total_ut_steps)
         speculative = self.engine_config.speculative
         if speculative is not None:
@@ -407,10 +411,12 @@ class Engine:
                 self.scheduler.abort(sequence_id)
 
     def has_unfinished(self) -> bool:
-        """True while a request waits or runs, or step() has an output it has not handed back."""
+        """True while a request waits or runs, step() has an output it has not handed back, or part of an
+        applied step is still to be completed."""
         self._check_open()
         pending = self._pending
         return (self.scheduler.has_unfinished() or bool(self._step_inbox) or bool(self._unreported)
+                or bool(self._unsettled)
                 or (pending is not None and not all(r.is_finished for r in pending.batch.requests)))
 
     def step(self) -> list[RequestOutput]:
@@ -442,14 +448,20 @@ class Engine:
         outputs never reached a caller. Outputs are built by the caller, only for the requests it hands out;
         a caller that fails to deliver them calls _requeue_handed_back().
 
-        A step applies whole or not at all. schedule() and the commit (the scheduler's update and the runner's
-        commit) run with Ctrl-C deferred (runner/interrupts.py); the model's run between them changes no
-        request, and the runner undoes what it does change (seeded generators, loop counters) if the step
-        stops there. What schedule() decided (admissions, block allocations, preemptions) stands: each is a
-        consistent state that the next schedule() starts from, and none changes a request's tokens, text or
-        logprobs. A failure of one request (its sampling, its detokenizing) finishes it alone with
-        finish_reason "error"."""
+        A step is decided, then applied in full. schedule() and the commit run with Ctrl-C deferred
+        (runner/interrupts.py), and the commit is safe for any exception besides: until the point of no
+        return (the scheduler has decided every row's outcome and the runner's undo record is taken), a
+        failure applies nothing, and the runner undoes what its run changed (seeded generators, loop
+        counters); after it, every part of the application runs whatever an earlier part raised, a part that
+        raised is resumed before the next step runs (_run_parts, _settle), what the step touched is handed
+        back, and only then is the first exception raised. So no finished output is lost and no seeded
+        request samples with a generator out of step with its tokens. What schedule() decided (admissions,
+        block allocations, preemptions) stands: each is a consistent state that the next schedule() starts
+        from, and none changes a request's tokens, text or logprobs. A failure of one request (its sampling,
+        its detokenizing) finishes it alone with finish_reason "error"."""
         self._handed_back = []
+        with deferred_interrupts():
+            self._settle()
         if self.engine_config.overlaps_steps:
             return self._step_overlapped()
         with deferred_interrupts():
@@ -468,8 +480,8 @@ class Engine:
                 raise
         try:
             with deferred_interrupts():
-                return self._hand_back((touched or []) + self._commit(batch, result))
-        except BaseException:  # before the commit: nothing applied; after it (a deferred Ctrl-C): all of it
+                return self._commit(batch, result, touched or [])
+        except BaseException:  # before the point of no return: nothing applied; after it: rollback is a no-op
             self.runner.rollback()
             self._requeue_handed_back()
             raise
@@ -492,7 +504,7 @@ class Engine:
             try:
                 with deferred_interrupts():
                     self._advance_launched(launched)
-            except BaseException:  # not applied (a deferred Ctrl-C at the end: applied, and kept)
+            except BaseException:  # not applied (once it is, it is the pending step, and kept)
                 if self._pending is not launched:
                     self.runner.drop(launched)
                 raise
@@ -502,7 +514,7 @@ class Engine:
         launched = self.runner.launch(batch, pending) if batch.requests and self._launchable(batch) else None
         try:
             with deferred_interrupts():
-                touched = self._hand_back(self._resolve(pending))
+                touched = self._resolve(pending)
                 if launched is not None:
                     self._advance_launched(launched)
         except BaseException:  # what was resolved is handed back by the next step (Engine._advance)
@@ -525,41 +537,51 @@ class Engine:
         return True
 
     def _advance_launched(self, launched: LaunchedStep) -> None:
-        """Apply a launched step provisionally (its tokens pending) and make it the one to resolve next."""
+        """Apply a launched step provisionally (its tokens pending) and make it the one to resolve next; once
+        decided, it is the pending step whatever applying it raises (the rest is resumed by _settle)."""
         batch = launched.batch
         # Rows of requests that finished meanwhile (a stop in the step before) ran for nothing: not counted,
         # as the synchronous path never runs them.
         skipped = set(launched.result.errors) | {row for row, r in enumerate(batch.requests) if r.is_finished}
         decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
-        self.scheduler.advance(batch, launched.result.errors)
-        self._pending = launched
+        decision = self.scheduler.decide_advance(batch, launched.result.errors)
+        self._pending = launched  # the point of no return
         self._count_tokens(batch, skipped, decode)
+        error = self._run_parts([functools.partial(self.scheduler.apply, decision)])
+        if error is not None:
+            raise error
 
     def _resolve(self, launched: LaunchedStep) -> list[Request]:
-        """Wait for a launched step's tokens and apply them; the requests it advanced or finished."""
+        """Wait for a launched step's tokens and apply them; hand back the requests it advanced or
+        finished."""
         result = self.runner.finish(launched)
         batch = launched.batch
         waiting = [r for r, samples in zip(batch.requests, batch.sample) if samples and r.pending]
-        finished = self.scheduler.resolve(batch, result.tokens)
-        self._pending = None
-        self.runner.commit(result, launched.staged)
-        return self._touched([r for r in waiting if not r.pending], finished)
+        decision = self.scheduler.decide_pending(batch, result.tokens)
+        self._pending = None  # the point of no return
+        error = self._run_parts([functools.partial(self.scheduler.apply, decision),
+                                 functools.partial(self.runner.commit, result, launched.staged,
+                                                   decision.appended, decision.advances)])
+        return self._conclude([r for r in waiting if not r.pending], self.scheduler.take_finished(), error)
 
-    def _commit(self, batch: ScheduledBatch, result: StepResult | None) -> list[Request]:
-        """Apply the step (nothing, if the scheduler's update raises); the requests it advanced or
-        finished."""
-        touched: list[Request] = []
-        if result is not None:
-            decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
-            before = [r.num_tokens for r in batch.requests]
-            finished = self.scheduler.update(batch, result.tokens, result.errors,
-                                             {row: a for row, (_, a) in result.drafts.items()})
-            self.runner.commit(result)
-            touched = [r for r, n in zip(batch.requests, before) if r.num_tokens > n or r.is_finished]
-            self._count_tokens(batch, set(result.errors), decode)
-        else:
-            finished = self.scheduler.take_finished()
-        return self._touched(touched, finished)
+    def _commit(self, batch: ScheduledBatch, result: StepResult | None,
+                touched: list[Request]) -> list[Request]:
+        """Apply the step and hand back the requests it advanced or finished, after `touched`. Deciding every
+        row's outcome changes nothing; once the runner's undo record is taken, the step is applied in full
+        (_run_parts)."""
+        if result is None:
+            return self._conclude(touched, self.scheduler.take_finished())
+        decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
+        before = [r.num_tokens for r in batch.requests]
+        decision = self.scheduler.decide(batch, result.tokens, result.errors,
+                                         {row: a for row, (_, a) in result.drafts.items()})
+        staged = self.runner.take_staged()  # the point of no return
+        self._count_tokens(batch, set(result.errors), decode)
+        error = self._run_parts([functools.partial(self.scheduler.apply, decision),
+                                 functools.partial(self.runner.commit, result, staged, decision.appended,
+                                                   decision.advances)])
+        advanced = [r for r, n in zip(batch.requests, before) if r.num_tokens > n or r.is_finished]
+        return self._conclude(touched + advanced, self.scheduler.take_finished(), error)
 
     def _count_tokens(self, batch: ScheduledBatch, skip: set[int], decode: list[bool]) -> None:
         """Count the step's prompt and decode tokens, but for the rows in `skip`; decode[row]: was the row a
@@ -571,14 +593,44 @@ class Engine:
                 else:
                     self.num_prefill_tokens += num_new
 
-    def _touched(self, touched: list[Request], finished: list[Request]) -> list[Request]:
-        """The advanced requests, then the finished ones not among them; the finished ones are released."""
+    def _run_parts(self, parts: list[Callable[[], None]],
+                   error: BaseException | None = None) -> BaseException | None:
+        """Run every part of an applied step, each whatever an earlier one raised. A part that raises is kept
+        to be resumed before the next step (_settle); each part is safe to run again (Scheduler.apply and
+        ModelRunner.commit skip what they have taken on; a release repeats nothing). Returns the first
+        exception, `error` if one came before."""
+        for part in parts:
+            try:
+                part()
+            except BaseException as err:
+                self._unsettled.append(part)
+                error = err if error is None else error
+        return error
+
+    def _settle(self) -> None:
+        """Resume the parts of an applied step that raised, before anything else runs (KV blocks, seeded
+        generators and outputs are then as if nothing had); one that raises again stays, and is raised."""
+        parts, self._unsettled = self._unsettled, []
+        error = self._run_parts(parts)
+        if error is not None:
+            raise error
+
+    def _conclude(self, touched: list[Request], finished: list[Request],
+                  error: BaseException | None = None) -> list[Request]:
+        """The end of an applied step: release the finished requests, hand back the touched ones and the
+        finished ones not among them, then raise `error` (what a part of the step raised) or the first
+        exception of a release."""
+        error = self._run_parts([functools.partial(self._release, r) for r in finished], error)
         seen = {id(r) for r in touched}
-        touched = touched + [r for r in finished if id(r) not in seen]
-        for r in finished:
-            self.runner.release(r)
-            self._requests.pop(r.request_id, None)
-        return touched
+        handed = self._hand_back(touched + [r for r in finished if id(r) not in seen])
+        if error is not None:
+            raise error
+        return handed
+
+    def _release(self, request: Request) -> None:
+        """A finished request gives back its runner state; its id stays in use until it has."""
+        self.runner.release(request)
+        self._requests.pop(request.request_id, None)
 
     def _hand_back(self, touched: list[Request]) -> list[Request]:
         """This step's touched requests, after those finished earlier whose outputs never reached a caller."""
@@ -671,8 +723,11 @@ class Engine:
         else:
             per_prompt = [params] * len(prompts)
         encoded = [self._encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        checked = [self._check_params(sp) for sp in per_prompt]
-        return [(ids, text, sp) for (ids, text), sp in zip(encoded, checked)]
+        checked: dict[int, SamplingParams] = {}  # one checked copy per params object the call passes
+        for sp in per_prompt:
+            if id(sp) not in checked:
+                checked[id(sp)] = self._check_params(sp)
+        return [(ids, text, checked[id(sp)]) for (ids, text), sp in zip(encoded, per_prompt)]
 
     def _add_all(self, prepared: list[Prepared], inbox: Inbox, groups: list[SequenceGroup]) -> None:
         """Add every prepared prompt under a fresh automatic id, appending each group to `groups` as it is
@@ -686,11 +741,20 @@ class Engine:
         none holds KV blocks or runs in a later step."""
         if self._closed:
             return
-        for group in groups:
-            if self._groups.get(group.request_id) is group:
-                for request in group.requests:
-                    self.scheduler.abort(request.request_id)
-                self._forget(group)
+        with deferred_interrupts():
+            abandoned = set()
+            for group in groups:
+                if self._groups.get(group.request_id) is group:
+                    for request in group.requests:
+                        self.scheduler.abort(request.request_id)
+                        abandoned.add(id(request))
+                    self._forget(group)
+            if abandoned:  # released now, not at the next step, so has_unfinished() is False at once
+                finished = self.scheduler.take_finished()
+                self._unreported += [r for r in finished if id(r) not in abandoned]
+                error = self._run_parts([functools.partial(self._release, r) for r in finished])
+                if error is not None:
+                    raise error
 
     def stream(self, prompts: Prompt | list[Prompt],
                sampling_params: SamplingParams | list[SamplingParams] | None = None
