@@ -160,11 +160,14 @@ class Engine:
         # One side block more than SideRows hands out: the scratch side block that graph padding rows write.
         side_blocks = side_rows.capacity + 1 if kvarn else 0
         generated_side_tiles = side_rows.generated_capacity if kvarn else 0
-        probe = self._make_pool(1, 0)
+        probe = self._make_pool(1, 0, device=torch.device("meta"))  # its byte counts; nothing allocated
         reserved = probe.side_bytes_for(side_blocks, generated_side_tiles) if kvarn else 0
+        # The pool asked for, or the smallest one (a block and the scratch block), before sizing it to memory
+        self._check_pool_fits(probe, (config.num_kv_blocks or 1) + 1, reserved,
+                              "num_kv_blocks" if config.num_kv_blocks is not None else "loops or block_size")
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(probe, reserved)
         # One block more than the scheduler may hand out: the scratch block that graph padding rows write.
-        self.kv_pool = self._make_pool(num_blocks + 1, side_blocks, generated_side_tiles)
+        self.kv_pool = self._allocate_pool(probe, num_blocks + 1, reserved, side_blocks, generated_side_tiles)
         scale = self.config.head_dim ** -0.5
         if kvarn:
             self.backend.bind_packed(self.kv_pool, scale)
@@ -236,21 +239,62 @@ class Engine:
         per draft position and overall (None without speculation)."""
         return self.runner.speculation.stats if self.runner.speculation is not None else None
 
-    def _make_pool(self, num_blocks: int, side_blocks: int,
-                   generated_side_tiles: int = 0) -> KVPool | KVarNPool:
+    def _make_pool(self, num_blocks: int, side_blocks: int, generated_side_tiles: int = 0,
+                   device: torch.device | None = None) -> KVPool | KVarNPool:
         """The KV pool of kv_cache_dtype: per-token elements (auto, bf16, fp8_e4m3) or KVarN tiles with
         side_blocks blocks of high-precision rows (and, under kv_sharing="last", generated_side_tiles tiles of
-        generated ones)."""
+        generated ones). device: the engine's unless given (the meta device measures a pool's bytes)."""
         config, model = self.engine_config, self.config
+        device = config.device if device is None else device
         fmt = parse_kv_cache_dtype(config.kv_cache_dtype)
         shape = (config.loops, model.num_hidden_layers, num_blocks)
         if fmt.kind == "kvarn":
             return KVarNPool(fmt, *shape, model.num_key_value_heads, model.head_dim, config.dtype,
-                             config.device, config.kv_sink_tokens, config.kv_tail_tokens, side_blocks,
+                             device, config.kv_sink_tokens, config.kv_tail_tokens, side_blocks,
                              generated_side_tiles=generated_side_tiles, rotate=config.kv_rotation)
         return KVPool(*shape, config.block_size, model.num_key_value_heads, model.head_dim,
-                      fmt.storage_dtype(config.dtype), config.device,
+                      fmt.storage_dtype(config.dtype), device,
                       loop_uniform_scales=config.exit_policy.can_exit or config.kv_sharing == "last")
+
+    def _allocate_pool(self, probe: KVPool | KVarNPool, num_blocks: int, reserved: int, side_blocks: int,
+                       generated_side_tiles: int) -> KVPool | KVarNPool:
+        """The KV pool of num_blocks blocks and `reserved` bytes of KVarN side rows, once _check_pool_fits;
+        an allocation that fails all the same is a ValueError naming what sized the pool."""
+        config = self.engine_config
+        lower = "num_kv_blocks" if config.num_kv_blocks is not None else \
+            "kv_cache_gib" if config.kv_cache_gib is not None else "loops or block_size"
+        self._check_pool_fits(probe, num_blocks, reserved, lower)
+        try:
+            return self._make_pool(num_blocks, side_blocks, generated_side_tiles)
+        except RuntimeError as err:  # the allocator's (torch's CUDA OutOfMemoryError is one)
+            sized_by = self._pool_sized_by(probe, num_blocks, reserved)
+            raise ValueError(f"allocating the KV pool ({sized_by}) on {config.device} failed: {err}; lower "
+                             f"{lower}") from None
+
+    def _check_pool_fits(self, probe: KVPool | KVarNPool, num_blocks: int, reserved: int, lower: str) -> None:
+        """A pool of num_blocks blocks and `reserved` bytes of side rows against the memory the device has
+        now, before anything is allocated: ValueError naming the options that sized it and those to lower."""
+        config = self.engine_config
+        needed = num_blocks * probe.bytes_per_block + reserved
+        available = device_memory_available(config.device)
+        if available is None or needed <= available:
+            return
+        if reserved > num_blocks * probe.bytes_per_block:
+            lower = "max_num_seqs, or kv_sink_tokens and kv_tail_tokens"
+        raise ValueError(f"the KV pool would take {needed / 2**30:.3g} GiB "
+                         f"({self._pool_sized_by(probe, num_blocks, reserved)}), more than the "
+                         f"{available / 2**30:.3g} GiB of memory available on {config.device}; lower {lower}")
+
+    def _pool_sized_by(self, probe: KVPool | KVarNPool, num_blocks: int, reserved: int = 0) -> str:
+        """The pool's size in the words of the options that set it."""
+        config = self.engine_config
+        asked = f"num_kv_blocks={config.num_kv_blocks}: " if config.num_kv_blocks is not None else \
+            f"kv_cache_gib={config.kv_cache_gib}: " if config.kv_cache_gib is not None else ""
+        side = (f", and {reserved / 2**30:.3g} GiB of KVarN side rows for max_num_seqs={config.max_num_seqs}"
+                if reserved else "")
+        return (f"{asked}{num_blocks} block(s) of {probe.bytes_per_block / 2**20:.3g} MiB, each "
+                f"block_size={probe.block_size} tokens x loops={config.loops} x "
+                f"{self.config.num_hidden_layers} layers{side}")
 
     def _blocks_for_memory(self, probe: KVPool | KVarNPool, reserved: int = 0) -> int:
         """kv_cache_gib when given. Otherwise vLLM's rule on CUDA: what is left of utilization x total after
@@ -263,7 +307,12 @@ class Engine:
             budget = self._cpu_kv_budget(probe.bytes_per_block) + reserved
         else:
             torch.cuda.reset_peak_memory_stats(config.device)
-            self._profile_run(config.max_num_batched_tokens)
+            try:
+                self._profile_run(config.max_num_batched_tokens)
+            except torch.cuda.OutOfMemoryError:
+                raise ValueError(f"max_num_batched_tokens={config.max_num_batched_tokens}: a step of that "
+                                 f"many tokens does not fit in {config.device}'s memory beside the weights; "
+                                 "lower it") from None
             peak = torch.cuda.max_memory_allocated(config.device)
             free, total = torch.cuda.mem_get_info(config.device)
             others = total - free - torch.cuda.memory_reserved(config.device)
@@ -272,9 +321,11 @@ class Engine:
         if blocks < 1:
             side = (f"; the KVarN side pool takes {reserved / 2**30:.2f} GiB of it (lower max_num_seqs or "
                     "kv_sink_tokens / kv_tail_tokens)") if reserved else ""
-            raise ValueError(f"no memory left for the KV cache (one block needs {probe.bytes_per_block} "
-                             "bytes, and one more is the scratch block); raise kv_cache_gib, or on CUDA "
-                             f"gpu_memory_utilization, or lower max_num_batched_tokens{side}")
+            raise ValueError(f"no memory left for the KV cache: its budget of {max(budget, 0) / 2**30:.3g} "
+                             "GiB holds no block besides the scratch block "
+                             f"({self._pool_sized_by(probe, 1)}); "
+                             "raise kv_cache_gib, or on CUDA gpu_memory_utilization, or lower "
+                             f"max_num_batched_tokens, loops or block_size{side}")
         return blocks
 
     def _cpu_kv_budget(self, bytes_per_block: int) -> float:
@@ -925,6 +976,14 @@ def available_memory_bytes() -> int | None:
     except (OSError, ValueError):
         return available
     return available if limit == "max" else min(available, max(0, int(limit) - used))
+
+
+def device_memory_available(device: torch.device) -> int | None:
+    """Bytes a new allocation may take on the device now: CUDA's free memory, or the host's available
+    memory (available_memory_bytes); None where the OS does not say."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_memory_bytes()
 
 
 LLM = Engine  # vLLM's name: `from engine import LLM`
