@@ -13,6 +13,8 @@ from typing import Any
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from model.checkpoint_paths import checkpoint_file
+
 # A chat template renders in about a millisecond; these bounds stop one that loops or grows without end.
 TEMPLATE_SECONDS = 2.0
 TEMPLATE_MAX_CHARS = 4 * 2**20
@@ -22,8 +24,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object")
@@ -57,17 +59,24 @@ def render_chatml(messages: list[dict[str, str]], add_generation_prompt: bool = 
 
 class Tokenizer:
     def __init__(self, model_dir: Path) -> None:
-        path = model_dir / "tokenizer.json"
+        """The checkpoint's tokenizer files, each inside model_dir (model/checkpoint_paths.py); a missing or
+        malformed one is an error naming it."""
+        path = checkpoint_file(model_dir, "tokenizer.json", "the checkpoint's tokenizer")
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
-        self._tok = _HFTokenizer.from_file(str(path))
-        self.config_path = model_dir / "tokenizer_config.json"
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as err:  # the tokenizers library raises a bare Exception for a malformed file
+            raise ValueError(f"{path} is not a tokenizer the tokenizers library can read: {err}") from None
+        self.config_path = checkpoint_file(model_dir, "tokenizer_config.json",
+                                           "the checkpoint's tokenizer config")
         self.config = _read_json(self.config_path)
         # One template, or several by name (transformers picks "default", or "tool_use" when given tools).
         self.chat_template = _templates(self.config.get("chat_template"), self.config_path)
         stop = []
         for name in ("generation_config.json", "config.json"):
-            stop += _ids(_read_json(model_dir / name).get("eos_token_id"), model_dir / name, "eos_token_id")
+            file = checkpoint_file(model_dir, name, f"the checkpoint's {name}")
+            stop += _ids(_read_json(file).get("eos_token_id"), file, "eos_token_id")
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stop))
         self._compiled: dict[str, Any] = {}
         self._token_texts: dict[int, str] = {}
