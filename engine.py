@@ -1167,11 +1167,16 @@ def _unescape(text: str) -> str:
     return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
+# What `generate --prompts-file` adds to each row in its output line; a JSONL row may not carry these itself.
+OUTPUT_FIELDS = ("index", "text", "token_ids", "finish_reason", "stop_reason", "error")
+
+
 def read_prompts_file(path: str | Path) -> list[dict[str, Any]]:
     """The rows of --prompts-file, each with its "prompt": every line one (an empty line is an empty prompt,
     which fails alone). A .jsonl file holds one JSON object per line with a "prompt" string, whose other
-    fields (an id, say) the output line carries along; a line that is not one raises ValueError naming the
-    file and line, before any model loads."""
+    fields (an id, say) the output line carries along unchanged; a line that is not one, or that has a field
+    the output line sets (OUTPUT_FIELDS), raises ValueError naming the file, line and field, before any
+    model loads."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -1187,6 +1192,10 @@ def read_prompts_file(path: str | Path) -> list[dict[str, Any]]:
             raise ValueError(f"--prompts-file {path}, line {number}: not JSON ({err.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f"--prompts-file {path}, line {number}: needs a \"prompt\" string")
+        clash = [field for field in OUTPUT_FIELDS if field in row]
+        if clash:
+            raise ValueError(f"--prompts-file {path}, line {number}: field {clash[0]!r} is one the output "
+                             f"line sets ({', '.join(OUTPUT_FIELDS)}), so it would be overwritten; rename it")
         rows.append(row)
     return rows
 
@@ -1285,9 +1294,9 @@ def _generate_batch(engine: Engine, rows: list[dict[str, Any]], params: Sampling
     failed = 0
     for index, (row, out) in enumerate(zip(rows, outputs)):
         completion = out.outputs[0]
-        print(json.dumps({**row, "index": index, "text": completion.text, "token_ids": completion.token_ids,
-                          "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                          "error": completion.error}))
+        produced = (index, completion.text, completion.token_ids, completion.finish_reason,
+                    completion.stop_reason, completion.error)
+        print(json.dumps({**row, **dict(zip(OUTPUT_FIELDS, produced))}))
         if completion.finish_reason == "error":
             failed += 1
             print(f"error: prompt {index} (line {index + 1}): {completion.error}", file=sys.stderr)
