@@ -71,8 +71,7 @@ class _Renderer:
         process = self.process
         if process is not None and self.owner == os.getpid() and process.poll() is None:
             return
-        if process is not None and self.owner == os.getpid():
-            self.stop()
+        self.stop()
         command = [sys.executable, "-c", _BOOT, str(_ROOT), str(TEMPLATE_MEMORY_BYTES)]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.DEVNULL)
@@ -81,8 +80,9 @@ class _Renderer:
                          name="chat-template-replies").start()
 
     def stop(self) -> None:
+        """Kill this process's renderer (never one a forked parent started)."""
         process, self.process = self.process, None
-        if process is not None:
+        if process is not None and self.owner == os.getpid():
             process.kill()
             process.wait()
             for pipe in (process.stdin, process.stdout):

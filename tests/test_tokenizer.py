@@ -106,3 +106,21 @@ def test_malformed_tokenizer_fields_name_the_file(tiny_checkpoint, tmp_path, fil
     (path / file).write_text(json.dumps(data))
     with pytest.raises(ValueError, match=rf"{file.replace('.', '[.]')}: .*{message}"):
         Tokenizer(path)
+
+
+def test_an_interrupted_render_leaves_no_reply_behind_for_the_next(tiny_checkpoint, monkeypatch):
+    """A Ctrl-C while the renderer works stops that process, so the next render never reads the reply that
+    was meant for the interrupted one."""
+    tok = Tokenizer(tiny_checkpoint)
+    wait = chat_template._Renderer.wait
+
+    def interrupted(self, seconds, origin, doing, if_died):
+        if doing == "rendering":
+            raise KeyboardInterrupt
+        return wait(self, seconds, origin, doing, if_died)
+
+    monkeypatch.setattr(chat_template._Renderer, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tok.apply_chat_template(MESSAGES, chat_template="first")
+    monkeypatch.setattr(chat_template._Renderer, "wait", wait)
+    assert tok.apply_chat_template(MESSAGES, chat_template="second") == "second"
