@@ -355,26 +355,26 @@ def test_an_exception_inside_the_commit_loses_no_output_and_keeps_seeded_tokens(
     request's tokens included), and every block is free."""
     expected, _ = run_workload(engine)
     target = getattr(engine, owner)
-    real, calls, armed = getattr(target, name), [0], [None]
-    in_commit = [False]
-    apply = engine.scheduler.apply
-
-    def applying(*args, **kwargs):  # block_manager.free is counted inside the commit only
-        in_commit[0] = True
-        try:
-            return apply(*args, **kwargs)
-        finally:
-            in_commit[0] = False
+    real, calls, armed, in_commit = getattr(target, name), [0], [None], [name != "free"]
 
     def hooked(*args, **kwargs):
-        if name != "free" or in_commit[0]:
+        if in_commit[0]:
             calls[0] += 1
             if calls[0] == armed[0]:
                 raise error(f"injected into {owner}.{name}")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(target, name, hooked)
-    if name == "free":
+    if name == "free":  # counted inside the commit only (schedule() frees blocks too)
+        apply = engine.scheduler.apply
+
+        def applying(*args, **kwargs):
+            in_commit[0] = True
+            try:
+                return apply(*args, **kwargs)
+            finally:
+                in_commit[0] = False
+
         monkeypatch.setattr(engine.scheduler, "apply", applying)
     run_workload(engine)
     total, calls[0] = calls[0], 0
