@@ -125,7 +125,8 @@ class Engine:
                  num_speculative_tokens: int | None = None, admission: str = "reserve",
                  kv_cache_dtype: str = "auto", kv_sink_tokens: int = 0, kv_tail_tokens: int = 0,
                  kv_rotation: bool = True, async_scheduling: bool | None = None,
-                 piecewise_graph_tokens: int = 512, check_finite_weights: bool = True,
+                 piecewise_graph_tokens: int = 512, deterministic: bool | None = None,
+                 check_finite_weights: bool = True,
                  verbose: bool = True) -> None:
         if not isinstance(verbose, bool):
             raise ValueError(f"verbose must be True or False, got {verbose!r}")
@@ -139,11 +140,13 @@ class Engine:
             speculative=speculative, num_speculative_tokens=num_speculative_tokens, admission=admission,
             kv_cache_dtype=kv_cache_dtype, kv_sink_tokens=kv_sink_tokens, kv_tail_tokens=kv_tail_tokens,
             kv_rotation=kv_rotation, async_scheduling=async_scheduling,
-            piecewise_graph_tokens=piecewise_graph_tokens, check_finite_weights=check_finite_weights)
+            piecewise_graph_tokens=piecewise_graph_tokens, deterministic=deterministic,
+            check_finite_weights=check_finite_weights)
         model_dir = config.model_dir
         self.config: OuroConfig = config.model
         self.tokenizer = Tokenizer(model_dir)
-        self.backend = select(config.attention, config.device, {"packed_prefill": config.packed_prefill})
+        self.backend = select(config.attention, config.device, {"packed_prefill": config.packed_prefill,
+                                                                "batch_invariant": config.batch_invariant})
         self.backend.check(config.dtype, self.config.head_dim, config.device)
         layout_name = KV_SHARING[config.kv_sharing]
         if layout_name not in self.backend.capabilities.kv_formats:
@@ -153,6 +156,7 @@ class Engine:
         # Fused Triton kernels around the GEMMs on CUDA; the plain torch ops elsewhere.
         self.model = load_model(model_dir, self.config, config.device, config.dtype,
                                 fused_kernels=config.device.type == "cuda" and fused_kernels_available(),
+                                batch_invariant=config.batch_invariant,
                                 check_finite=config.check_finite_weights)
         loops, layers = config.loops, self.config.num_hidden_layers
         kvarn = parse_kv_cache_dtype(config.kv_cache_dtype).kind == "kvarn"
@@ -175,8 +179,11 @@ class Engine:
             self.backend.bind_packed(self.kv_pool, scale)
         else:
             self.backend.bind(self.kv_pool.key_cache, self.kv_pool.value_cache, scale, self.kv_pool.kv_scales)
-        self.layout = make_layout(config.kv_sharing, loops, layers, config.block_size,
-                                  config.generated_kv_exact)
+        # In deterministic mode a generated token's K/V stands for a prompt's (in the prefix cache, in a
+        # recompute) only where the backend gives a prompt token what decoding it gives.
+        exact = config.generated_kv_exact and (not config.batch_invariant
+                                               or self.backend.capabilities.prefill_matches_decode)
+        self.layout = make_layout(config.kv_sharing, loops, layers, config.block_size, exact)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           layout=self.layout, side_rows=side_rows)
         if self.layout.blocks_per_sequence(config.max_model_len, 0) > num_blocks:
@@ -253,7 +260,8 @@ class Engine:
         if fmt.kind == "kvarn":
             return KVarNPool(fmt, *shape, model.num_key_value_heads, model.head_dim, config.dtype,
                              device, config.kv_sink_tokens, config.kv_tail_tokens, side_blocks,
-                             generated_side_tiles=generated_side_tiles, rotate=config.kv_rotation)
+                             generated_side_tiles=generated_side_tiles, rotate=config.kv_rotation,
+                             batch_invariant=config.batch_invariant)
         return KVPool(*shape, config.block_size, model.num_key_value_heads, model.head_dim,
                       fmt.storage_dtype(config.dtype), device,
                       loop_uniform_scales=config.exit_policy.can_exit or config.kv_sharing == "last")
@@ -1093,7 +1101,38 @@ def build_parser() -> argparse.ArgumentParser:
                           help="subtract from the logit of every token already generated (default 0)")
     sampling.add_argument("--frequency-penalty", type=float, default=0.0,
                           help="subtract this x its count from a generated token's logit (default 0)")
-    engine = gen.add_argument_group("engine")
+    add_engine_flags(gen.add_argument_group("engine"))
+    output = gen.add_argument_group("output")
+    output.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    output.add_argument("--loop-trace", action="store_true",
+                        help="print each generated token's exit loop and exit pdf")
+    sub.add_parser("eval", add_help=False,
+                   help="paired eval of two configs on a frozen protocol (eval --help)")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (the [serve] extra; "
+                                         "docs/serving.md)")
+    serve.add_argument("--model", default=None,
+                       help="checkpoint directory or Hugging Face repo id (default: the embedded tiny model)")
+    add_engine_flags(serve.add_argument_group("engine"))
+    http = serve.add_argument_group("server")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000,
+                      help="port to listen on; 0: any free one (default 8000)")
+    http.add_argument("--served-model-name", default=None,
+                      help="the model's name in requests and responses (default: --model as given)")
+    http.add_argument("--max-pending-requests", type=int, default=1024, metavar="N",
+                      help="prompts held at once, waiting or running; one more is answered 429 "
+                           "(default 1024)")
+    http.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                      help="on SIGTERM, seconds in-flight requests get to finish before they are aborted "
+                           "(default 10)")
+    http.add_argument("--log-level", default="info",
+                      choices=["critical", "error", "warning", "info", "debug"],
+                      help="uvicorn's log level (default info)")
+    return parser
+
+
+def add_engine_flags(engine: argparse._ArgumentGroup) -> None:
+    """The Engine's flags, shared by generate and serve (engine_from_args reads them)."""
     engine.add_argument("--loops", type=int, default=None,
                         help="loop count T (default: the checkpoint's total_ut_steps)")
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -1142,16 +1181,15 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--piecewise-graph-tokens", type=int, default=512, metavar="N",
                         help="steps with prompt tokens, of at most N tokens, replay piecewise CUDA graphs "
                              "(attention eager between them); 0: such steps run eagerly (default 512)")
+    engine.add_argument("--deterministic", default="auto", choices=["auto", "on", "off"],
+                        help="batch invariance: a request's logits have the same bits whatever runs beside "
+                             "it, eager or under CUDA graphs (docs/deterministic.md); auto (default): the "
+                             "device's default")
+    engine.add_argument("--max-num-seqs", type=int, default=256,
+                        help="sequences that run at once (default 256)")
     engine.add_argument("--no-check-finite-weights", action="store_true",
                         help="skip the check that every weight is finite (no NaN or inf) as it loads: on a "
                              "CPU it takes about 7%% of the load")
-    output = gen.add_argument_group("output")
-    output.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    output.add_argument("--loop-trace", action="store_true",
-                        help="print each generated token's exit loop and exit pdf")
-    sub.add_parser("eval", add_help=False,
-                   help="paired eval of two configs on a frozen protocol (eval --help)")
-    return parser
 
 
 def _threads(value: str) -> int | str:
@@ -1205,12 +1243,6 @@ def cli_generate(args: argparse.Namespace) -> int:
     if args.stream and args.prompts_file is not None:
         raise ValueError("--stream prints one prompt's tokens as they come; it does not take --prompts-file")
     rows = read_prompts_file(args.prompts_file) if args.prompts_file is not None else None
-    threads = args.threads
-    on_cpu = args.device == "cpu" or (args.device is None and not torch.cuda.is_available())
-    if threads == "auto" and on_cpu:
-        threads = default_cpu_threads()
-    if threads != "auto":
-        torch.set_num_threads(threads)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
@@ -1218,21 +1250,51 @@ def cli_generate(args: argparse.Namespace) -> int:
                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                             stop=[_unescape(s) for s in args.stop] if args.stop else None,
                             loop_trace=args.loop_trace)
-    with Engine(args.model, device=args.device, dtype=args.dtype, attention=args.attention,
-                loops=args.loops, enforce_eager=args.enforce_eager, exit_policy=args.exit_policy,
-                kv_sharing=args.kv_sharing, max_model_len=args.max_model_len,
-                num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
-                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                admission=args.admission, kv_cache_dtype=args.kv_cache_dtype,
-                kv_sink_tokens=args.kv_sink_tokens, kv_tail_tokens=args.kv_tail_tokens,
-                kv_rotation=not args.kv_no_rotation,
-                block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-                async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-                piecewise_graph_tokens=args.piecewise_graph_tokens,
-                check_finite_weights=not args.no_check_finite_weights) as engine:
+    with engine_from_args(args) as engine:
         if rows is not None:
             return _generate_batch(engine, rows, params)
         return _generate_one(engine, args, params)
+
+
+def engine_from_args(args: argparse.Namespace) -> Engine:
+    """The Engine of the engine flags (add_engine_flags), after setting torch's CPU threads (--threads)."""
+    threads = args.threads
+    on_cpu = args.device == "cpu" or (args.device is None and not torch.cuda.is_available())
+    if threads == "auto" and on_cpu:
+        threads = default_cpu_threads()
+    if threads != "auto":
+        torch.set_num_threads(threads)
+    return Engine(args.model, device=args.device, dtype=args.dtype, attention=args.attention,
+                  loops=args.loops, enforce_eager=args.enforce_eager, exit_policy=args.exit_policy,
+                  kv_sharing=args.kv_sharing, max_model_len=args.max_model_len,
+                  num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
+                  speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                  admission=args.admission, kv_cache_dtype=args.kv_cache_dtype,
+                  kv_sink_tokens=args.kv_sink_tokens, kv_tail_tokens=args.kv_tail_tokens,
+                  kv_rotation=not args.kv_no_rotation,
+                  block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                  async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+                  piecewise_graph_tokens=args.piecewise_graph_tokens, max_num_seqs=args.max_num_seqs,
+                  deterministic={"auto": None, "on": True, "off": False}[args.deterministic],
+                  check_finite_weights=not args.no_check_finite_weights)
+
+
+def cli_serve(args: argparse.Namespace) -> int:
+    """Run `serve`: the Engine of the engine flags behind server/app.py's server, until SIGTERM or Ctrl-C.
+    The server sits above the engine (the design's cli.py will hold this); this is the one place that
+    reaches up to it."""
+    try:
+        from server.app import serve
+    except ModuleNotFoundError as err:
+        raise ValueError(f"serve needs the [serve] extra: pip install -e \".[serve]\" ({err})") from None
+    if args.max_pending_requests < 1:
+        raise ValueError(f"--max-pending-requests must be at least 1, got {args.max_pending_requests}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    name = args.served_model_name or args.model or DEFAULT_MODEL.name
+    with engine_from_args(args) as engine:
+        return serve(engine, name, args.host, args.port, args.max_pending_requests, args.shutdown_timeout,
+                     args.log_level)
 
 
 def _generate_one(engine: Engine, args: argparse.Namespace, params: SamplingParams) -> int:
@@ -1325,8 +1387,8 @@ def _print_traces(engine: Engine, completion: CompletionOutput) -> None:
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    """`generate` and `eval`, as `python engine.py ...` or the `loop-engine` console script. Returns the
-    exit status; bad arguments or input exit with status 1 and the error on stderr."""
+    """`generate`, `eval` and `serve`, as `python engine.py ...` or the `loop-engine` console script. Returns
+    the exit status; bad arguments or input exit with status 1 and the error on stderr."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["eval"]:  # its own parser; imported only when asked for
         from benchmarks.paired_eval import main as eval_main
@@ -1335,7 +1397,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         return 0
     args = build_parser().parse_args(argv)
     try:
-        return cli_generate(args)
+        return cli_serve(args) if args.command == "serve" else cli_generate(args)
     except (ValueError, OSError) as err:  # bad input, a bad checkpoint, a file it cannot read: one line
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from attention.base import check_name as check_backend_name
+from attention.base import resolve_name as resolve_backend_name
 from cache.kv_format import check_tile_dims, parse_kv_cache_dtype
 from model.checkpoint_paths import checkpoint_file
 from model.config import OuroConfig
@@ -29,6 +30,8 @@ from request import ADMISSION, ExitPolicy, parse_exit_policy
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 KV_SHARING = ("none", "last")
+# deterministic=None, per device type: on where its measured cost is small (docs/deterministic.md).
+DETERMINISTIC_BY_DEFAULT = {"cpu": False, "cuda": False}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,6 +74,10 @@ class EngineConfig:
     # this one. None: on for CUDA where it applies (not with speculative decoding or early:Q); True or
     # False: as asked.
     async_scheduling: bool | None = None
+    # Batch invariance (docs/deterministic.md): a request's logits have the same bits whatever else runs
+    # beside it, in eager steps and in CUDA graphs. None: the default (DETERMINISTIC_BY_DEFAULT); True or
+    # False: as asked.
+    deterministic: bool | None = None
     # Refuse a checkpoint whose weights hold a NaN or an infinity, naming the tensor (model/loader.py); False
     # skips the check (about 7% of a CPU load, a small part of a GPU one)
     check_finite_weights: bool = True
@@ -92,6 +99,8 @@ class EngineConfig:
                     raise ValueError(f"async_scheduling=True cannot be combined with {name}: its steps read "
                                      "their tokens (or their exits) on the host before the next can start; "
                                      "leave async_scheduling at None (auto) or False")
+        if self.deterministic and self.deterministic_refusal():
+            raise ValueError(f"deterministic=True {self.deterministic_refusal()}")
         if self.speculative is not None:
             draft_loops(self.speculative, self.model.total_ut_steps)  # d against this engine's loop count
             if self.exit_policy.can_exit:
@@ -111,8 +120,7 @@ class EngineConfig:
             check_tile_dims(group, self.model.head_dim)
         except ValueError as err:
             raise ValueError(f"{name} cannot serve this checkpoint: {err}") from None
-        backend = self.attention if self.attention != "auto" else ("torch" if self.device.type == "cpu"
-                                                                    else "triton")
+        backend = self.backend_name
         refused = [
             (backend not in ("torch", "triton"), f"runs on attention='torch' or 'triton', got "
                                                  f"attention={self.attention!r}"),
@@ -132,6 +140,37 @@ class EngineConfig:
         for bad, why in refused:
             if bad:
                 raise ValueError(f"{name} {why}")
+
+    def deterministic_refusal(self) -> str | None:
+        """Why deterministic mode cannot run with these options (None: it can): it runs the Triton kernels on
+        CUDA (cuBLAS picks its kernels by the batch's shape) and the torch backend's tiles on CPU, over the
+        paged and shared-last layouts in the model dtype, fp8 or (torch backend) KVarN."""
+        backend = self.backend_name
+        refused = [
+            (self.packed_prefill, "cannot be combined with packed_prefill=True (its packed tiles give a "
+                                  "prompt's queries other sums than the paged kernel's)"),
+            (self.device.type == "cuda" and backend != "triton",
+             f"runs on CUDA with attention='triton' (the engine's own kernels; the torch backend's products "
+             f"go through cuBLAS, which picks kernels by the batch's shape), got "
+             f"attention={self.attention!r}"),
+            (parse_kv_cache_dtype(self.kv_cache_dtype).kind == "kvarn" and backend == "triton",
+             f"cannot be combined with kv_cache_dtype={self.kv_cache_dtype!r} on attention='triton' yet (its "
+             f"KVarN kernels are not batch-invariant; the torch backend's tiles are)"),
+        ]
+        return next((reason for bad, reason in refused if bad), None)
+
+    @property
+    def backend_name(self) -> str:
+        """The attention backend's name, "auto" resolved (attention/base.py: resolve_name)."""
+        return resolve_backend_name(self.attention, self.device)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Does the engine run in deterministic mode? (deterministic resolved: None takes the device's default
+        where the other options allow it.)"""
+        if self.deterministic is not None:
+            return self.deterministic
+        return DETERMINISTIC_BY_DEFAULT[self.device.type] and self.deterministic_refusal() is None
 
     @property
     def draft_loops(self) -> int | None:
@@ -209,9 +248,9 @@ def check_options(**values: Any) -> None:
     for name in ("enable_prefix_caching", "packed_prefill", "enforce_eager", "check_finite_weights"):
         if name in values and not isinstance(values[name], bool):
             raise ValueError(f"{name} must be True or False, got {values[name]!r}")
-    if values.get("async_scheduling") is not None and not isinstance(values["async_scheduling"], bool):
-        raise ValueError(f"async_scheduling must be True, False or None (auto), got "
-                         f"{values['async_scheduling']!r}")
+    for name in ("async_scheduling", "deterministic"):
+        if values.get(name) is not None and not isinstance(values[name], bool):
+            raise ValueError(f"{name} must be True, False or None (the default), got {values[name]!r}")
     if "gpu_memory_utilization" in values:
         utilization = values["gpu_memory_utilization"]
         if not _is_number(utilization) or not 0.0 < utilization <= 1.0:

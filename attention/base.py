@@ -33,6 +33,12 @@ class Capabilities:
     packed_prefill_tolerance: float | None = None
     # Attends over a KVarN pool (bind_packed): tiles and side rows, through the pool's own store and read.
     kvarn: bool = False
+    # Engine(deterministic=True): a query's output has the same bits whatever else its step holds, and a
+    # one-token row that is a prompt token takes the prompt path (AttentionMetadata.decode_rows).
+    batch_invariant: bool = False
+    # A prompt token's K/V and output are bitwise those of decoding it (so generated tokens' K/V may serve
+    # as a cached prompt's); said by batch_invariant instances only.
+    prefill_matches_decode: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,6 +97,9 @@ class AttentionMetadata:
     # device as [B, max_blocks] int32 (-1 past a table's end), where the runner uploads it
     side_tables_cpu: list[list[int]] | None = None
     side_tables: torch.Tensor | None = None
+    # The one-token rows whose token is a generated one (not a prompt's); None: every one-token row. A
+    # batch_invariant backend attends these the decode way and every other row the prompt way.
+    decode_rows: list[int] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -128,7 +137,8 @@ class AttentionMetadata:
             [self.context_lens_cpu[r] for r in rows], self.block_size,
             self.shared_kv.select(rows, index) if self.shared_kv is not None else None,
             None if self.side_tables_cpu is None else [self.side_tables_cpu[r] for r in rows],
-            None if self.side_tables is None else self.side_tables[index])
+            None if self.side_tables is None else self.side_tables[index],
+            None if self.decode_rows is None else [i for i, r in enumerate(rows) if r in self.decode_rows])
         return sub, tokens
 
 
@@ -231,12 +241,10 @@ def select(name: str, device: torch.device, requirements: dict[str, bool] | None
 
     `requirements` names capabilities to switch on, on the returned instance only.
     """
-    _load_builtin_backends()
-    if name == "auto":
-        name = "triton" if device.type == "cuda" and "triton" in _REGISTRY else "torch"
-        if device.type == "cuda" and name == "torch":
-            warnings.warn("triton is not installed: attention='auto' on CUDA falls back to the torch backend "
-                          "(slower; pip install triton for the Triton kernels)", stacklevel=3)
+    if name == "auto" and device.type == "cuda" and resolve_name(name, device) == "torch":
+        warnings.warn("triton is not installed: attention='auto' on CUDA falls back to the torch backend "
+                      "(slower; pip install triton for the Triton kernels)", stacklevel=3)
+    name = resolve_name(name, device)
     check_name(name)
     cls = _REGISTRY[name]
     caps = dataclasses.replace(cls.default_capabilities)
@@ -247,6 +255,14 @@ def select(name: str, device: torch.device, requirements: dict[str, bool] | None
             raise ValueError(f"attention backend {name!r} cannot provide {key!r}")
         setattr(caps, key, True)
     return cls(caps)
+
+
+def resolve_name(name: str, device: torch.device) -> str:
+    """The backend a name selects on a device: "auto" is triton on CUDA (where installed), else torch."""
+    _load_builtin_backends()
+    if name != "auto":
+        return name
+    return "triton" if device.type == "cuda" and "triton" in _REGISTRY else "torch"
 
 
 def _load_builtin_backends() -> None:

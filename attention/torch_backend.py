@@ -2,16 +2,21 @@
 
 It is slow and obviously right; every other backend is tested against it. An fp8 pool is stored and read
 through attention/fp8.py with the slot's scales. A KVarN pool (bind_packed) stores and reads through the
-pool itself, and each query attends over its history read two ways (attention/packed_attention.py).
+pool itself, and each query attends over its history read two ways (attention/packed_attention.py). A
+batch_invariant instance (Engine(deterministic=True)) attends in fixed key tiles
+(attention/tiled_reference.py), over a KVarN pool too.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from attention import fp8
 from attention.base import AttentionBackend, Capabilities, SharedKVMetadata, register
 from attention.packed_attention import attend_generated_row_through_pool, attend_row_through_pool
+from attention.tiled_reference import tiled_attention
 
 
 def encode(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
@@ -62,6 +67,15 @@ def paged_attention_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 class TorchBackend(AttentionBackend):
     name = "torch"
     default_capabilities = Capabilities(kv_formats=("paged", "shared-last"), kvarn=True)
+    # batch_invariant: every query through attention/tiled_reference.py's fixed key tiles, which give a prompt
+    # token what decoding it gives.
+    optional_capabilities = frozenset({"batch_invariant"})
+
+    def __init__(self, capabilities: Capabilities) -> None:
+        if capabilities.batch_invariant:
+            capabilities = dataclasses.replace(capabilities, prefill_matches_decode=True)
+        super().__init__(capabilities)
+        self.attend_row = tiled_attention if capabilities.batch_invariant else paged_attention_row
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
         meta = self.meta
@@ -79,8 +93,7 @@ class TorchBackend(AttentionBackend):
             table = meta.block_tables[row]
             keys = gather_context(key_cache, table, context_len, key_scales)
             values = gather_context(value_cache, table, context_len, value_scales)
-            out[start:start + num_new] = paged_attention_row(q[start:start + num_new], keys, values,
-                                                             self.scale)
+            out[start:start + num_new] = self.attend_row(q[start:start + num_new], keys, values, self.scale)
             start += num_new
         return out
 
@@ -89,6 +102,7 @@ class TorchBackend(AttentionBackend):
         the new rows that stay high precision (after the reads: a ring entry may pass to a newer block).
         Under kv_sharing="last" a generated row's token goes through its generated tiles instead."""
         meta, shared = self.meta, self.meta.shared_kv
+        invariant = self.capabilities.batch_invariant
         out = torch.empty_like(q)
         starts = meta.query_starts_cpu
         for row, side_table in enumerate(meta.side_tables_cpu):
@@ -101,11 +115,20 @@ class TorchBackend(AttentionBackend):
                 generated = (shared.generated_side_tables_cpu[row], shared.generated_block_tables[row])
                 out[new] = attend_generated_row_through_pool(
                     self.packed_pool, slot, prompt, generated, prompt_len, first - prompt_len, q[new], k[new],
-                    v[new], self.scale).to(q.dtype)
+                    v[new], self.scale, invariant).to(q.dtype)
             else:
                 out[new] = attend_row_through_pool(self.packed_pool, slot, *prompt, first, q[new], k[new],
-                                                   v[new], self.scale, prompt_len).to(q.dtype)
+                                                   v[new], self.scale, prompt_len, invariant).to(q.dtype)
         return out
+
+    def bind_packed(self, pool, scale: float) -> None:
+        """As the base class's; a batch_invariant instance needs a pool made batch_invariant (its tiles'
+        rotation row by row), and the other way round, so that the two read a tile alike."""
+        if pool.batch_invariant != self.capabilities.batch_invariant:
+            raise ValueError(f"a KVarN pool made with batch_invariant={pool.batch_invariant} cannot serve a "
+                             f"torch backend with batch_invariant={self.capabilities.batch_invariant}: make "
+                             "both with Engine(deterministic=...)'s choice")
+        super().bind_packed(pool, scale)
 
     def _slot_scales(self, slot: int) -> torch.Tensor | None:
         """The slot's [2, kv_heads] fp8 scales; None for a pool of another dtype."""
@@ -140,7 +163,7 @@ class TorchBackend(AttentionBackend):
                               decode(key_flat[generated], key_scales)])
             values = torch.cat([gather_context(value_cache, table, prompt_len, value_scales),
                                 decode(value_flat[generated], value_scales)])
-            out[new] = paged_attention_row(q[new], keys, values, self.scale)
+            out[new] = self.attend_row(q[new], keys, values, self.scale)
             start += num_new
         return out
 

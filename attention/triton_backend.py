@@ -128,7 +128,9 @@ class TritonBackend(AttentionBackend):
     # The kernels tile head_dim with tl.arange, which needs a power of two; these are the ones tested.
     default_capabilities = Capabilities(head_dims=(32, 64, 128, 256), cuda_graphs=True,
                                         kv_formats=("paged", "shared-last"), kvarn=True)
-    optional_capabilities = frozenset({"packed_prefill"})
+    # batch_invariant: a one-token row of a prompt token goes to the prefill kernel, as the prompt's other
+    # tokens do (AttentionMetadata.decode_rows), not to the decode kernel, whose split-KV sums differ.
+    optional_capabilities = frozenset({"packed_prefill", "batch_invariant"})
 
     def __init__(self, capabilities: Capabilities) -> None:
         if capabilities.packed_prefill:
@@ -189,7 +191,8 @@ class TritonBackend(AttentionBackend):
         self.short_split_keys = 128
         self.pdl = pdl_supported(device)
         # Decode key tiles of 32 KB for K and V (128 keys x 128 dims in bf16), fastest on an H200 with the
-        # tensor-core loop (benchmarks/decode_variants.py); 64 keys for fp8 pools and head_dim 256.
+        # tensor-core loop (timed 2026-12-01 by a variants benchmark, now in git history); 64 keys for fp8
+        # pools and head_dim 256.
         wide = self.head_dim <= 128 and key_cache.element_size() != 1
         self.decode_block_n = (128 if wide else 64) // narrow
         self.decode_num_warps = 4
@@ -249,6 +252,8 @@ class TritonBackend(AttentionBackend):
         query_lens, context_lens = meta.query_lens_cpu, meta.context_lens_cpu
         starts = meta.query_starts_cpu
         decode = [row for row, n in enumerate(query_lens) if n == 1]
+        if self.capabilities.batch_invariant and meta.decode_rows is not None:
+            decode = meta.decode_rows
         if self._capturing:
             if len(decode) != meta.num_rows:
                 raise ValueError("only decode steps (one new token per row) can be graph-captured")
@@ -261,7 +266,8 @@ class TritonBackend(AttentionBackend):
         row_map = None
         if decode and len(decode) != meta.num_rows:
             row_map = self._int_tensor([(row, starts[row]) for row in decode])
-        many = [row for row, n in enumerate(query_lens) if n > 1]
+        chosen = set(decode)
+        many = [row for row in range(meta.num_rows) if row not in chosen]
         packing = self.capabilities.packed_prefill
         packed_rows = [row for row in many if packing and context_lens[row] == query_lens[row]]
         paged_rows = [row for row in many if row not in packed_rows]

@@ -22,7 +22,7 @@ from cache.blocks import BlockManager
 from request import ADMISSION, Request, SamplingParams
 from scheduler.scheduler import Scheduler
 
-# Ouro-1.4B in bf16 on the H200 (benchmarks/results/throughput-2026-11-30.json): weights read once per loop,
+# Ouro-1.4B in bf16 on the H200 (its throughput benchmark of 2026-11-30): weights read once per loop,
 # 768 KiB of K/V per token, the copy bandwidth and the bf16 matmul rate measured there.
 LOOPS = 4
 WEIGHT_BYTES = 2.75e9

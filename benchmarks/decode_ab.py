@@ -1,9 +1,14 @@
-"""Decode TPOT of two checkouts of this repository on the same GPU in one run, in ABBA order so that drift
+"""Decode TPOT of two versions of this repository on the same GPU in one run, in ABBA order so that drift
 on a shared machine cancels: the check that a change left the default path (full policy, CUDA graphs) no
 slower (--eager: the eager path instead). Each pass runs in its own process and uses only the public Engine
 API, which both sides share.
 
-    python -m benchmarks.decode_ab --a /path/to/before --b . --out benchmarks/results/decode_ab.json
+    python -m benchmarks.decode_ab --a HEAD~1 --out /tmp/decode_ab.json      # the commit before vs this tree
+    python -m benchmarks.decode_ab --a main --b my-branch --batches 1 16 --prompt 2048
+
+--a and --b each take a git commit-ish, checked out with `git worktree` into a temporary directory that is
+removed afterwards, or a directory holding another tree (on a machine whose copy has no git history, make it
+beforehand: `git worktree add DIR REF`). --b defaults to this working tree, uncommitted changes included.
 
 With --profile, each pass also runs torch.profiler over decode steps at the smallest batch and reports the
 device time and launch count per step of every kernel, and the wall time per step that no kernel covers
@@ -20,10 +25,39 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def git_worktree(ref: str, repo: Path = ROOT) -> Iterator[Path]:
+    """A detached checkout of `ref` (any commit-ish of repo) in a temporary directory, removed on exit."""
+    commit = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"], cwd=repo,
+                            capture_output=True, text=True)
+    if commit.returncode != 0:
+        raise ValueError(f"{ref!r} is neither a directory nor a commit of the git repository at {repo}")
+    with tempfile.TemporaryDirectory(prefix="decode_ab-") as scratch:
+        tree = Path(scratch) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(tree), commit.stdout.strip()],
+                       cwd=repo, check=True, capture_output=True, text=True)
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=repo, capture_output=True)
+            subprocess.run(["git", "worktree", "prune"], cwd=repo, capture_output=True)
+
+
+def resolve_tree(spec: str, stack: ExitStack) -> Path:
+    """A directory as itself; anything else as a git commit-ish, checked out until `stack` closes."""
+    path = Path(spec)
+    if path.is_dir():
+        return path.resolve()
+    return stack.enter_context(git_worktree(spec))
 
 
 def one_pass(tree: str, model: str, batches: list[int], prompt: int, steps: int,
@@ -123,12 +157,40 @@ def host_profile(engine, steps: int, top: int = 40) -> dict:
             "functions": functions}
 
 
+def tree_commit(tree: Path) -> str:
+    """The short commit a tree is at (+uncommitted where tracked files changed), or "unknown" outside git."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True)
+    if head.returncode != 0:
+        return "unknown"
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=tree,
+                             capture_output=True, text=True).stdout.strip()
+    return head.stdout.strip() + ("+uncommitted" if changed else "")
+
+
+def timed_pass(side: str, tree: Path, label: str, model: str, args: argparse.Namespace) -> dict:
+    """One pass in its own process, whose engine is `tree`'s: TPOT per batch (and the profile, if asked)."""
+    # -P: neither this script's directory nor the working directory goes on sys.path, so the child
+    # imports the engine from PYTHONPATH, the tree of its side (and this file, its pass, from here).
+    command = [sys.executable, "-P", __file__, "--a", args.a, "--pass-tree", str(tree), "--model", model,
+               "--prompt", str(args.prompt), "--steps", str(args.steps), "--profile", str(args.profile),
+               *(["--eager"] * args.eager), "--batches", *map(str, args.batches)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tree,
+                            env={**os.environ, "PYTHONPATH": str(tree)})
+    if result.returncode != 0:
+        raise SystemExit(f"pass {side} ({tree}) failed:\n{result.stderr[-3000:]}")
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    tpot = {int(k): v for k, v in measured["tpot_ms"].items()}
+    print({"side": side, "tpot_ms": tpot}, flush=True)
+    return {"side": side, "label": label, "tpot_ms": tpot, "profile": measured["profile"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--a", required=True, help="checkout A (e.g. the commit before a change)")
-    parser.add_argument("--b", default=str(ROOT), help="checkout B (default: this one)")
-    parser.add_argument("--labels", nargs=2, default=["before", "after"])
+    parser.add_argument("--a", required=True, help="version A: a git commit-ish (e.g. HEAD~1) or a directory")
+    parser.add_argument("--b", default=str(ROOT),
+                        help="version B: a commit-ish or a directory (default: this working tree)")
+    parser.add_argument("--labels", nargs=2, default=None, help="names of A and B (default: --a and --b)")
     parser.add_argument("--model", default=None)
     parser.add_argument("--preset", default="ouro-1.4b")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
@@ -148,23 +210,11 @@ def main() -> None:
     from benchmarks.common import checkpoint, environment, write_results
 
     model = checkpoint(args.model, args.preset)
-    trees = {"A": str(Path(args.a).resolve()), "B": str(Path(args.b).resolve())}
-    label = dict(zip("AB", args.labels))
-    passes = []
-    for side in "ABBA" * args.rounds:
-        # -P: neither this script's directory nor the working directory goes on sys.path, so the child
-        # imports the engine from PYTHONPATH, the tree of its side (and this file, its pass, from here).
-        command = [sys.executable, "-P", __file__, "--a", args.a, "--pass-tree", trees[side],
-                   "--model", model, "--prompt", str(args.prompt), "--steps", str(args.steps), "--profile",
-                   str(args.profile), *(["--eager"] * args.eager), "--batches", *map(str, args.batches)]
-        result = subprocess.run(command, capture_output=True, text=True, cwd=trees[side],
-                                env={**os.environ, "PYTHONPATH": trees[side]})
-        if result.returncode != 0:
-            raise SystemExit(f"pass {side} ({trees[side]}) failed:\n{result.stderr[-3000:]}")
-        measured = json.loads(result.stdout.strip().splitlines()[-1])
-        tpot = {int(k): v for k, v in measured["tpot_ms"].items()}
-        passes.append({"side": side, "label": label[side], "tpot_ms": tpot, "profile": measured["profile"]})
-        print({"side": side, "tpot_ms": tpot}, flush=True)
+    label = dict(zip("AB", args.labels or [args.a, "this tree" if args.b == str(ROOT) else args.b]))
+    with ExitStack() as stack:
+        trees = {"A": resolve_tree(args.a, stack), "B": resolve_tree(args.b, stack)}
+        commits = {side: tree_commit(tree) for side, tree in trees.items()}
+        passes = [timed_pass(side, trees[side], label[side], model, args) for side in "ABBA" * args.rounds]
     rows = []
     key = {side: "tpot_ms_" + label[side] for side in "AB"}
     for batch in args.batches:
@@ -176,8 +226,8 @@ def main() -> None:
     mode = "eager (enforce_eager)" if args.eager else "CUDA graphs (the default)"
     lines = [f"Decode TPOT, full policy, {mode}, {model} (random weights, bf16), prompt "
              f"{args.prompt}, {args.steps} steps; passes in {'ABBA' * args.rounds} order, medians; "
-             f"{env['device']}, torch {env['torch']}, triton {env['triton']}; A = {label['A']}, B = "
-             f"{label['B']} (commit {env['commit']}).", "",
+             f"{env['device']}, torch {env['torch']}, triton {env['triton']}; A = {label['A']} (commit "
+             f"{commits['A']}), B = {label['B']} (commit {commits['B']}).", "",
              f"| batch | TPOT ms {label['A']} | TPOT ms {label['B']} | {label['B']} / {label['A']} |",
              "|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r[key['A']]} | {r[key['B']]} | {r['ratio_b_over_a']} |" for r in rows]
@@ -186,7 +236,7 @@ def main() -> None:
     table = "\n".join(lines)
     if args.out:
         write_results(args.out, {**env, "model": model, "eager": args.eager, "a": label["A"], "b": label["B"],
-                                 "passes": passes, "rows": rows}, table)
+                                 "commits": commits, "passes": passes, "rows": rows}, table)
     print(table)
 
 

@@ -19,7 +19,7 @@ from cache.kv_format import DENSE, FP8, KVARN_PRESETS
 from engine import Engine, SamplingParams
 
 
-def _run(engine: Engine, batch: int, prompt: int, decode_steps: int, head: int,
+def time_batch(engine: Engine, batch: int, prompt: int, decode_steps: int, head: int,
          rng: random.Random) -> tuple[float, float]:
     """TTFT: until every row's first token is on the host. TPOT: the next decode_steps steps, every row in
     each of them: rows whose prefill finished early have been decoding beside the later rows' chunks, so
@@ -99,7 +99,7 @@ def main() -> None:
                                    note=f"does not fit: needs {needed * kv_token / 2**30:.0f}"
                                         f" GiB of KV, the pool holds {capacity * kv_token / 2**30:.0f} GiB")
                     else:
-                        ttft, tpot = _run(engine, batch, prompt, args.decode_steps, head, rng)
+                        ttft, tpot = time_batch(engine, batch, prompt, args.decode_steps, head, rng)
                         achieved = (weights + kv_token * batch * context) / (tpot / 1e3) / 1e9
                         row.update(ttft_ms=round(ttft, 2), tpot_ms=round(tpot, 3),
                                    gbps=round(achieved, 1), ratio=round(tpot / floor_ms, 2))

@@ -33,27 +33,32 @@ def main() -> None:
     parser.add_argument("--admission", default="reserve", choices=["reserve", "greedy"])
     parser.add_argument("--async-scheduling", nargs="+", default=["on"], choices=["on", "off"],
                         help="one run per value, in order (default: on)")
+    parser.add_argument("--deterministic", nargs="+", default=["off"], choices=["on", "off"],
+                        help="Engine(deterministic=...), one run per value for each --async-scheduling value")
     parser.add_argument("--out", default=f"benchmarks/results/throughput-{environment()['date']}.json")
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
     bandwidth, flops_rate = copy_bandwidth(), matmul_rate()
-    rows = [run_workload(path, args, mode == "on", bandwidth, flops_rate) for mode in args.async_scheduling]
+    rows = [run_workload(path, args, mode == "on", bandwidth, flops_rate, deterministic == "on")
+            for mode in args.async_scheduling for deterministic in args.deterministic]
     env = environment()
     table = (f"Throughput, {path} (bf16) on {env['device']}, "
              f"torch {env['torch']}, triton {env['triton']}, commit "
              f"{env['commit']}; copy {bandwidth / 1e12:.2f} TB/s, "
              f"bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s\n\n"
-             "| requests | admission | async scheduling | KV blocks | preemptions | output tok/s | "
-             "total tok/s | time s | roofline s | fraction of roofline |\n"
-             "|---|---|---|---|---|---|---|---|---|---|\n"
-             + "".join(f"| {r['requests']} | {r['admission']} | {r['async_scheduling']} | {r['kv_blocks']} | "
+             "| requests | admission | async scheduling | deterministic | KV blocks | preemptions | "
+             "output tok/s | total tok/s | time s | roofline s | fraction of roofline |\n"
+             "|---|---|---|---|---|---|---|---|---|---|---|\n"
+             + "".join(f"| {r['requests']} | {r['admission']} | {r['async_scheduling']} | "
+                       f"{r['deterministic']} | {r['kv_blocks']} | "
                        f"{r['preemptions']} | {r['output_tok_s']} | {r['total_tok_s']} | {r['seconds']} | "
                        f"{r['roofline_seconds']} | {r['fraction_of_roofline']} |\n" for r in rows)
              + "\nGPU time by step kind (from events around each step), and between steps:\n\n"
-             "| async scheduling | steps | mixed steps | s in mixed steps (roofline, host) | "
+             "| async scheduling | deterministic | steps | mixed steps | s in mixed steps (roofline, host) | "
              "s in decode steps (roofline, host) | GPU idle between steps s | idle fraction |\n"
-             "|---|---|---|---|---|---|---|\n"
-             + "".join(f"| {r['async_scheduling']} | {r['steps']} | {r['mixed_steps']} | "
+             "|---|---|---|---|---|---|---|---|\n"
+             + "".join(f"| {r['async_scheduling']} | {r['deterministic']} | {r['steps']} | "
+                       f"{r['mixed_steps']} | "
                        f"{r['mixed_step_seconds']} ({r['mixed_roofline_seconds']}, "
                        f"{r['mixed_host_seconds']}) | {r['decode_step_seconds']} "
                        f"({r['decode_roofline_seconds']}, {r['decode_host_seconds']}) | "
@@ -63,14 +68,14 @@ def main() -> None:
 
 
 def run_workload(path: str, args: argparse.Namespace, async_scheduling: bool, bandwidth: float,
-                 flops_rate: float) -> dict:
+                 flops_rate: float, deterministic: bool = False) -> dict:
     """The workload on a fresh engine: one result row."""
     gc.collect()  # the last run's engine and the instrumentation around its runner (a reference cycle)
     torch.cuda.empty_cache()
     rng = random.Random(0)
     with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=args.max_num_seqs,
                 max_model_len=2 * args.max_len + 8, admission=args.admission,
-                async_scheduling=async_scheduling) as engine:
+                async_scheduling=async_scheduling, deterministic=deterministic) as engine:
         vocab = engine.config.vocab_size
         weights = weight_bytes_per_step(engine)
         kv_token = engine.kv_pool.bytes_per_token
@@ -131,7 +136,8 @@ def run_workload(path: str, args: argparse.Namespace, async_scheduling: bool, ba
            "seconds": round(elapsed, 2), "output_tok_s": round(out_tokens / elapsed, 1),
            "total_tok_s": round(total_tokens / elapsed, 1), "roofline_seconds": round(roofline[0], 2),
            "fraction_of_roofline": round(roofline[0] / elapsed, 3), "preemptions": preemptions,
-           "admission": args.admission, "async_scheduling": async_scheduling, "kv_blocks": kv_blocks,
+           "admission": args.admission, "async_scheduling": async_scheduling, "deterministic": deterministic,
+           "kv_blocks": kv_blocks,
            **timeline}
     print(row, flush=True)
     return row

@@ -259,13 +259,27 @@ def fp8_scale(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return torch.where(amax > 0, amax / fp8.FP8_MAX, torch.ones_like(amax))
 
 
+def rotate(x: torch.Tensor, matrix: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    """x [..., D] @ matrix [D, D]. batch_invariant: each row by itself, one [1, D] x [D, D] product of one
+    memory layout (a contiguous row; the matrix expanded without a copy), so that a row's bits never depend
+    on how many rows or tiles the call holds (MKL picks its kernel, and so a sum's order, by the product's
+    shape and layout; model/batch_invariant.py says what torch's CPU ops allow)."""
+    if not batch_invariant:
+        return x @ matrix
+    rows = x.reshape(-1, 1, x.shape[-1]).contiguous()
+    return torch.bmm(rows, matrix.expand(rows.shape[0], -1, -1)).view(*x.shape[:-1], matrix.shape[-1])
+
+
 def encode_tiles(x: torch.Tensor, bits: int, keys: bool, rotation: torch.Tensor | None,
-                 iterations: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                 iterations: int = 8, batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., G, D] as a pool block stores it: rotated (unless rotation is None) and quantized, the codes of
     each token row in bit planes, concatenated in PLANES order ([..., G, D * bits / 8] uint8), and the fp16
     scales in one row: keys channel scale [D], channel zero [D], token scale [G]; values channel scale [D],
-    token scale [G], token zero [G] ([..., 2 D + G] or [..., D + 2 G])."""
-    y = x.float() @ rotation if rotation is not None else x.float()
+    token scale [G], token zero [G] ([..., 2 D + G] or [..., D + 2 G]). batch_invariant: the rotation row by
+    row (`rotate`)."""
+    y = rotate(x.float(), rotation, batch_invariant) if rotation is not None else x.float()
+    if batch_invariant:
+        y = y.contiguous()  # the codec's reductions then see one layout, whatever the rows' strides
     if keys:
         q = quantize_keys(y, bits, iterations)
         scales = [q.channel_scale, q.channel_zero, q.token_scale]
@@ -276,8 +290,9 @@ def encode_tiles(x: torch.Tensor, bits: int, keys: bool, rotation: torch.Tensor 
 
 
 def decode_tiles(codes: torch.Tensor, scales: torch.Tensor, bits: int, keys: bool,
-                 rotation: torch.Tensor | None) -> torch.Tensor:
-    """What attention reads of tiles stored by encode_tiles: [..., G, D] fp32, rotated back."""
+                 rotation: torch.Tensor | None, batch_invariant: bool = False) -> torch.Tensor:
+    """What attention reads of tiles stored by encode_tiles: [..., G, D] fp32, rotated back (batch_invariant:
+    row by row, so a tile reads the same bits decoded alone or among others)."""
     group = codes.shape[-2]
     head_dim = codes.shape[-1] * 8 // bits
     planes, first = [], 0
@@ -292,11 +307,12 @@ def decode_tiles(codes: torch.Tensor, scales: torch.Tensor, bits: int, keys: boo
         y = dequantize_values(QuantizedValues(unpacked, scales[..., :head_dim],
                                               scales[..., head_dim:head_dim + group],
                                               scales[..., head_dim + group:]))
-    return y @ rotation.T if rotation is not None else y
+    return rotate(y, rotation.T, batch_invariant) if rotation is not None else y
 
 
 def roundtrip(x: torch.Tensor, bits: int, keys: bool, rotation: torch.Tensor | None,
-              iterations: int = 8) -> torch.Tensor:
+              iterations: int = 8, batch_invariant: bool = False) -> torch.Tensor:
     """x [..., G, D] through the codec and back, as a pool block keeps it (encode_tiles, decode_tiles): what
     attention reads of a packed tile."""
-    return decode_tiles(*encode_tiles(x, bits, keys, rotation, iterations), bits, keys, rotation)
+    return decode_tiles(*encode_tiles(x, bits, keys, rotation, iterations, batch_invariant), bits, keys,
+                        rotation, batch_invariant)

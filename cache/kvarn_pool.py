@@ -32,7 +32,9 @@ class KVarNPool:
     def __init__(self, fmt: KVFormat, loops: int, num_layers: int, num_blocks: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, sink: int = 0, tail: int = 0,
                  side_blocks: int = 0, iterations: int = 8, generated_side_tiles: int = 0,
-                 rotate: bool = True) -> None:
+                 rotate: bool = True, batch_invariant: bool = False) -> None:
+        """batch_invariant (Engine(deterministic=True)): the tiles' rotation products row by row
+        (kvarn.rotate), so a tile's decoded rows never depend on how many tiles a read decodes."""
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         check_tile_dims(fmt.group, head_dim)
@@ -40,6 +42,7 @@ class KVarNPool:
         self.num_blocks, self.block_size = num_blocks, fmt.group
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.sink, self.tail, self.iterations = sink, tail, iterations
+        self.batch_invariant = batch_invariant
         g, d, slots = fmt.group, head_dim, loops * num_layers
         # Unwritten records and rows are never read (a block is read packed once full and packed, a side row
         # once stored), so nothing is filled: pages become resident only as they are written.
@@ -114,7 +117,8 @@ class KVarNPool:
                 (k, self.key_codes, self.key_scales, self.fmt.key_bits, True),
                 (v, self.value_codes, self.value_scales, self.fmt.value_bits, False)):
             tile = rows.to(self.side_keys.dtype).transpose(0, 1)  # [kv_heads, r, D]
-            tile_codes, tile_scales = kvarn.encode_tiles(tile, bits, keys, self.rotation, self.iterations)
+            tile_codes, tile_scales = kvarn.encode_tiles(tile, bits, keys, self.rotation, self.iterations,
+                                                         self.batch_invariant)
             codes[plane, block] = kvarn.record_codes(tile_codes, bits, self.block_size)
             scales[plane, block, :, self._scale_columns(keys, tile.shape[1])] = tile_scales
 
@@ -160,14 +164,15 @@ class KVarNPool:
             if full:
                 records = (planes[:full], blocks[:full])
                 tiles = kvarn.decode_tiles(kvarn.row_codes(codes[records], bits), scales[records], bits,
-                                           keys, self.rotation)  # [full, kv_heads, G, D]
+                                           keys, self.rotation,
+                                           self.batch_invariant)  # [full, kv_heads, G, D]
                 out[:full * g] = tiles.transpose(1, 2).flatten(0, 1)
             if len(planes) > full:  # a short last tile
                 rows, record = length - full * g, (int(planes[full]), int(blocks[full]))
                 columns = self._scale_columns(keys, rows)
                 tile = kvarn.decode_tiles(kvarn.row_codes(codes[record], bits)[:, :rows],
-                                          scales[record][:, columns], bits, keys,
-                                          self.rotation)  # [kv_heads, rows, D]
+                                          scales[record][:, columns], bits, keys, self.rotation,
+                                          self.batch_invariant)  # [kv_heads, rows, D]
                 out[full * g:] = tile.transpose(0, 1)
         return out_k, out_v
 

@@ -35,8 +35,9 @@ class KVLayout(ABC):
     copies_forward: ClassVar[bool] = True
 
     def __init__(self, loops: int, num_layers: int, block_size: int, generated_kv_exact: bool = True) -> None:
-        """generated_kv_exact: False when the exit policy leaves generated tokens' deeper slots holding
-        copies (early:Q), so that their K/V is not what the model computes for those tokens."""
+        """generated_kv_exact: False when a generated token's K/V is not what a prompt token's would be: the
+        exit policy leaves its deeper slots holding copies (early:Q), or (deterministic mode) the attention
+        backend sums a prompt's queries otherwise than a decoded token's, so a prompt token's bits differ."""
         self.loops, self.num_layers, self.block_size = loops, num_layers, block_size
         self.generated_kv_exact = generated_kv_exact
 

@@ -16,6 +16,8 @@ layer, the last loop's, which every loop of later tokens reads; at loop t a gene
 loop-t K/V. Generated tiles start at the prompt's end, and the prompt's last tile, short when the prompt
 ends inside it, is packed once the prompt is stored (attention/packed_attention.py: high_precision). The tile
 a generated token completes is packed at each of its loops, from that loop's row and the others' last.
+With batch_invariant it runs Engine(deterministic=True)'s math, and a KVarN pool's tokens and logprobs equal
+its own bit for bit.
 """
 
 from __future__ import annotations
@@ -32,14 +34,17 @@ class PackedSequence:
     def __init__(self, fmt: KVFormat, num_slots: int, num_heads: int, kv_heads: int, head_dim: int,
                  sink: int = 0, tail: int = 0, iterations: int = 8, rotate: bool = True,
                  capacity: int = 1024, device: torch.device | str = "cpu", fp8_scale: float | None = 1.0,
-                 prompt_len: int | None = None, num_layers: int = 1) -> None:
+                 prompt_len: int | None = None, num_layers: int = 1, batch_invariant: bool = False) -> None:
         """The history is kept in fp32 on `device`, up to `capacity` tokens per slot. prompt_len: under
         kv_sharing="last", the prompt's length (stored in one or more calls before the first generated
-        token); slot = loop * num_layers + layer."""
+        token); slot = loop * num_layers + layer. batch_invariant: the math of Engine(deterministic=True)'s
+        torch backend (attention in fixed key tiles, the tiles' rotation row by row), which gives a paged
+        KVarN pool's bits exactly."""
         if fmt.kind == "kvarn":
             check_tile_dims(fmt.group, head_dim)
         self.fmt, self.sink, self.tail, self.iterations = fmt, sink, tail, iterations
         self.prompt_len, self.num_layers = prompt_len, num_layers
+        self.batch_invariant = batch_invariant
         self.num_heads, self.kv_heads, self.head_dim = num_heads, kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.rotation = kvarn.hadamard(head_dim, device=device) if rotate and fmt.kind == "kvarn" else None
@@ -79,10 +84,10 @@ class PackedSequence:
             hp = high_precision(positions[start:], positions, self.fmt.group, self.sink, self.tail,
                                 self.prompt_len)
             exact = (self.keys[slot, :length], self.values[slot, :length])
-            return attend_two_ways(q, exact, read, start, hp, self.scale).to(q.dtype)
+            return attend_two_ways(q, exact, read, start, hp, self.scale, self.batch_invariant).to(q.dtype)
         self._update_reads(slot, start, length)
         every = torch.ones(n, length, dtype=torch.bool, device=q.device)
-        return attend_two_ways(q, read, read, start, every, self.scale).to(q.dtype)
+        return attend_two_ways(q, read, read, start, every, self.scale, self.batch_invariant).to(q.dtype)
 
     def _update_reads(self, slot: int, start: int, length: int) -> None:
         """The dense and fp8 formats: positions start..length-1 as attention reads them."""
@@ -111,7 +116,7 @@ class PackedSequence:
             for stored, read, bits, keys in ((self.keys, self.read_keys, fmt.key_bits, True),
                                              (self.values, self.read_values, fmt.value_bits, False)):
                 tile = kvarn.roundtrip(stored[slot, rows].transpose(0, 1), bits, keys, self.rotation,
-                                       self.iterations)  # [kvh, G, D]
+                                       self.iterations, self.batch_invariant)  # [kvh, G, D]
                 read[slot, rows] = tile.transpose(0, 1)
             self.packed_tiles[slot] += 1
 
@@ -134,20 +139,20 @@ class PackedSequence:
             read = (torch.cat([self.read_keys[slot, :prompt_len], read_k[layer, :count]]),
                     torch.cat([self.read_values[slot, :prompt_len], read_v[layer, :count]]))
             every = torch.ones(1, length, dtype=torch.bool, device=q.device)
-            return attend_two_ways(q, read, read, start, every, self.scale).to(q.dtype)
+            return attend_two_ways(q, read, read, start, every, self.scale, self.batch_invariant).to(q.dtype)
         g = self.fmt.group
         if count % g == 0:  # this token completes its tile: packed with its own loop's row
             rows = slice(count - g, count)
             for stored, read, bits, keys in ((stored_k, read_k, self.fmt.key_bits, True),
                                              (stored_v, read_v, self.fmt.value_bits, False)):
                 tile = kvarn.roundtrip(stored[layer, rows].transpose(0, 1), bits, keys, self.rotation,
-                                       self.iterations)
+                                       self.iterations, self.batch_invariant)
                 read[layer, rows] = tile.transpose(0, 1)
         read = (torch.cat([self.read_keys[slot, :prompt_len], read_k[layer, :count]]),
                 torch.cat([self.read_values[slot, :prompt_len], read_v[layer, :count]]))
         positions = torch.arange(length, device=q.device)
         hp = high_precision(positions[start:], positions, g, self.sink, self.tail, prompt_len)
-        return attend_two_ways(q, exact, read, start, hp, self.scale).to(q.dtype)
+        return attend_two_ways(q, exact, read, start, hp, self.scale, self.batch_invariant).to(q.dtype)
 
     def _update_generated_reads(self, layer: int, index: int, slot: int) -> None:
         """The dense and fp8 formats: generated position `index` of `layer` as attention reads it (fp8

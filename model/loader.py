@@ -200,14 +200,15 @@ def _refuse_non_finite(name: str, file: Path, tensor: torch.Tensor) -> None:
 
 
 def load_model(model_dir: Path, config: OuroConfig, device: torch.device, dtype: torch.dtype,
-               fused_kernels: bool = False, check_finite: bool = True) -> OuroForCausalLM:
+               fused_kernels: bool = False, batch_invariant: bool = False,
+               check_finite: bool = True) -> OuroForCausalLM:
     """The model, its tensors checked (check_tensors) and read (read_tensors: check_finite refuses NaN and
     infinite weights)."""
     files = checkpoint_files(model_dir)
     check_tensors(config, files)
     tensors = read_tensors(files, list(expected_tensors(config)), device, dtype, check_finite)
     with torch.device("meta"):
-        model = OuroForCausalLM(config, fused_kernels=fused_kernels)
+        model = OuroForCausalLM(config, fused_kernels=fused_kernels, batch_invariant=batch_invariant)
     state = {"embed_tokens.weight": tensors["model.embed_tokens.weight"],
              "norm.weight": tensors["model.norm.weight"],
              "early_exit_gate.weight": tensors["model.early_exit_gate.weight"],

@@ -147,7 +147,7 @@ class DecodeGraphs:
         self.backend.prepare(self._meta(bs))
         out = model.run_loop(h, cos, sin, self.backend.forward, t)
         h.copy_(out)
-        gate = model.early_exit_gate(out).squeeze(-1)
+        gate = model.gate_logits(out)
         self.gate_logits[:bs].copy_(gate)
         if self.exit_threshold is not None and t < self.loops - 1:
             hit = advance_exit_cdf(self.cdf[:bs], self.survival[:bs], gate, self.exit_threshold)

@@ -127,7 +127,7 @@ def run_loops(executor: LoopExecutor, model: OuroForCausalLM, inputs: StepInputs
         for t in loops:
             out = read(executor.run_loop(t).h, executor.reuses_outputs)
             hidden.append(out)
-            gates.append(model.early_exit_gate(out).squeeze(-1))
+            gates.append(model.gate_logits(out))
         return LoopStates(torch.stack(hidden), torch.stack(gates))
     hook.begin(inputs)
     rows = _LiveRows(inputs.meta.query_starts_cpu, inputs.input_ids.device)
@@ -135,7 +135,7 @@ def run_loops(executor: LoopExecutor, model: OuroForCausalLM, inputs: StepInputs
     for t in loops:
         out = executor.run_loop(t)
         h = out.h
-        gate = out.gate_logits if out.gate_logits is not None else model.early_exit_gate(h).squeeze(-1)
+        gate = out.gate_logits if out.gate_logits is not None else model.gate_logits(h)
         if rows.all_live:
             hidden.append(read(h, executor.reuses_outputs))
             gates.append(read(gate, executor.reuses_outputs and out.gate_logits is not None))

@@ -245,6 +245,7 @@ class ModelRunner:
             shared_kv=shared,
             side_tables_cpu=side_tables,
             side_tables=int32[-1] if side_tables is not None else None,
+            decode_rows=generated_rows,
         )
         return StepInputs(ids, positions_d, meta, readout_d, generated_rows,
                           readout == list(range(len(input_ids))))
@@ -258,6 +259,8 @@ class ModelRunner:
         if self.hook is None:
             stats.decode_loops += self.loops * len(inputs.generated_rows)
         graphs, decode, rows = self.graphs, inputs.meta.is_decode, inputs.meta.num_rows
+        if self.config.batch_invariant:  # a one-token prompt chunk takes the prompt path (decode_rows)
+            decode = decode and len(inputs.generated_rows) == rows
         if graphs is not None and graphs.mode == "step" and decode and graphs.bucket_for(rows):
             states = graphs.replay_step(inputs)
             if inputs.reads_out_every_token:
@@ -269,7 +272,7 @@ class ModelRunner:
             self.backend.prepare(inputs.meta)
             hidden = piecewise.run(inputs.input_ids, inputs.positions)[:, inputs.readout]
             # each loop's gate on its own, as the eager loop driver computes it
-            gates = [self.model.early_exit_gate(h).squeeze(-1) for h in hidden]
+            gates = [self.model.gate_logits(h) for h in hidden]
             return LoopStates(hidden, torch.stack(gates))
         executor = self.executor_for(rows) if decode else self.eager
         return run_loops(executor, self.model, inputs, range(self.loops), self.hook)

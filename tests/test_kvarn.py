@@ -294,3 +294,58 @@ def test_packed_sequence_under_kv_sharing_reads_the_last_loops_generated_tiles()
                     k_read[position], v_read[position] = k_tile[i], v_tile[i]
         want = attend_exactly(q_all[loop, 169], k_read, v_read, head_dim ** -0.5)
         torch.testing.assert_close(outs[loop][0], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads,rows,head_dim", [(2, 64, 32), (1, 1, 64)])
+def test_batch_invariant_codec_decodes_a_tile_to_the_same_bits_alone_among_others_and_at_two_threads(
+        kv_heads, rows, head_dim):
+    """batch_invariant=True (Engine(deterministic=True)): the tiles' rotation goes row by row (kvarn.rotate),
+    so a tile decodes to the same bits by itself, among 5 others and at two threads, and its round trip is
+    those bits: a pool read decodes all of a row's tiles in one call, the one-sequence reference each tile
+    as it packs. (A one-row tile of one kv head is where MKL's plain product of one row, the default mode's,
+    takes another kernel than of six.)"""
+    rotation = kvarn.hadamard(head_dim)
+    x = tiles(6, kv_heads, rows, head_dim, seed=5)
+    many = [kvarn.encode_tiles(tile, 4, True, rotation, batch_invariant=True) for tile in x]
+    stacked = tuple(torch.stack(part) for part in zip(*many))
+    alone = kvarn.decode_tiles(*many[3], 4, True, rotation, batch_invariant=True)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            among = kvarn.decode_tiles(*stacked, 4, True, rotation, batch_invariant=True)
+            assert torch.equal(among[3], alone)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(kvarn.roundtrip(x[3], 4, True, rotation, batch_invariant=True), alone)
+
+
+@pytest.mark.parametrize("sink,tail", [(0, 0), (8, 16)])
+def test_batch_invariant_two_way_attention_gives_a_query_the_same_bits_in_a_chunk_and_alone(sink, tail):
+    """attend_two_ways(batch_invariant=True): fixed key tiles, so the query at position 100 of a chunk of 120
+    (positions 30..149, three key tiles) has the bits it has decoded alone over its 101 positions (two)."""
+    from attention.packed_attention import attend_two_ways, high_precision
+
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(120, 4, 32, generator=g)
+    exact = (torch.randn(150, 2, 32, generator=g), torch.randn(150, 2, 32, generator=g))
+    packed = tuple(x + 0.1 * torch.randn(x.shape, generator=g) for x in exact)
+    positions = torch.arange(150)
+    hp = high_precision(positions[30:], positions, 64, sink, tail)
+    chunk = attend_two_ways(q, exact, packed, 30, hp, 0.2, batch_invariant=True)
+    alone = attend_two_ways(q[70:71], tuple(x[:101] for x in exact), tuple(x[:101] for x in packed), 100,
+                            hp[70:71, :101], 0.2, batch_invariant=True)
+    assert torch.equal(chunk[70:71], alone)
+    torch.testing.assert_close(chunk, attend_two_ways(q, exact, packed, 30, hp, 0.2))  # the same attention
+
+
+def test_a_batch_invariant_torch_backend_refuses_a_pool_that_is_not():
+    from attention.base import select
+    from cache.kvarn_pool import KVarNPool
+
+    pool = KVarNPool(parse_kv_cache_dtype("kvarn_k4v2_g64"), 1, 1, 2, 2, 32, torch.float32,
+                     torch.device("cpu"))
+    backend = select("torch", torch.device("cpu"), {"batch_invariant": True})
+    with pytest.raises(ValueError, match="a KVarN pool made with batch_invariant=False cannot serve a torch "
+                                         "backend with batch_invariant=True"):
+        backend.bind_packed(pool, 0.1)

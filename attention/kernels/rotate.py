@@ -3,8 +3,8 @@ decode query (q H) and of the packed share of its output back (out_side + out_r 
 
 Why a kernel of its own: these products are tiny ([rows x heads, 128] x [128, 128]) and come twice per
 (loop, layer) call. cuBLAS runs them in fp32 as one thread block (an ffma kernel of 32 x 128 tiles), 53 µs a
-call on an H200 at batch 1, more than the KVarN decode kernel itself (benchmarks/results/
-latency-kvarn-2026-12-02-97c5a60.md). Here a program takes BLOCK_R rows against the whole matrix, BLOCK_K of
+call on an H200 at batch 1, more than the KVarN decode kernel itself (a profile of the batch-1 KVarN step,
+2026-12-02). Here a program takes BLOCK_R rows against the whole matrix, BLOCK_K of
 its rows at a time, for BLOCK_N of its columns: batch 1 (16 rows) is D / BLOCK_N programs (8 at D = 128;
 one program for all 128 columns took 8.3 µs a call on an H200, 192 calls a step); the dot is plain fp32
 ("ieee", no TF32 rounding).

@@ -24,7 +24,9 @@ kernel ends.
 
 Batch invariance within an M bucket: the config depends on (bucket(M), N, K, dtype) only, buckets
 being powers of two, and each row's arithmetic does not depend on the other rows, so a row gives the
-same bits at any M of its bucket (a batch of 3 and the same rows padded to 4 agree).
+same bits at any M of its bucket (a batch of 3 and the same rows padded to 4 agree). At every M:
+invariant_config's one config per weight, with tiled_gemm_kernel past MAX_SKINNY_M rows (invariant_linear;
+deterministic mode).
 
 Workspace: one per device, shared by every launch (launches on one stream never overlap; with PDL a
 kernel touches it only after waiting for the one before): an int32 ticket array that the kernels keep at
@@ -73,14 +75,23 @@ def tile_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
                  PRELOAD_K: tl.constexpr):
-    """x[:BLOCK_M] @ W[w_rows]^T over this program's split of K (program_id(1) covers K blocks
-    [pid_k * k_iters, +k_iters)): [BLOCK_M, BLOCK_N] fp32, column j from W row w_rows[j]. With PDL the split's
-    first NUM_STAGES weight tiles go to L2 before the wait for the previous kernel, x is read after it.
+    """split_product over this program's split of K, program_id(1)."""
+    return split_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters, tl.program_id(1),
+                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_DOT, DOT_FP32, NUM_STAGES, PDL, PRELOAD_K)
+
+
+@triton.jit
+def split_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters, split,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+                  PRELOAD_K: tl.constexpr):
+    """x[:BLOCK_M] @ W[w_rows]^T over split `split` of K (K blocks [split * k_iters, +k_iters)), from a zero
+    accumulator: [BLOCK_M, BLOCK_N] fp32, column j from W row w_rows[j]. With PDL the split's first
+    NUM_STAGES weight tiles go to L2 before the wait for the previous kernel, x is read after it.
     PRELOAD_K (the FMA path only: a power of two >= the split's k_iters * BLOCK_K columns): the program's
     whole [BLOCK_N, split] weight slice is loaded into registers up front (with PDL, before the wait); after
     the wait only x is read."""
-    pid_k = tl.program_id(1)
-    first = pid_k * k_iters
+    first = split * k_iters
     k0 = first * BLOCK_K
     if PRELOAD_K:
         offs_all = tl.arange(0, PRELOAD_K)
@@ -190,6 +201,41 @@ def skinny_gemm_kernel(
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+# M unspecialized: one compiled variant serves every row count.
+@triton.jit(do_not_specialize=["M"])
+def tiled_gemm_kernel(
+    x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_iters, splits,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): y = x @ W^T for any number of rows, one [BLOCK_M, BLOCK_N]
+    tile a program, tiles walked GROUP_M row tiles at a time (the W tiles stay in L2 across them). The program
+    runs the splits of K one after the other, each from a zero accumulator, and sums them in split order 0,
+    1, ..: exactly what skinny_gemm_kernel's split-K does across programs (split_k_total), so a row's bits
+    are the same through either kernel and at any M, given the same splits and the same MMA per element."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * tiles_n
+    first_m = pid // group * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + pid % group % rows_in_group
+    pid_n = pid % group // rows_in_group
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
+    m0 = pid_m * BLOCK_M
+    x_tile = x_ptr + m0.to(tl.int64) * stride_xm
+    rows = M - m0
+    total = split_product(x_tile, w_ptr, w_rows, rows, K, stride_xm, stride_wn, k_iters, 0, BLOCK_M, BLOCK_N,
+                          BLOCK_K, EVEN_K, True, DOT_FP32, NUM_STAGES, PDL, 0)
+    for split in range(1, splits):
+        total += split_product(x_tile, w_ptr, w_rows, rows, K, stride_xm, stride_wn, k_iters, split, BLOCK_M,
+                               BLOCK_N, BLOCK_K, EVEN_K, True, DOT_FP32, NUM_STAGES, False, 0)
+    offs_m = tl.arange(0, BLOCK_M)
+    y_ptrs = y_ptr + (m0 + offs_m).to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=(offs_m < rows)[:, None] & (offs_n < N)[None, :])
+
+
 # --------------------------------------------------------------------------------------------------
 # Configs
 
@@ -199,7 +245,9 @@ class GemvConfig:
     """block_n W rows per program, block_k columns per step, split_k splits of K asked for (the launch
     uses fewer when K has fewer blocks), use_dot: tl.dot (M padded to >= 16) or fp32 FMAs (M == 1 only),
     preload: the FMA path loads each program's whole weight slice before reading x (with PDL, before waiting
-    for the previous kernel); its block_n x split slice must fit 64 registers a thread."""
+    for the previous kernel); its block_n x split slice must fit 64 registers a thread. block_m: the rows of
+    x a program takes on the tensor cores, whatever M (at least MAX_SKINNY_M for skinny_linear); None pads M
+    to its bucket (and tiled_linear takes TILED_BLOCK_M)."""
 
     block_n: int
     block_k: int
@@ -208,6 +256,7 @@ class GemvConfig:
     num_stages: int = 3
     use_dot: bool = True
     preload: bool = False
+    block_m: int | None = None
 
 
 def m_bucket(m: int) -> int:
@@ -247,8 +296,8 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = C
 # it (dot configs pad M to at least 16, so buckets 2..16 run the same tile), else the nearest below;
 # unlisted shapes and fp32 take default_config. The fractions in the comments are of a graph-captured
 # memcpy's rate (2.76 TB/s); against the 4.22 TB/s event-timed copy multiply them by 0.65.
-# The one-row preload configs were chosen by decode TPOT instead (benchmarks/decode_ab.py, PART=preload in
-# benchmarks/run_gpu.sh): what preloading buys is overlap with the kernel before, which a chain of one
+# The one-row preload configs were chosen by decode TPOT instead (benchmarks/decode_ab.py; docs/h200.md,
+# "One row"): what preloading buys is overlap with the kernel before, which a chain of one
 # projection's calls does not show. qkv, o and gate_up preloaded took batch-1 TPOT from 4.73 to 4.06 ms at
 # 512 tokens of context and from 5.63 to 4.76 at 2K; down preloaded in 3 splits cost 1.6-3.4% more.
 TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
@@ -296,12 +345,48 @@ def select_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = CP
     return default_config(m, n, k, dtype, sm_count)
 
 
+# Batch-invariant configs (Engine(deterministic=True)): one config per weight shape for every row count, so
+# that a row's bits do not depend on how many rows share the call. Every output element is then the same
+# chain of tensor-core products over the same K splits, summed in split order, through skinny_gemm_kernel up
+# to MAX_SKINNY_M rows and tiled_gemm_kernel beyond (which runs the splits inside one program). The FMA path
+# is out: its one-row reduction orders the products otherwise. The Ouro-1.4B shapes take TUNED's tensor-core
+# entries for 4 to 16 rows; other shapes invariant_config's rule.
+INVARIANT_TUNED: dict[tuple[int, int], GemvConfig] = {
+    (6144, 2048): GemvConfig(64, 128, 2, 4, 4, True),  # qkv
+    (2048, 2048): GemvConfig(64, 128, 4, 4, 4, True),  # o
+    (11264, 2048): GemvConfig(64, 128, 1, 4, 4, True),  # gate_up
+    (2048, 5632): GemvConfig(64, 128, 4, 4, 4, True),  # down
+    (49152, 2048): GemvConfig(64, 128, 1, 4, 4, True),  # lm_head
+}
+# tiled_gemm_kernel's tile (rows x W rows), warps, stages and grouping; block_k and the splits are the
+# config's. None of them changes a bit of the result.
+TILED_BLOCK_M, TILED_BLOCK_N, TILED_WARPS, TILED_STAGES, TILED_GROUP_M = 128, 128, 8, 3, 8
+
+
+def invariant_config(n: int, k: int, dtype: torch.dtype, sm_count: int = CPU_SM_COUNT) -> GemvConfig:
+    """The one config of an [N, K] weight for every row count (INVARIANT_TUNED, else 64 W rows a program,
+    16-32 KB weight tiles, and splits for about two programs per SM at one row)."""
+    if dtype in (torch.bfloat16, torch.float16) and (n, k) in INVARIANT_TUNED:
+        config = INVARIANT_TUNED[n, k]
+    else:
+        block_n, block_k = 64, min(128 if dtype.itemsize == 2 else 32, max(16, triton.next_power_of_2(k)))
+        split = auto_split(triton.cdiv(n, block_n), triton.cdiv(k, block_k), sm_count)
+        config = GemvConfig(block_n, block_k, split, 4, 3, True)
+    if INTERPRETED:  # numpy's product of a transposed operand orders its sums by that operand's width
+        config = dataclasses.replace(config, block_m=MAX_SKINNY_M)
+    return config
+
+
 def block_m_for(m: int, config: GemvConfig) -> int:
     bucket = m_bucket(m)
     if not config.use_dot:
         if bucket != 1:
             raise ValueError("the FMA path (use_dot=False) takes one row only")
         return 1
+    if config.block_m is not None:
+        if config.block_m < m:
+            raise ValueError(f"{config} takes at most {config.block_m} rows a program, got {m}")
+        return config.block_m
     return max(16, bucket)
 
 
@@ -465,6 +550,61 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     if out is not None:
         return out
     return y if len(shape) == 2 else y.view(*shape[:-1], n)
+
+
+_TILED_PLANS: dict[tuple, tuple[CompiledLaunch, tuple]] = {}
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight^T for x [M, K] with any M, by tiled_gemm_kernel: the bits skinny_linear gives with the
+    same (tensor-core) config, each program running the config's splits itself. y in x's dtype (in `out`
+    where given, [M, N] with a contiguous last dimension)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    if m == 0:
+        return y
+    key = (m, n, k, x.dtype, x.device, x.stride(0), weight.stride(0), y.stride(0), x.data_ptr() & 15,
+           weight.data_ptr() & 15, y.data_ptr() & 15, config)
+    plan = _TILED_PLANS.get(key)
+    if plan is None:
+        check_operands(x, weight)
+        if not config.use_dot:
+            raise ValueError(f"tiled_linear takes tensor-core configs (use_dot=True), got {config}")
+        if y.dtype != x.dtype or y.shape != (m, n) or y.stride(1) != 1:
+            raise ValueError(f"out must be [{m}, {n}] in {x.dtype} with a contiguous last dimension, got "
+                             f"{tuple(y.shape)} in {y.dtype}")
+        _, tail = kernel_args(1, n, k, x.stride(0), weight.stride(0), y.stride(0), x.dtype, config)
+        k_iters, block_k, splits = tail[6], tail[9], triton.cdiv(triton.cdiv(k, tail[9]), tail[6])
+        block_m = config.block_m or TILED_BLOCK_M
+        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, TILED_BLOCK_N), 1, 1)
+        pdl = pdl_supported(x.device)
+        options = {"launch_pdl": True} if pdl else {}
+        launch = CompiledLaunch(tiled_gemm_kernel, grid, TILED_WARPS, TILED_STAGES, **options)
+        plan = (launch, (m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_iters, splits, block_m,
+                         TILED_BLOCK_N, block_k, k % block_k == 0, n % TILED_BLOCK_N == 0, tail[14],
+                         TILED_STAGES, TILED_GROUP_M, pdl))
+        if len(_TILED_PLANS) > 4096:
+            _TILED_PLANS.clear()
+        _TILED_PLANS[key] = plan
+    launch, tail = plan
+    launch(current_stream(x.device), (x, weight, y) + tail)
+    return y
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight^T with every row's bits independent of the other rows and of their number: `config`
+    (invariant_config's) through skinny_linear up to MAX_SKINNY_M rows and tiled_linear beyond. x [..., K]."""
+    shape = x.shape
+    if x.dim() != 2:
+        x = x.reshape(-1, shape[-1])
+    if x.shape[0] <= MAX_SKINNY_M:
+        y = skinny_linear(x, weight, out, config)
+    else:
+        y = tiled_linear(x, weight, config, out)
+    return y if len(shape) == 2 else y.view(*shape[:-1], weight.shape[0])
 
 
 def skinny_ok(x: torch.Tensor, weight: torch.Tensor, max_m: int = MAX_SKINNY_M) -> bool:
