@@ -379,11 +379,13 @@ def test_an_exception_inside_the_commit_loses_no_output_and_keeps_seeded_tokens(
     run_workload(engine)
     total, calls[0] = calls[0], 0
     assert total > 0
+    manager = engine.block_manager
     for nth in sorted({1, (total + 1) // 2, total}):
         armed[0], calls[0] = nth, 0
         outputs, raised = run_workload(engine, error)
         assert raised == 1 and outputs == expected, (nth, total)
-        assert_unharmed(engine, baseline)
+        assert manager.num_free_blocks == manager.num_blocks and not engine.has_unfinished()
+    assert_unharmed(engine, baseline)
 
 
 # -- the generate command line and streams --------------------------------------------------------------
