@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import importlib.util
 import inspect
@@ -23,7 +24,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -125,6 +126,7 @@ class Engine:
                  kv_cache_dtype: str = "auto", kv_sink_tokens: int = 0, kv_tail_tokens: int = 0,
                  kv_rotation: bool = True, async_scheduling: bool | None = None,
                  piecewise_graph_tokens: int = 512, deterministic: bool | None = None,
+                 check_finite_weights: bool = True,
                  verbose: bool = True) -> None:
         if not isinstance(verbose, bool):
             raise ValueError(f"verbose must be True or False, got {verbose!r}")
@@ -138,7 +140,8 @@ class Engine:
             speculative=speculative, num_speculative_tokens=num_speculative_tokens, admission=admission,
             kv_cache_dtype=kv_cache_dtype, kv_sink_tokens=kv_sink_tokens, kv_tail_tokens=kv_tail_tokens,
             kv_rotation=kv_rotation, async_scheduling=async_scheduling,
-            piecewise_graph_tokens=piecewise_graph_tokens, deterministic=deterministic)
+            piecewise_graph_tokens=piecewise_graph_tokens, deterministic=deterministic,
+            check_finite_weights=check_finite_weights)
         model_dir = config.model_dir
         self.config: OuroConfig = config.model
         self.tokenizer = Tokenizer(model_dir)
@@ -153,7 +156,8 @@ class Engine:
         # Fused Triton kernels around the GEMMs on CUDA; the plain torch ops elsewhere.
         self.model = load_model(model_dir, self.config, config.device, config.dtype,
                                 fused_kernels=config.device.type == "cuda" and fused_kernels_available(),
-                                batch_invariant=config.batch_invariant)
+                                batch_invariant=config.batch_invariant,
+                                check_finite=config.check_finite_weights)
         loops, layers = config.loops, self.config.num_hidden_layers
         kvarn = parse_kv_cache_dtype(config.kv_cache_dtype).kind == "kvarn"
         side_rows = SideRows(config.max_num_seqs, config.block_size, config.kv_sink_tokens,
@@ -162,11 +166,14 @@ class Engine:
         # One side block more than SideRows hands out: the scratch side block that graph padding rows write.
         side_blocks = side_rows.capacity + 1 if kvarn else 0
         generated_side_tiles = side_rows.generated_capacity if kvarn else 0
-        probe = self._make_pool(1, 0)
+        probe = self._make_pool(1, 0, device=torch.device("meta"))  # its byte counts; nothing allocated
         reserved = probe.side_bytes_for(side_blocks, generated_side_tiles) if kvarn else 0
+        # The pool asked for, or the smallest one (a block and the scratch block), before sizing it to memory
+        self._check_pool_fits(probe, (config.num_kv_blocks or 1) + 1, reserved,
+                              "num_kv_blocks" if config.num_kv_blocks is not None else "loops or block_size")
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(probe, reserved)
         # One block more than the scheduler may hand out: the scratch block that graph padding rows write.
-        self.kv_pool = self._make_pool(num_blocks + 1, side_blocks, generated_side_tiles)
+        self.kv_pool = self._allocate_pool(probe, num_blocks + 1, reserved, side_blocks, generated_side_tiles)
         scale = self.config.head_dim ** -0.5
         if kvarn:
             self.backend.bind_packed(self.kv_pool, scale)
@@ -196,6 +203,7 @@ class Engine:
         self._step_inbox: Inbox = {}  # add_request()'s groups, read by step()
         self._unreported: list[Request] = []  # finished, but their outputs never reached a caller
         self._handed_back: list[Request] = []  # what the last _step() returned, until it was delivered
+        self._unsettled: list[Callable[[], None]] = []  # parts of an applied step that raised (_run_parts)
         self._pending: LaunchedStep | None = None  # async scheduling: the step launched ahead, unresolved
         self._ids = itertools.count()
         self.num_prefill_tokens = self.num_decode_tokens = 0
@@ -240,22 +248,63 @@ class Engine:
         per draft position and overall (None without speculation)."""
         return self.runner.speculation.stats if self.runner.speculation is not None else None
 
-    def _make_pool(self, num_blocks: int, side_blocks: int,
-                   generated_side_tiles: int = 0) -> KVPool | KVarNPool:
+    def _make_pool(self, num_blocks: int, side_blocks: int, generated_side_tiles: int = 0,
+                   device: torch.device | None = None) -> KVPool | KVarNPool:
         """The KV pool of kv_cache_dtype: per-token elements (auto, bf16, fp8_e4m3) or KVarN tiles with
         side_blocks blocks of high-precision rows (and, under kv_sharing="last", generated_side_tiles tiles of
-        generated ones)."""
+        generated ones). device: the engine's unless given (the meta device measures a pool's bytes)."""
         config, model = self.engine_config, self.config
+        device = config.device if device is None else device
         fmt = parse_kv_cache_dtype(config.kv_cache_dtype)
         shape = (config.loops, model.num_hidden_layers, num_blocks)
         if fmt.kind == "kvarn":
             return KVarNPool(fmt, *shape, model.num_key_value_heads, model.head_dim, config.dtype,
-                             config.device, config.kv_sink_tokens, config.kv_tail_tokens, side_blocks,
+                             device, config.kv_sink_tokens, config.kv_tail_tokens, side_blocks,
                              generated_side_tiles=generated_side_tiles, rotate=config.kv_rotation,
                              batch_invariant=config.batch_invariant)
         return KVPool(*shape, config.block_size, model.num_key_value_heads, model.head_dim,
-                      fmt.storage_dtype(config.dtype), config.device,
+                      fmt.storage_dtype(config.dtype), device,
                       loop_uniform_scales=config.exit_policy.can_exit or config.kv_sharing == "last")
+
+    def _allocate_pool(self, probe: KVPool | KVarNPool, num_blocks: int, reserved: int, side_blocks: int,
+                       generated_side_tiles: int) -> KVPool | KVarNPool:
+        """The KV pool of num_blocks blocks and `reserved` bytes of KVarN side rows, once _check_pool_fits;
+        an allocation that fails all the same is a ValueError naming what sized the pool."""
+        config = self.engine_config
+        lower = "num_kv_blocks" if config.num_kv_blocks is not None else \
+            "kv_cache_gib" if config.kv_cache_gib is not None else "loops or block_size"
+        self._check_pool_fits(probe, num_blocks, reserved, lower)
+        try:
+            return self._make_pool(num_blocks, side_blocks, generated_side_tiles)
+        except RuntimeError as err:  # the allocator's (torch's CUDA OutOfMemoryError is one)
+            sized_by = self._pool_sized_by(probe, num_blocks, reserved)
+            raise ValueError(f"allocating the KV pool ({sized_by}) on {config.device} failed: {err}; lower "
+                             f"{lower}") from None
+
+    def _check_pool_fits(self, probe: KVPool | KVarNPool, num_blocks: int, reserved: int, lower: str) -> None:
+        """A pool of num_blocks blocks and `reserved` bytes of side rows against the memory the device has
+        now, before anything is allocated: ValueError naming the options that sized it and those to lower."""
+        config = self.engine_config
+        needed = num_blocks * probe.bytes_per_block + reserved
+        available = device_memory_available(config.device)
+        if available is None or needed <= available:
+            return
+        if reserved > num_blocks * probe.bytes_per_block:
+            lower = "max_num_seqs, or kv_sink_tokens and kv_tail_tokens"
+        raise ValueError(f"the KV pool would take {needed / 2**30:.3g} GiB "
+                         f"({self._pool_sized_by(probe, num_blocks, reserved)}), more than the "
+                         f"{available / 2**30:.3g} GiB of memory available on {config.device}; lower {lower}")
+
+    def _pool_sized_by(self, probe: KVPool | KVarNPool, num_blocks: int, reserved: int = 0) -> str:
+        """The pool's size in the words of the options that set it."""
+        config = self.engine_config
+        asked = f"num_kv_blocks={config.num_kv_blocks}: " if config.num_kv_blocks is not None else \
+            f"kv_cache_gib={config.kv_cache_gib}: " if config.kv_cache_gib is not None else ""
+        side = (f", and {reserved / 2**30:.3g} GiB of KVarN side rows for max_num_seqs={config.max_num_seqs}"
+                if reserved else "")
+        return (f"{asked}{num_blocks} block(s) of {probe.bytes_per_block / 2**20:.3g} MiB, each "
+                f"block_size={probe.block_size} tokens x loops={config.loops} x "
+                f"{self.config.num_hidden_layers} layers{side}")
 
     def _blocks_for_memory(self, probe: KVPool | KVarNPool, reserved: int = 0) -> int:
         """kv_cache_gib when given. Otherwise vLLM's rule on CUDA: what is left of utilization x total after
@@ -268,7 +317,12 @@ class Engine:
             budget = self._cpu_kv_budget(probe.bytes_per_block) + reserved
         else:
             torch.cuda.reset_peak_memory_stats(config.device)
-            self._profile_run(config.max_num_batched_tokens)
+            try:
+                self._profile_run(config.max_num_batched_tokens)
+            except torch.cuda.OutOfMemoryError:
+                raise ValueError(f"max_num_batched_tokens={config.max_num_batched_tokens}: a step of that "
+                                 f"many tokens does not fit in {config.device}'s memory beside the weights; "
+                                 "lower it") from None
             peak = torch.cuda.max_memory_allocated(config.device)
             free, total = torch.cuda.mem_get_info(config.device)
             others = total - free - torch.cuda.memory_reserved(config.device)
@@ -277,9 +331,11 @@ class Engine:
         if blocks < 1:
             side = (f"; the KVarN side pool takes {reserved / 2**30:.2f} GiB of it (lower max_num_seqs or "
                     "kv_sink_tokens / kv_tail_tokens)") if reserved else ""
-            raise ValueError(f"no memory left for the KV cache (one block needs {probe.bytes_per_block} "
-                             "bytes, and one more is the scratch block); raise kv_cache_gib, or on CUDA "
-                             f"gpu_memory_utilization, or lower max_num_batched_tokens{side}")
+            raise ValueError(f"no memory left for the KV cache: its budget of {max(budget, 0) / 2**30:.3g} "
+                             "GiB holds no block besides the scratch block "
+                             f"({self._pool_sized_by(probe, 1)}); "
+                             "raise kv_cache_gib, or on CUDA gpu_memory_utilization, or lower "
+                             f"max_num_batched_tokens, loops or block_size{side}")
         return blocks
 
     def _cpu_kv_budget(self, bytes_per_block: int) -> float:
@@ -353,9 +409,11 @@ class Engine:
         return self._add(request_id, token_ids, text, params, self._step_inbox).request_id
 
     def _check_params(self, params: SamplingParams | None) -> SamplingParams:
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
+        """A checked copy of the params (SamplingParams.validate again: a field may have been set since they
+        were built), which the request keeps, so a later change to the caller's params never reaches it."""
+        if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params) if params is not None else SamplingParams()
         request_policy(params.exit_policy, self.exit_policy, self.config.total_ut_steps)
         speculative = self.engine_config.speculative
         if speculative is not None:
@@ -414,10 +472,12 @@ class Engine:
                 self.scheduler.abort(sequence_id)
 
     def has_unfinished(self) -> bool:
-        """True while a request waits or runs, or step() has an output it has not handed back."""
+        """True while a request waits or runs, step() has an output it has not handed back, or part of an
+        applied step is still to be completed."""
         self._check_open()
         pending = self._pending
         return (self.scheduler.has_unfinished() or bool(self._step_inbox) or bool(self._unreported)
+                or bool(self._unsettled)
                 or (pending is not None and not all(r.is_finished for r in pending.batch.requests)))
 
     def step(self) -> list[RequestOutput]:
@@ -449,14 +509,20 @@ class Engine:
         outputs never reached a caller. Outputs are built by the caller, only for the requests it hands out;
         a caller that fails to deliver them calls _requeue_handed_back().
 
-        A step applies whole or not at all. schedule() and the commit (the scheduler's update and the runner's
-        commit) run with Ctrl-C deferred (runner/interrupts.py); the model's run between them changes no
-        request, and the runner undoes what it does change (seeded generators, loop counters) if the step
-        stops there. What schedule() decided (admissions, block allocations, preemptions) stands: each is a
-        consistent state that the next schedule() starts from, and none changes a request's tokens, text or
-        logprobs. A failure of one request (its sampling, its detokenizing) finishes it alone with
-        finish_reason "error"."""
+        A step is decided, then applied in full. schedule() and the commit run with Ctrl-C deferred
+        (runner/interrupts.py), and the commit is safe for any exception besides: until the point of no
+        return (the scheduler has decided every row's outcome and the runner's undo record is taken), a
+        failure applies nothing, and the runner undoes what its run changed (seeded generators, loop
+        counters); after it, every part of the application runs whatever an earlier part raised, a part that
+        raised is resumed before the next step runs (_run_parts, _settle), what the step touched is handed
+        back, and only then is the first exception raised. So no finished output is lost and no seeded
+        request samples with a generator out of step with its tokens. What schedule() decided (admissions,
+        block allocations, preemptions) stands: each is a consistent state that the next schedule() starts
+        from, and none changes a request's tokens, text or logprobs. A failure of one request (its sampling,
+        its detokenizing) finishes it alone with finish_reason "error"."""
         self._handed_back = []
+        with deferred_interrupts():
+            self._settle()
         if self.engine_config.overlaps_steps:
             return self._step_overlapped()
         with deferred_interrupts():
@@ -475,8 +541,8 @@ class Engine:
                 raise
         try:
             with deferred_interrupts():
-                return self._hand_back((touched or []) + self._commit(batch, result))
-        except BaseException:  # before the commit: nothing applied; after it (a deferred Ctrl-C): all of it
+                return self._commit(batch, result, touched or [])
+        except BaseException:  # before the point of no return: nothing applied; after it: rollback is a no-op
             self.runner.rollback()
             self._requeue_handed_back()
             raise
@@ -499,7 +565,7 @@ class Engine:
             try:
                 with deferred_interrupts():
                     self._advance_launched(launched)
-            except BaseException:  # not applied (a deferred Ctrl-C at the end: applied, and kept)
+            except BaseException:  # not applied (once it is, it is the pending step, and kept)
                 if self._pending is not launched:
                     self.runner.drop(launched)
                 raise
@@ -509,7 +575,7 @@ class Engine:
         launched = self.runner.launch(batch, pending) if batch.requests and self._launchable(batch) else None
         try:
             with deferred_interrupts():
-                touched = self._hand_back(self._resolve(pending))
+                touched = self._resolve(pending)
                 if launched is not None:
                     self._advance_launched(launched)
         except BaseException:  # what was resolved is handed back by the next step (Engine._advance)
@@ -532,41 +598,51 @@ class Engine:
         return True
 
     def _advance_launched(self, launched: LaunchedStep) -> None:
-        """Apply a launched step provisionally (its tokens pending) and make it the one to resolve next."""
+        """Apply a launched step provisionally (its tokens pending) and make it the one to resolve next; once
+        decided, it is the pending step whatever applying it raises (the rest is resumed by _settle)."""
         batch = launched.batch
         # Rows of requests that finished meanwhile (a stop in the step before) ran for nothing: not counted,
         # as the synchronous path never runs them.
         skipped = set(launched.result.errors) | {row for row, r in enumerate(batch.requests) if r.is_finished}
         decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
-        self.scheduler.advance(batch, launched.result.errors)
-        self._pending = launched
+        decision = self.scheduler.decide_advance(batch, launched.result.errors)
+        self._pending = launched  # the point of no return
         self._count_tokens(batch, skipped, decode)
+        error = self._run_parts([functools.partial(self.scheduler.apply, decision)])
+        if error is not None:
+            raise error
 
     def _resolve(self, launched: LaunchedStep) -> list[Request]:
-        """Wait for a launched step's tokens and apply them; the requests it advanced or finished."""
+        """Wait for a launched step's tokens and apply them; hand back the requests it advanced or
+        finished."""
         result = self.runner.finish(launched)
         batch = launched.batch
         waiting = [r for r, samples in zip(batch.requests, batch.sample) if samples and r.pending]
-        finished = self.scheduler.resolve(batch, result.tokens)
-        self._pending = None
-        self.runner.commit(result, launched.staged)
-        return self._touched([r for r in waiting if not r.pending], finished)
+        decision = self.scheduler.decide_pending(batch, result.tokens)
+        self._pending = None  # the point of no return
+        error = self._run_parts([functools.partial(self.scheduler.apply, decision),
+                                 functools.partial(self.runner.commit, result, launched.staged,
+                                                   decision.appended, decision.advances)])
+        return self._conclude([r for r in waiting if not r.pending], self.scheduler.take_finished(), error)
 
-    def _commit(self, batch: ScheduledBatch, result: StepResult | None) -> list[Request]:
-        """Apply the step (nothing, if the scheduler's update raises); the requests it advanced or
-        finished."""
-        touched: list[Request] = []
-        if result is not None:
-            decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
-            before = [r.num_tokens for r in batch.requests]
-            finished = self.scheduler.update(batch, result.tokens, result.errors,
-                                             {row: a for row, (_, a) in result.drafts.items()})
-            self.runner.commit(result)
-            touched = [r for r, n in zip(batch.requests, before) if r.num_tokens > n or r.is_finished]
-            self._count_tokens(batch, set(result.errors), decode)
-        else:
-            finished = self.scheduler.take_finished()
-        return self._touched(touched, finished)
+    def _commit(self, batch: ScheduledBatch, result: StepResult | None,
+                touched: list[Request]) -> list[Request]:
+        """Apply the step and hand back the requests it advanced or finished, after `touched`. Deciding every
+        row's outcome changes nothing; once the runner's undo record is taken, the step is applied in full
+        (_run_parts)."""
+        if result is None:
+            return self._conclude(touched, self.scheduler.take_finished())
+        decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
+        before = [r.num_tokens for r in batch.requests]
+        decision = self.scheduler.decide(batch, result.tokens, result.errors,
+                                         {row: a for row, (_, a) in result.drafts.items()})
+        staged = self.runner.take_staged()  # the point of no return
+        self._count_tokens(batch, set(result.errors), decode)
+        error = self._run_parts([functools.partial(self.scheduler.apply, decision),
+                                 functools.partial(self.runner.commit, result, staged, decision.appended,
+                                                   decision.advances)])
+        advanced = [r for r, n in zip(batch.requests, before) if r.num_tokens > n or r.is_finished]
+        return self._conclude(touched + advanced, self.scheduler.take_finished(), error)
 
     def _count_tokens(self, batch: ScheduledBatch, skip: set[int], decode: list[bool]) -> None:
         """Count the step's prompt and decode tokens, but for the rows in `skip`; decode[row]: was the row a
@@ -578,14 +654,44 @@ class Engine:
                 else:
                     self.num_prefill_tokens += num_new
 
-    def _touched(self, touched: list[Request], finished: list[Request]) -> list[Request]:
-        """The advanced requests, then the finished ones not among them; the finished ones are released."""
+    def _run_parts(self, parts: list[Callable[[], None]],
+                   error: BaseException | None = None) -> BaseException | None:
+        """Run every part of an applied step, each whatever an earlier one raised. A part that raises is kept
+        to be resumed before the next step (_settle); each part is safe to run again (Scheduler.apply and
+        ModelRunner.commit skip what they have taken on; a release repeats nothing). Returns the first
+        exception, `error` if one came before."""
+        for part in parts:
+            try:
+                part()
+            except BaseException as err:
+                self._unsettled.append(part)
+                error = err if error is None else error
+        return error
+
+    def _settle(self) -> None:
+        """Resume the parts of an applied step that raised, before anything else runs (KV blocks, seeded
+        generators and outputs are then as if nothing had); one that raises again stays, and is raised."""
+        parts, self._unsettled = self._unsettled, []
+        error = self._run_parts(parts)
+        if error is not None:
+            raise error
+
+    def _conclude(self, touched: list[Request], finished: list[Request],
+                  error: BaseException | None = None) -> list[Request]:
+        """The end of an applied step: release the finished requests, hand back the touched ones and the
+        finished ones not among them, then raise `error` (what a part of the step raised) or the first
+        exception of a release."""
+        error = self._run_parts([functools.partial(self._release, r) for r in finished], error)
         seen = {id(r) for r in touched}
-        touched = touched + [r for r in finished if id(r) not in seen]
-        for r in finished:
-            self.runner.release(r)
-            self._requests.pop(r.request_id, None)
-        return touched
+        handed = self._hand_back(touched + [r for r in finished if id(r) not in seen])
+        if error is not None:
+            raise error
+        return handed
+
+    def _release(self, request: Request) -> None:
+        """A finished request gives back its runner state; its id stays in use until it has."""
+        self.runner.release(request)
+        self._requests.pop(request.request_id, None)
 
     def _hand_back(self, touched: list[Request]) -> list[Request]:
         """This step's touched requests, after those finished earlier whose outputs never reached a caller."""
@@ -678,8 +784,11 @@ class Engine:
         else:
             per_prompt = [params] * len(prompts)
         encoded = [self._encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        checked = [self._check_params(sp) for sp in per_prompt]
-        return [(ids, text, sp) for (ids, text), sp in zip(encoded, checked)]
+        checked: dict[int, SamplingParams] = {}  # one checked copy per params object the call passes
+        for sp in per_prompt:
+            if id(sp) not in checked:
+                checked[id(sp)] = self._check_params(sp)
+        return [(ids, text, checked[id(sp)]) for (ids, text), sp in zip(encoded, per_prompt)]
 
     def _add_all(self, prepared: list[Prepared], inbox: Inbox, groups: list[SequenceGroup]) -> None:
         """Add every prepared prompt under a fresh automatic id, appending each group to `groups` as it is
@@ -693,11 +802,20 @@ class Engine:
         none holds KV blocks or runs in a later step."""
         if self._closed:
             return
-        for group in groups:
-            if self._groups.get(group.request_id) is group:
-                for request in group.requests:
-                    self.scheduler.abort(request.request_id)
-                self._forget(group)
+        with deferred_interrupts():
+            abandoned = set()
+            for group in groups:
+                if self._groups.get(group.request_id) is group:
+                    for request in group.requests:
+                        self.scheduler.abort(request.request_id)
+                        abandoned.add(id(request))
+                    self._forget(group)
+            if abandoned:  # released now, not at the next step, so has_unfinished() is False at once
+                finished = self.scheduler.take_finished()
+                self._unreported += [r for r in finished if id(r) not in abandoned]
+                error = self._run_parts([functools.partial(self._release, r) for r in finished])
+                if error is not None:
+                    raise error
 
     def stream(self, prompts: Prompt | list[Prompt],
                sampling_params: SamplingParams | list[SamplingParams] | None = None
@@ -868,6 +986,14 @@ def available_memory_bytes() -> int | None:
     except (OSError, ValueError):
         return available
     return available if limit == "max" else min(available, max(0, int(limit) - used))
+
+
+def device_memory_available(device: torch.device) -> int | None:
+    """Bytes a new allocation may take on the device now: CUDA's free memory, or the host's available
+    memory (available_memory_bytes); None where the OS does not say."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_memory_bytes()
 
 
 LLM = Engine  # vLLM's name: `from engine import LLM`
@@ -1061,6 +1187,9 @@ def add_engine_flags(engine: argparse._ArgumentGroup) -> None:
                              "device's default")
     engine.add_argument("--max-num-seqs", type=int, default=256,
                         help="sequences that run at once (default 256)")
+    engine.add_argument("--no-check-finite-weights", action="store_true",
+                        help="skip the check that every weight is finite (no NaN or inf) as it loads: on a "
+                             "CPU it takes about 7%% of the load")
 
 
 def _threads(value: str) -> int | str:
@@ -1076,11 +1205,16 @@ def _unescape(text: str) -> str:
     return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
+# What `generate --prompts-file` adds to each row in its output line; a JSONL row may not carry these itself.
+OUTPUT_FIELDS = ("index", "text", "token_ids", "finish_reason", "stop_reason", "error")
+
+
 def read_prompts_file(path: str | Path) -> list[dict[str, Any]]:
     """The rows of --prompts-file, each with its "prompt": every line one (an empty line is an empty prompt,
     which fails alone). A .jsonl file holds one JSON object per line with a "prompt" string, whose other
-    fields (an id, say) the output line carries along; a line that is not one raises ValueError naming the
-    file and line, before any model loads."""
+    fields (an id, say) the output line carries along unchanged; a line that is not one, or that has a field
+    the output line sets (OUTPUT_FIELDS), raises ValueError naming the file, line and field, before any
+    model loads."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -1096,6 +1230,10 @@ def read_prompts_file(path: str | Path) -> list[dict[str, Any]]:
             raise ValueError(f"--prompts-file {path}, line {number}: not JSON ({err.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ValueError(f"--prompts-file {path}, line {number}: needs a \"prompt\" string")
+        clash = [field for field in OUTPUT_FIELDS if field in row]
+        if clash:
+            raise ValueError(f"--prompts-file {path}, line {number}: field {clash[0]!r} is one the output "
+                             f"line sets ({', '.join(OUTPUT_FIELDS)}), so it would be overwritten; rename it")
         rows.append(row)
     return rows
 
@@ -1137,7 +1275,8 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
                   block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                   async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
                   piecewise_graph_tokens=args.piecewise_graph_tokens, max_num_seqs=args.max_num_seqs,
-                  deterministic={"auto": None, "on": True, "off": False}[args.deterministic])
+                  deterministic={"auto": None, "on": True, "off": False}[args.deterministic],
+                  check_finite_weights=not args.no_check_finite_weights)
 
 
 def cli_serve(args: argparse.Namespace) -> int:
@@ -1217,9 +1356,9 @@ def _generate_batch(engine: Engine, rows: list[dict[str, Any]], params: Sampling
     failed = 0
     for index, (row, out) in enumerate(zip(rows, outputs)):
         completion = out.outputs[0]
-        print(json.dumps({**row, "index": index, "text": completion.text, "token_ids": completion.token_ids,
-                          "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                          "error": completion.error}))
+        produced = (index, completion.text, completion.token_ids, completion.finish_reason,
+                    completion.stop_reason, completion.error)
+        print(json.dumps({**row, **dict(zip(OUTPUT_FIELDS, produced))}))
         if completion.finish_reason == "error":
             failed += 1
             print(f"error: prompt {index} (line {index + 1}): {completion.error}", file=sys.stderr)
@@ -1259,7 +1398,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return cli_serve(args) if args.command == "serve" else cli_generate(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # bad input, a bad checkpoint, a file it cannot read: one line
         print(f"error: {err}", file=sys.stderr)
         return 1
 

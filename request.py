@@ -131,7 +131,11 @@ class SamplingParams:
     repetition_penalty divides a positive logit (multiplies a negative one) of every token seen in the
     prompt or the output; frequency_penalty subtracts penalty x count and presence_penalty subtracts penalty
     once, for each token in the output. min_tokens: stop tokens, EOS and stop strings take effect only
-    after that many generated tokens."""
+    after that many generated tokens.
+
+    The fields may be set after construction, as in vLLM: validate() runs at construction and again when a
+    request is added (Engine.add_request, generate, stream), which queues a checked copy, so a later change
+    to these params never reaches a queued request."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -155,6 +159,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (ValueError naming it); `stop` becomes a list of strings, `stop_token_ids` a list
+        of ids, each a new list."""
         _check_number("temperature", self.temperature, low=0.0)
         _check_number("top_p", self.top_p, low=0.0, high=1.0)
         if self.top_p == 0:
@@ -181,14 +190,16 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "loop_trace", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} must be True or False, got {getattr(self, name)!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be token ids, got {self.stop_token_ids!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if not (stop is None or isinstance(stop, (list, tuple))
+                and all(isinstance(s, str) and s for s in stop)):
+            raise ValueError(f"SamplingParams.stop must be a non-empty string or a list of them, got "
+                             f"{self.stop!r}")
+        if not (self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)) and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids)):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids (integers >= 0), "
+                             f"got {self.stop_token_ids!r}")
+        self.stop, self.stop_token_ids = list(stop or []), list(self.stop_token_ids or [])
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
         if self.prompt_logprobs is not None:

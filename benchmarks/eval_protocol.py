@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import string
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,7 @@ def load_protocol(path: str | Path, task: str | Path | None = None) -> Protocol:
     base = path.parent
     for field in ("name", "task", "template"):
         _check(isinstance(values[field], str) and values[field], where(field), "must be a non-empty string")
-    _check("{question}" in values["template"], where("template"), "must contain {question}")
+    _check_template(values["template"], where("template"))
     _check(_is_int(values["max_new_tokens"], 1), where("max_new_tokens"), "must be an integer >= 1")
     _check(values["loops"] is None or _is_int(values["loops"], 1), where("loops"), "must be null or >= 1")
     _check(_is_int(values["shots"], 0), where("shots"), "must be an integer >= 0")
@@ -147,6 +148,23 @@ def line_of(text: str, field: str) -> int:
 def _check(ok: object, where: str, what: str) -> None:
     if not ok:
         raise ValueError(f"{where} {what}")
+
+
+def _check_template(template: str, where: str) -> None:
+    """A template names {question} and no other field ({{ and }} are literal braces), so that rendering an
+    item never fails on a field it lacks."""
+    try:
+        fields = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(template)
+                  if name is not None]
+    except ValueError as err:
+        raise ValueError(f"{where} {template!r} is not a format string: {err} (write {{{{ and }}}} for "
+                         "literal braces)") from None
+    for name, spec, conversion in fields:
+        _check(name == "question", where, f"{template!r} names the field {{{name}}}, which an item does not "
+               "have: a template names {question} only (write {{ and }} for literal braces)")
+        _check(not spec and not conversion, where, f"{template!r}: {{question}} takes no format spec or "
+               "conversion")
+    _check(fields, where, f"{template!r} must contain {{question}}")
 
 
 def _is_int(value: Any, low: int) -> bool:

@@ -38,6 +38,8 @@ def paired_eval(protocol: str | Path | Protocol, a: dict[str, Any], b: dict[str,
     """Run configs a and b (Engine keyword arguments) on the protocol's items and compare them. `task`
     replaces the protocol's task path; `limit` keeps its first items only (the report notes both);
     abba_rounds 0 skips the timing."""
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ValueError(f"limit must be an integer >= 1 (the protocol's first N items), got {limit!r}")
     protocol = protocol if isinstance(protocol, Protocol) else load_protocol(protocol, task)
     for flag, args in (("a", a), ("b", b), ("common", common or {})):
         check_engine_kwargs(args, flag)
@@ -104,12 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", nargs="*", default=[], metavar="ARG",
                         help="Engine arguments for both sides (device=cpu model=DIR ...)")
     parser.add_argument("--abba", type=int, default=1, help="ABBA timing rounds (default 1; 0: no timing)")
-    parser.add_argument("--limit", type=int, default=None,
+    parser.add_argument("--limit", type=_positive_int, default=None,
                         help="the first N items only (a smoke run; the report says it is not the protocol)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's; 1 times steadier on a shared CPU)")
     parser.add_argument("--out", default=None, help="write the report here as JSON, and beside it as .md")
     return parser
+
+
+def _positive_int(value: str) -> int:
+    if not value.strip().isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
+    return int(value)
 
 
 def main(argv: Iterable[str] | None = None) -> PairedReport:
@@ -121,7 +129,7 @@ def main(argv: Iterable[str] | None = None) -> PairedReport:
         report = paired_eval(args.protocol, parse_config(args.a, "a"), parse_config(args.b, "b"),
                              common=parse_config(args.engine, "engine"), task=args.task,
                              abba_rounds=args.abba, limit=args.limit)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:
         sys.exit(f"error: {err}")
     report.environment["command"] = " ".join(["python engine.py eval", *argv_list])
     print(report.markdown())

@@ -109,16 +109,20 @@ class OuroConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> OuroConfig:
+        """The config in a config.json; every error names the file."""
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise FileNotFoundError(f"no config.json at {path}") from None
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path} is not valid JSON: {err}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path} must hold a JSON object")
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
 
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -129,7 +133,7 @@ def _fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
     """Map HF config.json keys onto OuroConfig fields, rejecting what the engine cannot run."""
     for name in _REQUIRED:
         if name not in raw:
-            raise ValueError(f"config.json is missing the required field {name!r}")
+            raise ValueError(f"config is missing the required field {name!r}")
     model_type = raw.get("model_type")
     if model_type != "ouro":
         raise ValueError(f"config field 'model_type' must be 'ouro', got {model_type!r}")

@@ -1,11 +1,10 @@
 """tokenizer.json through `tokenizers`, the chat template through jinja2 (as transformers renders it, in a
-sandbox bounded in time and output size), and the stop ids from generation_config.json and config.json."""
+sandboxed process bounded in time, memory and output: model/chat_template.py), and the stop ids from
+generation_config.json and config.json."""
 
 from __future__ import annotations
 
 import json
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,17 +12,16 @@ from typing import Any
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-# A chat template renders in about a millisecond; these bounds stop one that loops or grows without end.
-TEMPLATE_SECONDS = 2.0
-TEMPLATE_MAX_CHARS = 4 * 2**20
+from model.chat_template import render_chat_template, start_renderer
+from model.checkpoint_paths import checkpoint_file
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object")
@@ -57,20 +55,28 @@ def render_chatml(messages: list[dict[str, str]], add_generation_prompt: bool = 
 
 class Tokenizer:
     def __init__(self, model_dir: Path) -> None:
-        path = model_dir / "tokenizer.json"
+        """The checkpoint's tokenizer files, each inside model_dir (model/checkpoint_paths.py); a missing or
+        malformed one is an error naming it."""
+        path = checkpoint_file(model_dir, "tokenizer.json", "the checkpoint's tokenizer")
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
-        self._tok = _HFTokenizer.from_file(str(path))
-        self.config_path = model_dir / "tokenizer_config.json"
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as err:  # the tokenizers library raises a bare Exception for a malformed file
+            raise ValueError(f"{path} is not a tokenizer the tokenizers library can read: {err}") from None
+        self.config_path = checkpoint_file(model_dir, "tokenizer_config.json",
+                                           "the checkpoint's tokenizer config")
         self.config = _read_json(self.config_path)
         # One template, or several by name (transformers picks "default", or "tool_use" when given tools).
         self.chat_template = _templates(self.config.get("chat_template"), self.config_path)
         stop = []
         for name in ("generation_config.json", "config.json"):
-            stop += _ids(_read_json(model_dir / name).get("eos_token_id"), model_dir / name, "eos_token_id")
+            file = checkpoint_file(model_dir, name, f"the checkpoint's {name}")
+            stop += _ids(_read_json(file).get("eos_token_id"), file, "eos_token_id")
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stop))
-        self._compiled: dict[str, Any] = {}
         self._token_texts: dict[int, str] = {}
+        if self.chat_template is not None:
+            start_renderer()  # in the background: the first chat does not wait for it
 
     @property
     def vocab_size(self) -> int:
@@ -103,8 +109,8 @@ class Tokenizer:
                             chat_template: str | None = None, **kwargs: Any) -> str:
         """The conversation as one prompt string, through the checkpoint's chat template (ChatML if it has
         none). chat_template: the name of one of the checkpoint's named templates, or a template's source,
-        as in transformers. Template errors, and templates that run past TEMPLATE_SECONDS or
-        TEMPLATE_MAX_CHARS, raise ValueError naming where the template came from."""
+        as in transformers. Template errors, and templates stopped at a bound of model/chat_template.py
+        (wall time, memory, output), raise ValueError naming where the template came from and the bound."""
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                     or not isinstance(message.get("content"), str):
@@ -114,12 +120,7 @@ class Tokenizer:
             return render_chatml(messages, add_generation_prompt)
         context = dict(kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
                        bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
-        try:
-            return _render_bounded(self._compile(source), context)
-        except _TemplateTooCostly as err:
-            raise ValueError(f"chat template {origin}: {err}") from None
-        except Exception as err:  # jinja2's errors, and whatever the template's own calls raise
-            raise ValueError(f"chat template {origin}: {type(err).__name__}: {err}") from None
+        return render_chat_template(source, context, origin)
 
     def _pick_template(self, chat_template: str | None, tools: bool) -> tuple[str | None, str]:
         """(template source or None for ChatML, where it comes from), as transformers chooses."""
@@ -142,75 +143,3 @@ class Tokenizer:
     def _special(self, key: str) -> str:
         value = self.config.get(key) or ""
         return value.get("content", "") if isinstance(value, dict) else value
-
-    def _compile(self, source: str):
-        template = self._compiled.get(source)
-        if template is None:
-            if len(self._compiled) >= 16:  # templates passed per call: keep the cache small
-                self._compiled.clear()
-            template = self._compiled[source] = _environment().from_string(source)
-        return template
-
-
-class _TemplateTooCostly(Exception):
-    pass
-
-
-def _environment():
-    """transformers' template environment: jinja2's immutable sandbox, trim_blocks and lstrip_blocks,
-    raise_exception() and a tojson filter that keeps non-ASCII text; here also with `*` and `**` bounded, so
-    that no single expression builds a string past TEMPLATE_MAX_CHARS."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class BoundedEnvironment(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**"})
-
-        def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
-            if operator == "**" and isinstance(right, int) and abs(right) > 64:
-                raise _TemplateTooCostly(f"exponent {right} is too large")
-            if operator == "*":
-                for seq, count in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(count, int) \
-                            and len(seq) * count > TEMPLATE_MAX_CHARS:
-                        raise _TemplateTooCostly(f"a repeated sequence would pass {TEMPLATE_MAX_CHARS} items")
-            return super().call_binop(context, operator, left, right)
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-    return env
-
-
-def _render_bounded(template, context: dict[str, Any]) -> str:
-    """Render chunk by chunk, stopping past TEMPLATE_MAX_CHARS of output or TEMPLATE_SECONDS. The clock is
-    read from a trace function on the template's own frames (jinja2 compiles it to Python), so a loop that
-    emits nothing is stopped too."""
-    deadline = time.monotonic() + TEMPLATE_SECONDS
-    lines = 0
-
-    def watch(frame, event: str, arg: Any):
-        nonlocal lines
-        lines += 1
-        if lines % 1024 == 0 and time.monotonic() > deadline:
-            raise _TemplateTooCostly(f"rendering took longer than {TEMPLATE_SECONDS} s")
-        return watch
-
-    def trace(frame, event: str, arg: Any):
-        return watch if frame.f_code.co_filename == "<template>" else None
-
-    chunks, size = [], 0
-    previous = sys.gettrace()
-    sys.settrace(trace)
-    try:
-        for chunk in template.generate(**context):
-            size += len(chunk)
-            if size > TEMPLATE_MAX_CHARS:
-                raise _TemplateTooCostly(f"its output exceeds {TEMPLATE_MAX_CHARS} characters")
-            chunks.append(chunk)
-    finally:
-        sys.settrace(previous)
-    return "".join(chunks)

@@ -3,8 +3,9 @@
 
 A speculative step (ScheduledBatch.draft_lens) goes to runner/speculative.py instead of one pass of every
 loop. A run changes no request: what the step adds to them comes back in a StepResult, which `commit`
-appends once the scheduler has applied the step. Until then `rollback` puts back the little a run does
-change (seeded generators, loop counters), so a step cut short (KeyboardInterrupt included) leaves no trace.
+appends once the step is applied. Until then `rollback` puts back the little a run does change (seeded
+generators, loop counters), so a step cut short (KeyboardInterrupt included) leaves no trace; `take_staged`
+marks the point from which the step is applied and nothing is rolled back.
 A row whose readout or sampling fails ends in StepResult.errors; the other rows are sampled without it.
 
 Async scheduling (`launch` / `finish`): a step is launched without waiting for its tokens, which stay on the
@@ -57,14 +58,13 @@ class StepResult:
 
 @dataclasses.dataclass(slots=True)
 class _Staged:
-    """What a run changed outside its StepResult, to undo; and the requests' lengths it started from."""
+    """What a run changed outside its StepResult, to undo; `committed` once commit() has taken it on."""
 
     batch: ScheduledBatch
-    num_tokens: list[int]
-    num_computed: list[int]
     generators: dict[str, torch.Tensor | None]  # request_id -> generator state before (None: no generator)
     decode_tokens: int
     decode_loops: int
+    committed: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -376,16 +376,24 @@ class ModelRunner:
         self._staged = launched.staged
         self.rollback()
 
-    def commit(self, result: StepResult, staged: _Staged | None = None) -> None:
-        """The scheduler applied the step: append its traces and logprobs to the requests it advanced.
-        staged: a launched step's (LaunchedStep.staged); by default the last run's."""
-        if staged is None:
-            staged, self._staged = self._staged, None
-        if staged is None:
+    def take_staged(self) -> _Staged | None:
+        """The last run's undo record, taken out for commit(): from here the step is applied, and rollback()
+        has nothing left to undo."""
+        staged, self._staged = self._staged, None
+        return staged
+
+    def commit(self, result: StepResult, staged: _Staged | None, appended: list[int],
+               advances: list[bool]) -> None:
+        """The step is applied: append its traces and logprobs to the requests it advanced. staged: the run's
+        (take_staged) or a launched step's (LaunchedStep.staged); per batch row, appended: the tokens the
+        scheduler appends (a stop may cut a speculative row's short), advances: does its request move
+        forward. Once only: a staged record already committed is skipped."""
+        if staged is None or staged.committed:
             return
+        staged.committed = True
         for row, request in enumerate(staged.batch.requests):
-            added = request.num_tokens - staged.num_tokens[row]  # tokens the scheduler appended (a stop may
-            if added > 0:                                         # have cut a speculative row's short)
+            added = appended[row]
+            if added > 0:
                 request.traces += result.traces.get(row, [])[:added]
                 request.logprobs += result.logprobs.get(row, [])[:added]
             if row in result.drafts:
@@ -393,7 +401,7 @@ class ModelRunner:
                     request.speculative = SpeculativeStats()
                 request.speculative.add(*result.drafts[row])
                 self.speculation.stats.add(*result.drafts[row])
-            if row in result.prompt_logprobs and request.num_computed_tokens > staged.num_computed[row]:
+            if row in result.prompt_logprobs and advances[row]:
                 request.prompt_logprobs.extend(result.prompt_logprobs[row])
 
     def rollback(self) -> None:
@@ -410,9 +418,7 @@ class ModelRunner:
             if samples and request.params.seed is not None and not request.params.greedy:
                 generator = self.generators.get(request.request_id)
                 generators[request.request_id] = generator.get_state() if generator is not None else None
-        self._staged = _Staged(batch, [r.num_tokens for r in batch.requests],
-                               [r.num_computed_tokens for r in batch.requests], generators,
-                               self.loop_stats.decode_tokens, self.loop_stats.decode_loops)
+        self._staged = _Staged(batch, generators, self.loop_stats.decode_tokens, self.loop_stats.decode_loops)
 
     def _restore_generators(self, states: dict[str, torch.Tensor | None]) -> None:
         for request_id, state in states.items():

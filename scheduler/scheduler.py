@@ -5,18 +5,22 @@ requests are expected to grow into; when blocks still run out, the most recently
 preempted and later recomputed. It sees token ids, block ids and a detokenizer; it never touches tensors
 or the model.
 
-update() first decides every row's outcome (detokenizing the new tokens) and changes nothing, then applies
-them all, so an exception while deciding (KeyboardInterrupt included) leaves every request as it was. A
-request whose detokenizing fails, or whose row the caller reports failed, ends alone with "error".
+A step's outcome is decided, then applied. decide() works out every row's outcome (detokenizing the new
+tokens) and changes nothing, so an exception while deciding (KeyboardInterrupt included) leaves every request
+as it was; apply() then applies the Decision row by row, each row whatever an earlier one raised, and marks
+each row as it takes it on, so an apply() cut short is resumed, never repeated (the engine's commit section
+relies on this). update() is the two in one call. A request whose detokenizing fails, or whose row the caller
+reports failed, ends alone with "error".
 
-Async scheduling splits update() in two. advance(batch) applies a launched step provisionally, before its
-tokens are known: each row's computed tokens count, and a sampling row's token stands as PENDING_TOKEN at the
-end of its request (Request.pending), so the next schedule() gives it its decode row as the synchronous path
-would after update(). resolve(batch, tokens) then decides and applies each sampling row's outcome with
-update()'s rules, on the request as it was before the pending token. A request certain to finish once its
-pending token is read (max_tokens, max_model_len, a full pool) is retired at the next schedule(): its blocks
-and seat go back then, as they would have synchronously, so a workload that ends by length schedules the same
-batches either way; one that ends at a stop token or string runs one more row, which resolve() drops.
+Async scheduling splits update() in two, each decided and applied the same way (decide_advance and
+decide_pending). advance(batch) applies a launched step provisionally, before its tokens are known: each row's
+computed tokens count, and a sampling row's token stands as PENDING_TOKEN at the end of its request
+(Request.pending), so the next schedule() gives it its decode row as the synchronous path would after
+update(). resolve(batch, tokens) then decides and applies each sampling row's outcome with update()'s rules,
+on the request as it was before the pending token. A request certain to finish once its pending token is read
+(max_tokens, max_model_len, a full pool) is retired at the next schedule(): its blocks and seat go back then,
+as they would have synchronously, so a workload that ends by length schedules the same batches either way; one
+that ends at a stop token or string runs one more row, which resolve() drops.
 
 Under speculative decoding (num_speculative_tokens = k > 0) a decode row reserves the positions of up to k
 tokens, and a step in which every row decodes is a speculative one (ScheduledBatch.draft_lens): a row may
@@ -66,14 +70,41 @@ class _DetokenizerFailed(Exception):
 
 @dataclasses.dataclass(slots=True)
 class _Outcome:
-    """What update() will do to one row's request: advance it by num_new computed tokens, append `tokens`,
-    set its text, and finish it (reason, stop_reason, error), each where not None."""
+    """What applying a step does to one row's request: take its pending token off (`resolves`), advance it by
+    num_new computed tokens, append `tokens`, stand a pending token at its end (`provisional`), set its text,
+    and finish it (reason, stop_reason, error), each where set."""
 
     request: Request
     num_new: int
     tokens: list[int] | None = None
     text: str | None = None
     finish: tuple[str, int | str | None, str | None] | None = None
+    resolves: bool = False
+    provisional: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class Decision:
+    """A step's outcome for each row of its batch (None: the row changes nothing), decided while nothing
+    changed; Scheduler.apply applies it. applied[row] marks a row apply() has taken on."""
+
+    batch: ScheduledBatch
+    outcomes: list[_Outcome | None]
+    accepted: dict[int, int] = dataclasses.field(default_factory=dict)  # speculative: row -> drafts accepted
+    applied: list[bool] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.applied = [False] * len(self.outcomes)
+
+    @property
+    def appended(self) -> list[int]:
+        """Per row, the tokens it appends (a pending token not counted)."""
+        return [len(o.tokens) if o is not None and o.tokens is not None else 0 for o in self.outcomes]
+
+    @property
+    def advances(self) -> list[bool]:
+        """Per row, does its request move forward (not a row that failed or whose request finished)?"""
+        return [o is not None and (o.finish is None or o.finish[0] != "error") for o in self.outcomes]
 
 
 class _Ahead:
@@ -142,6 +173,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._unfinished: dict[str, Request] = {}
         self._finished: list[Request] = []
+        self._unfreed: list[Request] = []  # finished, but freeing their blocks raised: schedule() frees them
 
     def add(self, request: Request, error: str | None = None) -> None:
         """Queue a request. One that can never run (or that the caller found invalid: `error`) finishes
@@ -168,8 +200,9 @@ class Scheduler:
         return True
 
     def has_unfinished(self) -> bool:
-        """True while a request waits, runs, or has finished without yet being handed back."""
-        return bool(self.waiting or self.running or self._finished)
+        """True while a request waits, runs, has finished without yet being handed back, or holds blocks
+        that the next schedule() frees."""
+        return bool(self.waiting or self.running or self._finished or self._unfreed)
 
     def take_finished(self) -> list[Request]:
         """Requests finished since the last call (by a step, an abort or an error at add), each once."""
@@ -178,6 +211,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """One step: running requests (decode rows before prefill chunks), then newly admitted ones."""
+        while self._unfreed:
+            self.block_manager.free(self._unfreed[0])
+            self._unfreed.pop(0)
         for request in [r for r in self.running if r.pending and self._ends_with_pending(r)]:
             self._retire(request)
         rows: dict[Request, int] = {}
@@ -234,66 +270,93 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: list[int | list[int] | None],
                errors: dict[int, str] | None = None,
                accepted: dict[int, int] | None = None) -> list[Request]:
-        """Advance the batch's requests by one step. sampled[i] is read only where batch.sample[i]: a token,
-        or (a speculative step) the row's tokens in order; errors: batch row -> why that row failed in this
-        step (its request finishes with "error"); accepted: a speculative step's batch row -> how many of its
-        drafts were accepted, for the draft-length schedule. Every row's outcome is decided before any is
-        applied. Returns every request finished since the last hand-back, this step's included."""
+        """Advance the batch's requests by one step: decide(), then apply(). Returns every request finished
+        since the last hand-back, this step's included."""
+        self.apply(self.decide(batch, sampled, errors, accepted))
+        return self.take_finished()
+
+    def decide(self, batch: ScheduledBatch, sampled: list[int | list[int] | None],
+               errors: dict[int, str] | None = None, accepted: dict[int, int] | None = None) -> Decision:
+        """Every row's outcome for one step, changing nothing (but the requests' cached incremental
+        decoders). sampled[i] is read only where batch.sample[i]: a token, or (a speculative step) the row's
+        tokens in order; errors: batch row -> why that row failed in this step (its request finishes with
+        "error"); accepted: a speculative step's batch row -> how many of its drafts were accepted, for the
+        draft-length schedule."""
         if len(sampled) != batch.num_seqs:
             raise ValueError(f"update got {len(sampled)} sampled tokens for {batch.num_seqs} rows")
         errors = errors or {}
         outcomes = [self._decide(request, num_new, sample, token, errors.get(row))
                     for row, (request, num_new, sample, token)
                     in enumerate(zip(batch.requests, batch.num_new_tokens, batch.sample, sampled))]
-        for outcome in outcomes:
-            if outcome is not None:
+        return Decision(batch, outcomes, dict(accepted or {}))
+
+    def apply(self, decision: Decision) -> None:
+        """Apply a decided step: every row not yet applied, each whatever an earlier one raised (the first
+        exception is raised after the last row). A row is marked applied as it is taken on, so calling this
+        again after an exception resumes the rest and repeats none."""
+        first: BaseException | None = None
+        for row, outcome in enumerate(decision.outcomes):
+            if outcome is None or decision.applied[row]:
+                continue
+            decision.applied[row] = True
+            try:
                 self._apply(outcome)
-        for row, (request, drafted) in enumerate(zip(batch.requests, batch.draft_lens)):
-            if accepted and row in accepted:
+            except BaseException as err:
+                first = err if first is None else first
+        for row, (request, drafted) in enumerate(zip(decision.batch.requests, decision.batch.draft_lens)):
+            if row in decision.accepted:
                 request.draft_len = min(self.num_speculative_tokens, drafted + 2) \
-                    if accepted[row] == drafted else max(1, drafted - 1)
-        return self.take_finished()
+                    if decision.accepted[row] == drafted else max(1, drafted - 1)
+        if first is not None:
+            raise first
 
     def advance(self, batch: ScheduledBatch, errors: dict[int, str] | None = None) -> None:
-        """Apply a launched step before its tokens are read (async scheduling): every row's computed tokens
-        count and each sampling row's token stands pending; a row that failed at launch ends its request
-        with "error" now. resolve() completes the step."""
+        """Apply a launched step before its tokens are read (async scheduling): decide_advance(), then
+        apply(). resolve() completes the step."""
+        self.apply(self.decide_advance(batch, errors))
+
+    def decide_advance(self, batch: ScheduledBatch, errors: dict[int, str] | None = None) -> Decision:
+        """A launched step applied provisionally: every row's computed tokens count and each sampling row's
+        token stands pending; a row that failed at launch ends its request with "error"."""
         if batch.draft_lens:
             raise ValueError("a speculative step cannot be applied before its tokens are read")
         errors = errors or {}
+        outcomes: list[_Outcome | None] = []
         for row, (request, num_new, sample) in enumerate(zip(batch.requests, batch.num_new_tokens,
                                                              batch.sample)):
             if request.is_finished:
-                continue
-            if row in errors:
-                self._finish(request, "error", error=errors[row], text=request.output_text)
-                continue
-            request.num_computed_tokens += num_new
-            if sample:
-                request.token_ids.append(PENDING_TOKEN)
-                request.pending = True
-            self.block_manager.cache_full_blocks(request)
+                outcomes.append(None)
+            elif row in errors:
+                outcomes.append(_Outcome(request, 0, finish=("error", None, errors[row])))
+            else:
+                outcomes.append(_Outcome(request, num_new, provisional=sample))
+        return Decision(batch, outcomes)
 
     def resolve(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Request]:
-        """The tokens of a step applied by advance(): each sampling row whose request still waits for its
-        token gets update()'s outcome for it (every outcome decided before any is applied; if deciding
-        raises, the tokens stay pending). Returns every request finished since the last hand-back."""
-        rows = [(row, r) for row, (r, sample) in enumerate(zip(batch.requests, batch.sample))
-                if sample and r.pending and not r.is_finished]
-        for _, request in rows:  # as before the token: update()'s rules read the request without it
+        """The tokens of a step applied by advance(): decide_pending(), then apply(). Returns every request
+        finished since the last hand-back."""
+        self.apply(self.decide_pending(batch, sampled))
+        return self.take_finished()
+
+    def decide_pending(self, batch: ScheduledBatch, sampled: list[int | None]) -> Decision:
+        """Each sampling row whose request still waits for its token gets update()'s outcome for it, decided
+        on the request as it was before the pending token (taken off while deciding, then put back)."""
+        rows = {row: r for row, (r, sample) in enumerate(zip(batch.requests, batch.sample))
+                if sample and r.pending and not r.is_finished}
+        for request in rows.values():
             request.token_ids.pop()
             request.pending = False
         try:
-            outcomes = [self._decide(request, 0, True, sampled[row], None) for row, request in rows]
-        except BaseException:
-            for _, request in rows:
+            outcomes = [self._decide(rows[row], 0, True, sampled[row], None) if row in rows else None
+                        for row in range(batch.num_seqs)]
+        finally:
+            for request in rows.values():
                 request.token_ids.append(PENDING_TOKEN)
                 request.pending = True
-            raise
         for outcome in outcomes:
             if outcome is not None:
-                self._apply(outcome)
-        return self.take_finished()
+                outcome.resolves = True
+        return Decision(batch, outcomes)
 
     def _ends_with_pending(self, request: Request) -> bool:
         """Does the request finish by length once its pending token is read, whatever that token is? (Its
@@ -308,8 +371,8 @@ class Scheduler:
         run in order on the device, so the step still writing its K/V finishes before any later one reuses
         them."""
         self.running.remove(request)
-        self.block_manager.free(request)
         request.retired = True
+        self._free(request)
 
     def _decide(self, request: Request, num_new: int, sample: bool, token: int | None,
                 error: str | None) -> _Outcome | None:
@@ -401,20 +464,32 @@ class Scheduler:
         return piece
 
     def _apply(self, outcome: _Outcome) -> None:
+        """The request's own state changes first, in plain assignments; prefix-cache registration, which only
+        saves compute, cannot keep the outcome's finish from being applied."""
         request = outcome.request
+        if request.is_finished:  # aborted since the step was decided
+            return
+        if outcome.resolves and request.pending:
+            request.token_ids.pop()
+            request.pending = False
         if outcome.finish is not None and outcome.finish[0] == "error":
             self._finish(request, "error", error=outcome.finish[2], text=request.output_text)
             return
         request.num_computed_tokens += outcome.num_new
         if outcome.tokens is not None:
             request.token_ids += outcome.tokens
-        if not request.retired:  # a retired request's blocks went back already
-            self.block_manager.cache_full_blocks(request)
+        if outcome.provisional:
+            request.token_ids.append(PENDING_TOKEN)
+            request.pending = True
         if outcome.text is not None:
             request.output_text = outcome.text
-        if outcome.finish is not None:
-            reason, stop_reason, _ = outcome.finish
-            self._finish(request, reason, stop_reason, outcome.text)
+        try:
+            if not request.retired:  # a retired request's blocks went back already
+                self.block_manager.cache_full_blocks(request)
+        finally:
+            if outcome.finish is not None:
+                reason, stop_reason, _ = outcome.finish
+                self._finish(request, reason, stop_reason, outcome.text)
 
     def _admission_error(self, request: Request) -> str | None:
         num_prompt = request.num_prompt_tokens
@@ -538,13 +613,22 @@ class Scheduler:
                 text = request.output_text
         if not request.retired:  # a retired request gave its seat and blocks back already
             (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
-            self.block_manager.free(request)
         del self._unfinished[request.request_id]
         self._streams.pop(request.request_id, None)
         request.output_text = text
         request.stop_reason = stop_reason
         request.finish(reason, error)
         self._finished.append(request)
+        if not request.retired:
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        """Free the request's blocks; if that raises, the next schedule() frees them."""
+        try:
+            self.block_manager.free(request)
+        except BaseException:
+            self._unfreed.append(request)
+            raise
 
 
 def _first_stop(text: str, stops: list[str], new_from: int) -> tuple[int, str] | None:

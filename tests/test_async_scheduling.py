@@ -195,20 +195,21 @@ def test_requests_added_between_steps_and_host_reading_rows_join_a_running_pipel
     assert results[1] == results[0] and len(results[0]) == len(plans)
 
 
-ASYNC_HOOKS = ["launch", "finish", "resolve", "advance"]
+ASYNC_HOOKS = ["launch", "finish", "decide_pending", "decide_advance"]
 
 
 def test_a_keyboard_interrupt_at_any_hook_point_loses_nothing_under_async(
         tiny_checkpoint, fault_free, monkeypatch):  # noqa: F811 (fault_free: the imported fixture)
-    """tests/test_step_faults.py's workload and hook points with async scheduling, plus the async steps' own
-    (launch, wait for the tokens, resolve, advance): stepping on after the interrupt, every request finishes
-    once with the fault-free synchronous run's outputs, and every block is free. The workload's host-reading
-    rows (logprobs, a trace, prompt logprobs) run synchronously; the steps after them run ahead."""
+    """tests/test_step_faults.py's workload and hook points with async scheduling, plus the async steps'
+    own (launch, wait for the tokens, decide a launched step's provisional and final outcomes): stepping
+    on after the interrupt, every request finishes once with the fault-free synchronous run's outputs, and
+    every block is free. The workload's host-reading rows (logprobs, a trace, prompt logprobs) run
+    synchronously; the steps after them run ahead."""
     stop, expected, _ = fault_free
     with small_engine(tiny_checkpoint, async_scheduling=True) as engine:
         faults = Faults(engine, monkeypatch)
         for name, owner in [("launch", engine.runner), ("finish", engine.runner),
-                            ("resolve", engine.scheduler), ("advance", engine.scheduler)]:
+                            ("decide_pending", engine.scheduler), ("decide_advance", engine.scheduler)]:
             monkeypatch.setattr(owner, name, faults.hook(name, getattr(owner, name)))
         drive(engine, workload(stop))  # fills the prefix cache as every later run finds it
         faults.calls.clear()
@@ -229,8 +230,16 @@ def test_a_sampling_error_ends_only_that_request_under_async(tiny_checkpoint):
     with small_engine(tiny_checkpoint, async_scheduling=True) as engine:
         alone = engine.generate(PROMPTS[:2], params, use_tqdm=False)
         bad = SamplingParams(temperature=1.0, seed=7, max_tokens=6)
-        bad.seed = 2**64  # past validation: torch's generator refuses it inside the launched step
+        generator_of = engine.runner.generator_of
+
+        def failing_generator(request):  # as torch's generator fails inside the launched step
+            if request.params.seed == 7:
+                raise RuntimeError("Overflow when unpacking long")
+            return generator_of(request)
+
+        engine.runner.generator_of = failing_generator
         outputs = engine.generate(PROMPTS[:2] + ["Hello"], [params, params, bad], use_tqdm=False)
+        engine.runner.generator_of = generator_of
         assert [o.outputs[0].token_ids for o in outputs[:2]] == [o.outputs[0].token_ids for o in alone]
         failed = outputs[2].outputs[0]
         assert failed.finish_reason == "error" and failed.error.startswith("sampling failed: ")

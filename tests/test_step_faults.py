@@ -109,7 +109,10 @@ class Faults:
         self.calls: dict[str, int] = {}
         self.fired = 0
         scheduler, runner, tokenizer = engine.scheduler, engine.runner, engine.tokenizer
-        for name, owner, attribute in [("schedule", scheduler, "schedule"), ("update", scheduler, "update"),
+        for name, owner, attribute in [("schedule", scheduler, "schedule"), ("decide", scheduler, "decide"),
+                                       ("apply", scheduler, "apply"), ("commit", runner, "commit"),
+                                       ("release", runner, "release"),
+                                       ("cache_full_blocks", engine.block_manager, "cache_full_blocks"),
                                        ("prepare", runner, "prepare"), ("forward", runner, "forward"),
                                        ("readout", model_runner, "readout_logits"),
                                        ("sample", model_runner, "sample"),
@@ -134,8 +137,8 @@ class Faults:
         return hooked
 
 
-HOOKS = ["schedule", "prepare", "forward", "readout", "sample", "token_text", "update", "stream", "decode",
-         "output"]
+HOOKS = ["schedule", "prepare", "forward", "readout", "sample", "token_text", "decide", "apply", "commit",
+         "cache_full_blocks", "release", "stream", "decode", "output"]
 
 
 def test_a_keyboard_interrupt_at_any_hook_point_loses_nothing(tiny_checkpoint, fault_free, monkeypatch):
@@ -299,8 +302,16 @@ def test_a_sampling_error_ends_only_that_request(tiny_checkpoint):
     with small_engine(tiny_checkpoint) as engine:
         alone = engine.generate(PROMPTS[:2], params, use_tqdm=False)
         bad = SamplingParams(temperature=1.0, seed=7, max_tokens=6)
-        bad.seed = 2**64  # past validation: torch's generator refuses it inside the step
+        generator_of = engine.runner.generator_of
+
+        def failing_generator(request):  # as torch's generator fails inside the step
+            if request.params.seed == 7:
+                raise RuntimeError("Overflow when unpacking long")
+            return generator_of(request)
+
+        engine.runner.generator_of = failing_generator
         outputs = engine.generate(PROMPTS[:2] + ["Hello"], [params, params, bad], use_tqdm=False)
+        engine.runner.generator_of = generator_of
         assert [o.outputs[0].token_ids for o in outputs[:2]] == [o.outputs[0].token_ids for o in alone]
         failed = outputs[2].outputs[0]
         assert failed.finish_reason == "error" and failed.error.startswith("sampling failed: ")

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from model import tokenizer
+from model import chat_template
 from model.tokenizer import Tokenizer, render_chatml
 
 
@@ -79,8 +79,8 @@ def test_template_errors_are_value_errors_naming_the_file(tiny_checkpoint, tmp_p
 
 
 def test_a_template_that_never_ends_or_grows_without_bound_is_stopped(tiny_checkpoint, monkeypatch):
-    monkeypatch.setattr(tokenizer, "TEMPLATE_SECONDS", 0.2)
-    monkeypatch.setattr(tokenizer, "TEMPLATE_MAX_CHARS", 10_000)
+    monkeypatch.setattr(chat_template, "TEMPLATE_SECONDS", 0.2)
+    monkeypatch.setattr(chat_template, "TEMPLATE_MAX_CHARS", 10_000)
     tok = Tokenizer(tiny_checkpoint)
     silent_loop = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
     start = time.monotonic()
@@ -89,8 +89,9 @@ def test_a_template_that_never_ends_or_grows_without_bound_is_stopped(tiny_check
     assert time.monotonic() - start < 5
     with pytest.raises(ValueError, match="output exceeds 10000 characters"):
         tok.apply_chat_template(MESSAGES, chat_template="{% for i in range(99999) %}abc{% endfor %}")
-    with pytest.raises(ValueError, match="would pass 10000 items"):
+    with pytest.raises(ValueError, match=rf"needed more than {chat_template.TEMPLATE_MEMORY_BYTES} bytes"):
         tok.apply_chat_template(MESSAGES, chat_template="{% set big = 'a' * 10**9 %}")
+    assert tok.apply_chat_template(MESSAGES) == render_chatml(MESSAGES)  # a fresh renderer, as before
 
 
 @pytest.mark.parametrize("file, changes, message", [
@@ -105,3 +106,21 @@ def test_malformed_tokenizer_fields_name_the_file(tiny_checkpoint, tmp_path, fil
     (path / file).write_text(json.dumps(data))
     with pytest.raises(ValueError, match=rf"{file.replace('.', '[.]')}: .*{message}"):
         Tokenizer(path)
+
+
+def test_an_interrupted_render_leaves_no_reply_behind_for_the_next(tiny_checkpoint, monkeypatch):
+    """A Ctrl-C while the renderer works stops that process, so the next render never reads the reply that
+    was meant for the interrupted one."""
+    tok = Tokenizer(tiny_checkpoint)
+    wait = chat_template._Renderer.wait
+
+    def interrupted(self, seconds, origin, doing, if_died):
+        if doing == "rendering":
+            raise KeyboardInterrupt
+        return wait(self, seconds, origin, doing, if_died)
+
+    monkeypatch.setattr(chat_template._Renderer, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tok.apply_chat_template(MESSAGES, chat_template="first")
+    monkeypatch.setattr(chat_template._Renderer, "wait", wait)
+    assert tok.apply_chat_template(MESSAGES, chat_template="second") == "second"
