@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.paired_eval import paired_eval
-from engine import DEFAULT_MODEL, Engine, SamplingParams, main, read_prompts_file
+from cli import main, read_prompts_file
+from engine import DEFAULT_MODEL, Engine, SamplingParams
 from model import chat_template
 from tests.conftest import ROOT
 

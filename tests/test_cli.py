@@ -1,4 +1,4 @@
-"""The `generate` CLI (engine.main): failed requests exit non-zero with their error, --chat prints the answer
+"""The `generate` CLI (cli.main): failed requests exit non-zero with their error, --chat prints the answer
 only, --prompts-file writes one JSON line per prompt in input order, sampling and KV flags reach the engine,
 and the thread rule. Most run main() in this process; one runs the real command line for its exit status."""
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import engine as engine_module
-from engine import Engine, SamplingParams, default_cpu_threads, main, read_prompts_file
+from cli import default_cpu_threads, main, read_prompts_file
+from engine import Engine, SamplingParams
 from tests.conftest import ROOT
 
 GREEDY = ["--device", "cpu", "--threads", "1", "--temperature", "0"]

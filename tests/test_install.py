@@ -23,7 +23,7 @@ def test_pyproject_declares_every_top_level_module_and_package():
     modules = sorted(p.stem for p in ROOT.glob("*.py"))
     packages = sorted(".".join(p.parent.relative_to(ROOT).parts) for p in ROOT.glob("*/**/__init__.py")
                       if p.parts[len(ROOT.parts)] != "tests" and not p.parts[len(ROOT.parts)].startswith("."))
-    assert sorted(setuptools["py-modules"]) == modules == ["engine", "engine_config", "request"]
+    assert sorted(setuptools["py-modules"]) == modules == ["cli", "engine", "engine_config", "request"]
     assert sorted(setuptools["packages"]) == packages
     assert "model/checkpoints/tiny-ouro" in {f"model/{d.rsplit('/', 1)[0]}" for d in
                                              setuptools["package-data"]["model"]}
@@ -31,7 +31,7 @@ def test_pyproject_declares_every_top_level_module_and_package():
 
 def test_pyproject_has_the_console_script_python_floor_and_extras():
     project = PYPROJECT["project"]
-    assert project["scripts"] == {"loop-engine": "engine:main"}
+    assert project["scripts"] == {"loop-engine": "cli:main"}
     assert project["requires-python"] == ">=3.11"
     assert {"dev", "notebook", "gpu", "ray"} <= set(project["optional-dependencies"])
     floors = dict(re.fullmatch(r"([\w-]+)>=([\d.]+)", d).groups() for d in project["dependencies"])

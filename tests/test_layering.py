@@ -1,14 +1,17 @@
 """The import graph reads top-down: every engine module imports only the layers below it (function-level
 imports included), so no package cycle can come back.
 
+    cli.py                   the command line: generate, eval (benchmarks/paired_eval.py), serve (server/)
     server/                  the HTTP server and lm-eval's model: above the engine, which never imports it
-                             (but engine.py's cli_serve, the command line that starts it)
     engine.py
     runner/                  step execution: runner, loop driver, CUDA graphs, sampler
     scheduler/, engine_config.py
     cache/, model/           KV memory; the network and its kernels (neither imports the other)
     attention/               backends and their kernels, and the KV codecs they store and read with
     request.py               the shared request and batch types: imports nothing of the engine
+
+A module's `if __name__ == "__main__":` block is a program run on top of it, not part of the module: engine.py's
+hands `python engine.py ...` to cli.py.
 """
 
 import ast
@@ -17,10 +20,7 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 ENGINE = {"engine", "engine_config", "request", "runner", "scheduler", "cache", "model", "attention"}
-LAYERS = ENGINE | {"server"}
-# engine.py's command line (the design's cli.py, once engine.py is split) starts the server: these functions
-# of engine.py may import it.
-CLI_FUNCTIONS = {"cli_serve"}
+LAYERS = ENGINE | {"server", "cli", "benchmarks"}
 ALLOWED = {
     "request": set(),
     "attention": {"attention"},
@@ -30,16 +30,22 @@ ALLOWED = {
     "engine_config": {"model", "cache", "attention", "request"},
     "runner": {"runner", "engine_config", "model", "cache", "attention", "request"},
     "engine": ENGINE,
-    "server": LAYERS,
+    "server": ENGINE,
+    "cli": LAYERS,
 }
 
 
-def imported_packages(source: str, skip_functions: set[str] = frozenset()) -> set[str]:
-    """The top-level names a module's source imports, anywhere in it but in its top-level functions named in
-    `skip_functions`."""
+def is_main_guard(node: ast.stmt) -> bool:
+    """`if __name__ == "__main__":`"""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            and [getattr(c, "value", None) for c in test.comparators] == ["__main__"])
+
+
+def imported_packages(source: str) -> set[str]:
+    """The top-level names a module's source imports, anywhere in it but in its `__main__` block."""
     tree = ast.parse(source)
-    tree.body = [node for node in tree.body
-                 if not (isinstance(node, ast.FunctionDef) and node.name in skip_functions)]
+    tree.body = [node for node in tree.body if not is_main_guard(node)]
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -54,14 +60,14 @@ def violations(sources: dict[str, str]) -> list[str]:
     found = []
     for path, source in sorted(sources.items()):
         layer = Path(path).parts[0].removesuffix(".py")
-        imported = imported_packages(source, CLI_FUNCTIONS if path == "engine.py" else set())
+        imported = imported_packages(source)
         for package in sorted(imported & LAYERS - ALLOWED[layer] - {layer}):
             found.append(f"{path} imports {package}")
     return found
 
 
 def engine_sources() -> dict[str, str]:
-    paths = [ROOT / f"{name}.py" for name in ("engine", "engine_config", "request")]
+    paths = [ROOT / f"{name}.py" for name in ("cli", "engine", "engine_config", "request")]
     for package in ("runner", "scheduler", "cache", "model", "attention", "server"):
         paths += sorted((ROOT / package).rglob("*.py"))
     return {str(p.relative_to(ROOT)): p.read_text() for p in paths}
@@ -80,8 +86,10 @@ def test_the_check_catches_upward_and_sideways_imports():
            "runner/x.py": "from scheduler import scheduler\n",
            "scheduler/scheduler.py": "import torch\nfrom request import Request\n",
            "runner/y.py": "from server.app import serve\n",
-           "engine.py": "def main():\n    import server.app\n\ndef cli_serve():\n    import server.app\n",
-           "server/app.py": "from engine import Engine\nfrom runner import model_runner\n"}
+           "engine.py": "def main():\n    import server.app\n\nif __name__ == '__main__':\n    import cli\n",
+           "server/app.py": "from engine import Engine\nfrom runner import model_runner\nimport cli\n",
+           "cli.py": "from server.app import serve\nfrom benchmarks.paired_eval import main\n"}
     assert violations(bad) == ["cache/blocks.py imports scheduler", "engine.py imports server",
                                "model/ouro.py imports cache", "request.py imports model",
-                               "runner/x.py imports scheduler", "runner/y.py imports server"]
+                               "runner/x.py imports scheduler", "runner/y.py imports server",
+                               "server/app.py imports cli"]

@@ -14,7 +14,8 @@ from benchmarks.eval_protocol import load_protocol
 from benchmarks.eval_task import AnswerRule, load_task, normalize_answer
 from benchmarks.paired_eval import paired_eval, parse_config
 from benchmarks.paired_stats import TINY, abba_ratio, first_divergence, mcnemar_exact, topn_kl
-from engine import DEFAULT_MODEL, main
+from cli import main
+from engine import DEFAULT_MODEL
 from examples import train_tiny
 from model.config import OuroConfig
 from model.loader import load_model
