@@ -14,14 +14,13 @@ import functools
 import gc
 import importlib.util
 import inspect
-import itertools
 import json
 import os
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -37,12 +36,13 @@ from model.config import OuroConfig
 from model.loader import load_model
 from model.ouro import fused_kernels_available
 from model.tokenizer import Tokenizer
-from request import (CompletionOutput, ExitPolicy, Request, RequestOutput, SamplingParams, ScheduledBatch,
-                     SpeculativeStats, request_policy)
+from outputs import Inbox, OutputBook, SequenceGroup, sequence_ids, sequence_params, take_all
+from request import ExitPolicy, Request, RequestOutput, SamplingParams, SpeculativeStats, request_policy
 from runner.interrupts import deferred_interrupts
 from runner.loop_driver import LoopStats
-from runner.model_runner import LaunchedStep, ModelRunner, StepResult
+from runner.model_runner import ModelRunner
 from scheduler.scheduler import KV_POOL_FULL, Scheduler
+from stepping import OverlappedStepper, SyncStepper
 
 __all__ = ["Engine", "LLM", "SamplingParams", "RequestOutput", "DEFAULT_MODEL"]
 
@@ -59,47 +59,9 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids")
 Prepared = tuple[list[int], str | None, SamplingParams]  # a prompt's token ids, its text, its checked params
 
 
-@dataclasses.dataclass(slots=True, eq=False)
-class SequenceGroup:
-    """One request as its caller sees it: the n sequences sampled from its prompt (one scheduler Request
-    each), and the inbox of the call that reads its outputs (generate(), a stream(), or step())."""
-
-    request_id: str
-    requests: list[Request]
-    inbox: dict[str, SequenceGroup]
-
-    @property
-    def finished(self) -> bool:
-        return all(r.is_finished for r in self.requests)
-
-
-# A call's groups whose requests advanced or finished since it last looked, by request id, oldest first.
-Inbox = dict[str, SequenceGroup]
-
-
-def sequence_ids(request_id: str, n: int) -> list[str]:
-    """The scheduler ids of a request's n sequences: its own id when n == 1, else vLLM's f"{i}_{id}"."""
-    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
-
-
-def sequence_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sequence `index`'s own parameters: n = 1 and, with a seed, seed + index (vLLM's derivation, so
-    sample i of a seeded request is reproducible on its own)."""
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, seed=seed)
-
-
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
                                                     for t in value)
-
-
-def _take_all(inbox: Inbox) -> list[SequenceGroup]:
-    groups = list(inbox.values())
-    inbox.clear()
-    return groups
 
 
 class Engine:
@@ -194,16 +156,10 @@ class Engine:
         self.runner = ModelRunner(config, self.model, self.backend, self.kv_pool, self.layout,
                                   scratch_block=num_blocks, token_text=self.tokenizer.token_text,
                                   scratch_side_block=side_blocks - 1 if kvarn else None)
-        self._requests: dict[str, Request] = {}  # every sequence the scheduler may still hand back, by id
-        self._groups: dict[str, SequenceGroup] = {}  # by request id, until its finished output is handed out
-        self._group_of: dict[str, SequenceGroup] = {}  # by sequence id, as long as the group
-        self._step_inbox: Inbox = {}  # add_request()'s groups, read by step()
-        self._unreported: list[Request] = []  # finished, but their outputs never reached a caller
-        self._handed_back: list[Request] = []  # what the last _step() returned, until it was delivered
-        self._unsettled: list[Callable[[], None]] = []  # parts of an applied step that raised (_run_parts)
-        self._pending: LaunchedStep | None = None  # async scheduling: the step launched ahead, unresolved
-        self._ids = itertools.count()
-        self.num_prefill_tokens = self.num_decode_tokens = 0
+        self.outputs = OutputBook()
+        stepper = OverlappedStepper if config.overlaps_steps else SyncStepper
+        self.stepper = stepper(self.scheduler, self.runner, self.outputs)
+        self._step = self.stepper.step  # chosen once, as vLLM's step_fn
         if verbose:
             speculation = f", speculative={config.speculative} x {config.speculative_tokens} tokens" \
                 if config.speculative else ""
@@ -229,6 +185,16 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         return self.engine_config.max_model_len
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens computed since the engine started (a recomputed one again)."""
+        return self.stepper.num_prefill_tokens
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Decode tokens computed since the engine started."""
+        return self.stepper.num_decode_tokens
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -398,12 +364,12 @@ class Engine:
         token_ids, text = self._encode(prompt, "prompt")
         params = self._check_params(params)
         if request_id is None:
-            request_id = self._new_ids([params.n])[0]
+            request_id = self.outputs.new_ids([params.n])[0]
         elif not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
-        elif not self._id_is_free(request_id, params.n):
+        elif not self.outputs.id_is_free(request_id, params.n):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return self._add(request_id, token_ids, text, params, self._step_inbox).request_id
+        return self._add(request_id, token_ids, text, params, self.outputs.step_inbox).request_id
 
     def _check_params(self, params: SamplingParams | None) -> SamplingParams:
         """A checked copy of the params (SamplingParams.validate again: a field may have been set since they
@@ -426,36 +392,17 @@ class Engine:
                                  f"({self.config.vocab_size} tokens)")
         return params
 
-    def _id_is_free(self, request_id: str, n: int) -> bool:
-        """Neither the id nor its sequences' ids name a request, sequence or unread group."""
-        return all(i not in self._requests and i not in self._groups and i not in self._group_of
-                   for i in (request_id, *sequence_ids(request_id, n)))
-
-    def _new_ids(self, ns: list[int]) -> list[str]:
-        """Automatic ids for requests of ns[i] sequences: the counter's next values, skipping any a caller
-        chose, so an automatic id never clashes. Digit strings, so they never clash with each other's
-        sequence ids (f"{i}_{id}") either."""
-        ids = []
-        for n in ns:
-            request_id = str(next(self._ids))
-            while not self._id_is_free(request_id, n):
-                request_id = str(next(self._ids))
-            ids.append(request_id)
-        return ids
-
     def _add(self, request_id: str, token_ids: list[int], text: str | None, params: SamplingParams,
              inbox: Inbox) -> SequenceGroup:
         """Queue the request's n sequences (ids checked by the caller); `inbox` gets its outputs."""
         bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
         error = f"prompt token id {bad[0]} is outside the vocabulary (vocab_size {self.config.vocab_size})" \
             if bad else None
-        group = self._groups[request_id] = SequenceGroup(request_id, [], inbox)
+        group = self.outputs.open_group(request_id, inbox)
         for index, sequence_id in enumerate(sequence_ids(request_id, params.n)):
             request = Request(sequence_id, token_ids, sequence_params(params, index),
                               eos_token_ids=self.tokenizer.stop_token_ids, prompt=text)
-            group.requests.append(request)
-            self._requests[sequence_id] = request
-            self._group_of[sequence_id] = group
+            self.outputs.track(group, request)
             self.scheduler.add(request, error)
         return group
 
@@ -463,7 +410,7 @@ class Engine:
         """Finish a request (every one of its n sequences) with finish_reason "abort"; its last output
         goes where its others go. An id that is unknown or finished is ignored."""
         self._check_open()
-        group = self._groups.get(request_id)
+        group = self.outputs.groups.get(request_id)
         with deferred_interrupts():
             for sequence_id in [r.request_id for r in group.requests] if group is not None else [request_id]:
                 self.scheduler.abort(sequence_id)
@@ -472,10 +419,7 @@ class Engine:
         """True while a request waits or runs, step() has an output it has not handed back, or part of an
         applied step is still to be completed."""
         self._check_open()
-        pending = self._pending
-        return (self.scheduler.has_unfinished() or bool(self._step_inbox) or bool(self._unreported)
-                or bool(self._unsettled)
-                or (pending is not None and not all(r.is_finished for r in pending.batch.requests)))
+        return self.scheduler.has_unfinished() or self.outputs.has_unread() or self.stepper.busy()
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration: schedule, run the model's loops once, update. Returns an output for every
@@ -486,7 +430,7 @@ class Engine:
         (the CUDA default) the next step is already running when this returns."""
         self._check_open()
         self._advance()
-        return self._hand_out_all(self._step_inbox)
+        return self.outputs.hand_out_all(self.outputs.step_inbox)
 
     def _advance(self) -> None:
         """One iteration, its outputs put in the inboxes of the calls that own them. If they are not
@@ -495,273 +439,11 @@ class Engine:
         try:
             touched = self._step()
             with deferred_interrupts():
-                self._deliver(touched)
-                self._handed_back = []
+                self.outputs.deliver(touched)
+                self.outputs.handed_back = []
         except BaseException:
-            self._requeue_handed_back()
+            self.outputs.requeue_handed_back()
             raise
-
-    def _step(self) -> list[Request]:
-        """One iteration; the requests that advanced or finished in it, after those finished earlier whose
-        outputs never reached a caller. Outputs are built by the caller, only for the requests it hands out;
-        a caller that fails to deliver them calls _requeue_handed_back().
-
-        A step is decided, then applied in full. schedule() and the commit run with Ctrl-C deferred
-        (runner/interrupts.py), and the commit is safe for any exception besides: until the point of no
-        return (the scheduler has decided every row's outcome and the runner's undo record is taken), a
-        failure applies nothing, and the runner undoes what its run changed (seeded generators, loop
-        counters); after it, every part of the application runs whatever an earlier part raised, a part that
-        raised is resumed before the next step runs (_run_parts, _settle), what the step touched is handed
-        back, and only then is the first exception raised. So no finished output is lost and no seeded
-        request samples with a generator out of step with its tokens. What schedule() decided (admissions,
-        block allocations, preemptions) stands: each is a consistent state that the next schedule() starts
-        from, and none changes a request's tokens, text or logprobs. A failure of one request (its sampling,
-        its detokenizing) finishes it alone with finish_reason "error"."""
-        self._handed_back = []
-        with deferred_interrupts():
-            self._settle()
-        if self.engine_config.overlaps_steps:
-            return self._step_overlapped()
-        with deferred_interrupts():
-            batch = self.scheduler.schedule()
-        return self._run_now(batch)
-
-    def _run_now(self, batch: ScheduledBatch, touched: list[Request] | None = None) -> list[Request]:
-        """Run the batch, wait for its tokens and apply it (the synchronous step); hand back what it touched,
-        after `touched` (an earlier part of this step's)."""
-        result = None
-        if batch.requests:
-            try:
-                result = self.runner.run(batch)
-            except BaseException:
-                self.runner.rollback()
-                raise
-        try:
-            with deferred_interrupts():
-                return self._commit(batch, result, touched or [])
-        except BaseException:  # before the point of no return: nothing applied; after it: rollback is a no-op
-            self.runner.rollback()
-            self._requeue_handed_back()
-            raise
-
-    def _step_overlapped(self) -> list[Request]:
-        """Async scheduling: schedule and launch the next step before waiting for this one's tokens, so the
-        host's work (this step's update and outputs, the next one's scheduling and inputs) runs while the
-        device computes. The next step's rows whose last token is still on the device read it there
-        (runner/model_runner.py); the scheduler applies a launched step provisionally (advance) and then
-        with its tokens (resolve), with update()'s rules, so each request gets the tokens the synchronous
-        path gives it. A step whose rows read their tokens on the host (penalties, logprobs, traces) runs
-        synchronously once the one ahead of it is resolved. step() hands back what the step it resolves
-        touched: the same step it would synchronously, one more already running behind it."""
-        if self._pending is None:
-            with deferred_interrupts():
-                batch = self.scheduler.schedule()
-            if not (batch.requests and self._launchable(batch)):
-                return self._run_now(batch)
-            launched = self.runner.launch(batch)
-            try:
-                with deferred_interrupts():
-                    self._advance_launched(launched)
-            except BaseException:  # not applied (once it is, it is the pending step, and kept)
-                if self._pending is not launched:
-                    self.runner.drop(launched)
-                raise
-        pending = self._pending
-        with deferred_interrupts():
-            batch = self.scheduler.schedule()
-        launched = self.runner.launch(batch, pending) if batch.requests and self._launchable(batch) else None
-        try:
-            with deferred_interrupts():
-                touched = self._resolve(pending)
-                if launched is not None:
-                    self._advance_launched(launched)
-        except BaseException:  # what was resolved is handed back by the next step (Engine._advance)
-            if launched is not None and self._pending is not launched:
-                self.runner.drop(launched)
-            raise
-        if launched is None and batch.requests:  # run it now, without the rows whose requests just finished
-            return self._run_now(batch.without_finished(), touched)
-        return touched
-
-    @staticmethod
-    def _launchable(batch: ScheduledBatch) -> bool:
-        """Can the batch run ahead of its tokens? Not where a row reads tokens or logits on the host."""
-        if batch.draft_lens:
-            return False
-        for request in batch.requests:
-            p = request.params
-            if p.penalized or p.logprobs is not None or p.prompt_logprobs is not None or p.loop_trace:
-                return False
-        return True
-
-    def _advance_launched(self, launched: LaunchedStep) -> None:
-        """Apply a launched step provisionally (its tokens pending) and make it the one to resolve next; once
-        decided, it is the pending step whatever applying it raises (the rest is resumed by _settle)."""
-        batch = launched.batch
-        # Rows of requests that finished meanwhile (a stop in the step before) ran for nothing: not counted,
-        # as the synchronous path never runs them.
-        skipped = set(launched.result.errors) | {row for row, r in enumerate(batch.requests) if r.is_finished}
-        decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
-        decision = self.scheduler.decide_advance(batch, launched.result.errors)
-        self._pending = launched  # the point of no return
-        self._count_tokens(batch, skipped, decode)
-        error = self._run_parts([functools.partial(self.scheduler.apply, decision)])
-        if error is not None:
-            raise error
-
-    def _resolve(self, launched: LaunchedStep) -> list[Request]:
-        """Wait for a launched step's tokens and apply them; hand back the requests it advanced or
-        finished."""
-        result = self.runner.finish(launched)
-        batch = launched.batch
-        waiting = [r for r, samples in zip(batch.requests, batch.sample) if samples and r.pending]
-        decision = self.scheduler.decide_pending(batch, result.tokens)
-        self._pending = None  # the point of no return
-        error = self._run_parts([functools.partial(self.scheduler.apply, decision),
-                                 functools.partial(self.runner.commit, result, launched.staged,
-                                                   decision.appended, decision.advances)])
-        return self._conclude([r for r in waiting if not r.pending], self.scheduler.take_finished(), error)
-
-    def _commit(self, batch: ScheduledBatch, result: StepResult | None,
-                touched: list[Request]) -> list[Request]:
-        """Apply the step and hand back the requests it advanced or finished, after `touched`. Deciding every
-        row's outcome changes nothing; once the runner's undo record is taken, the step is applied in full
-        (_run_parts)."""
-        if result is None:
-            return self._conclude(touched, self.scheduler.take_finished())
-        decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
-        before = [r.num_tokens for r in batch.requests]
-        decision = self.scheduler.decide(batch, result.tokens, result.errors,
-                                         {row: a for row, (_, a) in result.drafts.items()})
-        staged = self.runner.take_staged()  # the point of no return
-        self._count_tokens(batch, set(result.errors), decode)
-        error = self._run_parts([functools.partial(self.scheduler.apply, decision),
-                                 functools.partial(self.runner.commit, result, staged, decision.appended,
-                                                   decision.advances)])
-        advanced = [r for r, n in zip(batch.requests, before) if r.num_tokens > n or r.is_finished]
-        return self._conclude(touched + advanced, self.scheduler.take_finished(), error)
-
-    def _count_tokens(self, batch: ScheduledBatch, skip: set[int], decode: list[bool]) -> None:
-        """Count the step's prompt and decode tokens, but for the rows in `skip`; decode[row]: was the row a
-        decode row before the step."""
-        for row, (is_decode, num_new) in enumerate(zip(decode, batch.num_new_tokens)):
-            if row not in skip:
-                if is_decode:
-                    self.num_decode_tokens += num_new
-                else:
-                    self.num_prefill_tokens += num_new
-
-    def _run_parts(self, parts: list[Callable[[], None]],
-                   error: BaseException | None = None) -> BaseException | None:
-        """Run every part of an applied step, each whatever an earlier one raised. A part that raises is kept
-        to be resumed before the next step (_settle); each part is safe to run again (Scheduler.apply and
-        ModelRunner.commit skip what they have taken on; a release repeats nothing). Returns the first
-        exception, `error` if one came before."""
-        for part in parts:
-            try:
-                part()
-            except BaseException as err:
-                self._unsettled.append(part)
-                error = err if error is None else error
-        return error
-
-    def _settle(self) -> None:
-        """Resume the parts of an applied step that raised, before anything else runs (KV blocks, seeded
-        generators and outputs are then as if nothing had); one that raises again stays, and is raised."""
-        parts, self._unsettled = self._unsettled, []
-        error = self._run_parts(parts)
-        if error is not None:
-            raise error
-
-    def _conclude(self, touched: list[Request], finished: list[Request],
-                  error: BaseException | None = None) -> list[Request]:
-        """The end of an applied step: release the finished requests, hand back the touched ones and the
-        finished ones not among them, then raise `error` (what a part of the step raised) or the first
-        exception of a release."""
-        error = self._run_parts([functools.partial(self._release, r) for r in finished], error)
-        seen = {id(r) for r in touched}
-        handed = self._hand_back(touched + [r for r in finished if id(r) not in seen])
-        if error is not None:
-            raise error
-        return handed
-
-    def _release(self, request: Request) -> None:
-        """A finished request gives back its runner state; its id stays in use until it has."""
-        self.runner.release(request)
-        self._requests.pop(request.request_id, None)
-
-    def _hand_back(self, touched: list[Request]) -> list[Request]:
-        """This step's touched requests, after those finished earlier whose outputs never reached a caller."""
-        touched, self._unreported = self._unreported + touched, []
-        self._handed_back = touched
-        return touched
-
-    def _deliver(self, touched: list[Request]) -> None:
-        """Put the group of each request that advanced or finished into the inbox of the call that reads
-        it. A request whose group is gone (its call ended and aborted it) goes nowhere."""
-        for request in touched:
-            group = self._group_of.get(request.request_id)
-            if group is not None and request in group.requests:
-                group.inbox[group.request_id] = group
-
-    def _hand_out_all(self, inbox: Inbox) -> list[RequestOutput]:
-        """Every group in the inbox as an output; the inbox is emptied only once all are built, so an
-        exception while building them leaves them for the next call."""
-        groups = list(inbox.values())
-        outputs = [self._output(group) for group in groups]
-        taken: list[tuple[SequenceGroup, bool]] = []
-        try:
-            with deferred_interrupts():
-                for group, output in zip(groups, outputs):
-                    inbox.pop(group.request_id, None)
-                    if output.finished:
-                        self._forget(group)
-                    taken.append((group, output.finished))
-        except BaseException:  # a Ctrl-C deferred to the block's end: the outputs never reach the caller
-            with deferred_interrupts():
-                for group, forgotten in taken:
-                    if forgotten:
-                        self._remember(group)
-                    inbox[group.request_id] = group
-            raise
-        return outputs
-
-    def _hand_out(self, group: SequenceGroup) -> RequestOutput:
-        """The group's output; once it has finished, the group is forgotten (its ids become free)."""
-        output = self._output(group)
-        if output.finished:
-            self._forget(group)
-        return output
-
-    def _forget(self, group: SequenceGroup) -> None:
-        del self._groups[group.request_id]
-        for request in group.requests:
-            del self._group_of[request.request_id]
-        group.inbox.pop(group.request_id, None)
-
-    def _remember(self, group: SequenceGroup) -> None:
-        """Undo _forget: the group's output is to be handed out again."""
-        self._groups[group.request_id] = group
-        for request in group.requests:
-            self._group_of[request.request_id] = group
-
-    def _output(self, group: SequenceGroup) -> RequestOutput:
-        first = group.requests[0]
-        params = first.params
-        completions = [CompletionOutput(index, r.output_text, r.output_token_ids, r.finish_reason,
-                                        r.stop_reason, r.error, list(r.traces) or None,
-                                        list(r.logprobs) if params.logprobs is not None else None,
-                                        r.speculative.copy() if r.speculative is not None else None)
-                       for index, r in enumerate(group.requests)]
-        prompt_logprobs = [None, *first.prompt_logprobs] if params.prompt_logprobs is not None else None
-        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions,
-                             group.finished, first.num_cached_tokens, prompt_logprobs)
-
-    def _requeue_handed_back(self) -> None:
-        """The last _step()'s requests did not reach their inboxes: its finished ones come back next step."""
-        with deferred_interrupts():
-            self._unreported += [r for r in self._handed_back if r.is_finished]
-            self._handed_back = []
 
     # -- convenience ---------------------------------------------------------------------------------
 
@@ -790,7 +472,7 @@ class Engine:
     def _add_all(self, prepared: list[Prepared], inbox: Inbox, groups: list[SequenceGroup]) -> None:
         """Add every prepared prompt under a fresh automatic id, appending each group to `groups` as it is
         added (so an interrupted call still knows what to abort)."""
-        ids = self._new_ids([params.n for _, _, params in prepared])
+        ids = self.outputs.new_ids([params.n for _, _, params in prepared])
         for request_id, (token_ids, text, params) in zip(ids, prepared):
             groups.append(self._add(request_id, token_ids, text, params, inbox))
 
@@ -802,15 +484,15 @@ class Engine:
         with deferred_interrupts():
             abandoned = set()
             for group in groups:
-                if self._groups.get(group.request_id) is group:
+                if self.outputs.groups.get(group.request_id) is group:
                     for request in group.requests:
                         self.scheduler.abort(request.request_id)
                         abandoned.add(id(request))
-                    self._forget(group)
+                    self.outputs.forget(group)
             if abandoned:  # released now, not at the next step, so has_unfinished() is False at once
                 finished = self.scheduler.take_finished()
-                self._unreported += [r for r in finished if id(r) not in abandoned]
-                error = self._run_parts([functools.partial(self._release, r) for r in finished])
+                self.outputs.unreported += [r for r in finished if id(r) not in abandoned]
+                error = self.stepper.run_parts([functools.partial(self.stepper.release, r) for r in finished])
                 if error is not None:
                     raise error
 
@@ -835,7 +517,7 @@ class Engine:
                 if not inbox:
                     self._advance()
                 while inbox:
-                    output = self._hand_out(inbox.pop(next(iter(inbox))))
+                    output = self.outputs.hand_out(inbox.pop(next(iter(inbox))))
                     unfinished -= output.finished
                     yield output
         finally:
@@ -860,11 +542,11 @@ class Engine:
             while len(results) < len(groups):
                 if not inbox:
                     self._advance()
-                for group in _take_all(inbox):
+                for group in take_all(inbox):
                     if progress is not None:
                         progress.advance(group)
                     if group.finished:
-                        results[group.request_id] = self._hand_out(group)
+                        results[group.request_id] = self.outputs.hand_out(group)
                 if progress is not None:
                     progress.show_prompt_rate(self.num_prefill_tokens)
         finally:

@@ -47,7 +47,7 @@ def assert_unharmed(engine, baseline):
     """Every KV block free, nothing queued or owed, and the same greedy tokens and chat answer as before."""
     manager = engine.block_manager
     assert manager.num_free_blocks == manager.num_blocks and all(b.ref_count == 0 for b in manager.blocks)
-    assert not engine.has_unfinished() and not engine._requests and not engine.runner.generators
+    assert not engine.has_unfinished() and not engine.outputs.requests and not engine.runner.generators
     tokens, answer = baseline
     assert [out.outputs[0].token_ids for out in engine.generate(PROMPTS, GREEDY, use_tqdm=False)] == tokens
     assert engine.chat(MESSAGES, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == answer

@@ -30,7 +30,7 @@ def assert_nothing_left(engine):
     out = engine.generate([prompt], SHORT, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5
     assert (engine.num_prefill_tokens - prefill, engine.num_decode_tokens - decode) == (len(prompt), 4)
-    assert not engine.has_unfinished() and not engine._groups and not engine._requests
+    assert not engine.has_unfinished() and not engine.outputs.groups and not engine.outputs.requests
 
 
 def fail_on_step(engine, monkeypatch, number, error):
@@ -72,7 +72,7 @@ def test_closing_a_stream_generator_aborts_its_requests(engine):
 
 def test_a_stream_never_iterated_adds_nothing(engine):
     engine.stream(["hello"], LONG)
-    assert not engine.has_unfinished() and not engine._groups
+    assert not engine.has_unfinished() and not engine.outputs.groups
     assert_nothing_left(engine)
 
 
@@ -189,4 +189,4 @@ def test_a_bad_parameter_anywhere_in_the_call_adds_nothing(engine):
         engine.generate(["a", "b", "c"], [SHORT, SHORT, "greedy"], use_tqdm=False)
     with pytest.raises(ValueError, match="exit_policy"):
         engine.generate(["a", "b"], [SHORT, SamplingParams(exit_policy="step:9")], use_tqdm=False)
-    assert not engine.has_unfinished() and not engine._groups
+    assert not engine.has_unfinished() and not engine.outputs.groups

@@ -104,7 +104,8 @@ def test_a_pending_token_never_shows_and_abort_drops_it():
         seen = []
         while len(seen) < 3:
             seen += [o for o in engine.step() if o.outputs[0].token_ids]
-        assert engine._pending is not None and engine._requests["r"].pending  # a step runs ahead
+        assert engine.stepper.pending is not None  # a step runs ahead
+        assert engine.outputs.requests["r"].pending
         engine.abort("r")
         outs = engine.step()
         final = [o for o in outs if o.request_id == "r"]
@@ -136,7 +137,7 @@ def test_a_pending_token_without_its_step_is_refused():
     with Engine(device="cpu", async_scheduling=True, verbose=False) as engine:
         engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         engine.step()
-        pending = engine._pending
+        pending = engine.stepper.pending
         batch = engine.scheduler.schedule()
         assert any(r.pending for r in batch.requests)
         with pytest.raises(RuntimeError, match="pending"):

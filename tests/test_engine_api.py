@@ -156,7 +156,7 @@ def test_a_bad_dict_prompt_names_its_index_and_adds_nothing(engine, bad, message
     with pytest.raises(ValueError, match=r"prompts\[1\]") as err:
         engine.generate([{"prompt": "fine"}, bad], use_tqdm=False)
     assert err.match(message)
-    assert not engine.has_unfinished() and not engine._groups
+    assert not engine.has_unfinished() and not engine.outputs.groups
 
 
 def test_stream_checks_its_prompts_when_called_not_when_iterated(engine):

@@ -23,7 +23,8 @@ def test_pyproject_declares_every_top_level_module_and_package():
     modules = sorted(p.stem for p in ROOT.glob("*.py"))
     packages = sorted(".".join(p.parent.relative_to(ROOT).parts) for p in ROOT.glob("*/**/__init__.py")
                       if p.parts[len(ROOT.parts)] != "tests" and not p.parts[len(ROOT.parts)].startswith("."))
-    assert sorted(setuptools["py-modules"]) == modules == ["cli", "engine", "engine_config", "request"]
+    assert sorted(setuptools["py-modules"]) == modules
+    assert modules == ["cli", "engine", "engine_config", "outputs", "request", "stepping"]
     assert sorted(setuptools["packages"]) == packages
     assert "model/checkpoints/tiny-ouro" in {f"model/{d.rsplit('/', 1)[0]}" for d in
                                              setuptools["package-data"]["model"]}

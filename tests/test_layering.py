@@ -4,14 +4,16 @@ imports included), so no package cycle can come back.
     cli.py                   the command line: generate, eval (benchmarks/paired_eval.py), serve (server/)
     server/                  the HTTP server and lm-eval's model: above the engine, which never imports it
     engine.py
+    stepping.py              one engine iteration, synchronous or overlapped
+    outputs.py               which call reads each request's outputs
     runner/                  step execution: runner, loop driver, CUDA graphs, sampler
     scheduler/, engine_config.py
     cache/, model/           KV memory; the network and its kernels (neither imports the other)
     attention/               backends and their kernels, and the KV codecs they store and read with
     request.py               the shared request and batch types: imports nothing of the engine
 
-A module's `if __name__ == "__main__":` block is a program run on top of it, not part of the module: engine.py's
-hands `python engine.py ...` to cli.py.
+A module's `if __name__ == "__main__":` block is a program run on top of it, not part of the module:
+engine.py's hands `python engine.py ...` to cli.py.
 """
 
 import ast
@@ -19,7 +21,8 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-ENGINE = {"engine", "engine_config", "request", "runner", "scheduler", "cache", "model", "attention"}
+ENGINE = {"engine", "stepping", "outputs", "engine_config", "request", "runner", "scheduler", "cache",
+          "model", "attention"}
 LAYERS = ENGINE | {"server", "cli", "benchmarks"}
 ALLOWED = {
     "request": set(),
@@ -29,6 +32,8 @@ ALLOWED = {
     "scheduler": {"scheduler", "cache", "request"},
     "engine_config": {"model", "cache", "attention", "request"},
     "runner": {"runner", "engine_config", "model", "cache", "attention", "request"},
+    "outputs": {"runner", "request"},
+    "stepping": {"outputs", "runner", "scheduler", "request"},
     "engine": ENGINE,
     "server": ENGINE,
     "cli": LAYERS,
@@ -67,7 +72,8 @@ def violations(sources: dict[str, str]) -> list[str]:
 
 
 def engine_sources() -> dict[str, str]:
-    paths = [ROOT / f"{name}.py" for name in ("cli", "engine", "engine_config", "request")]
+    paths = [ROOT / f"{name}.py" for name in ("cli", "engine", "stepping", "outputs", "engine_config",
+                                                  "request")]
     for package in ("runner", "scheduler", "cache", "model", "attention", "server"):
         paths += sorted((ROOT / package).rglob("*.py"))
     return {str(p.relative_to(ROOT)): p.read_text() for p in paths}

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+import outputs as outputs_module
 from engine import Engine, SamplingParams
 from request import Request
 from runner import model_runner
@@ -83,7 +84,8 @@ def assert_clean(engine: Engine) -> None:
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
     assert not engine.scheduler.waiting and not engine.scheduler.running and not engine.scheduler._streams
-    assert not engine._requests and not engine.runner.generators and not engine.runner.block_tables.synced
+    assert not engine.outputs.requests
+    assert not engine.runner.generators and not engine.runner.block_tables.synced
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +118,7 @@ class Faults:
                                        ("prepare", runner, "prepare"), ("forward", runner, "forward"),
                                        ("readout", model_runner, "readout_logits"),
                                        ("sample", model_runner, "sample"),
-                                       ("output", type(engine), "_output"),  # close() clears the instance
+                                       ("output", outputs_module, "request_output"),
                                        ("decode", tokenizer, "decode"), ("token_text", runner, "token_text")]:
             monkeypatch.setattr(owner, attribute, self.hook(name, getattr(owner, attribute)))
         stream = tokenizer.stream
@@ -124,7 +126,7 @@ class Faults:
 
     def hook(self, name: str, function):
         def hooked(*args, **kwargs):
-            if name == "output" and not args[-1].finished:  # Engine._output(self, group)
+            if name == "output" and not args[-1].finished:  # outputs.request_output(group)
                 return function(*args, **kwargs)
             self.calls[name] = self.calls.get(name, 0) + 1
             if self.armed is not None and self.armed[0] == name:
@@ -233,7 +235,7 @@ class CallInterrupts:
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_ctrl_c_at_random_function_calls_loses_nothing(tiny_checkpoint, fault_free, sigint_in_engine_code,
                                                        async_scheduling):
-    """Also with async scheduling (engine.py: Engine._step_overlapped), whose plain steps run ahead."""
+    """Also with async scheduling (stepping.py: OverlappedStepper), whose plain steps run ahead."""
     stop, expected, _ = fault_free
     rng = random.Random(1)
     injector = CallInterrupts()
@@ -258,13 +260,13 @@ def test_a_ctrl_c_as_step_hands_out_keeps_the_outputs_for_the_next_step(tiny_che
     try:
         with small_engine(tiny_checkpoint) as engine:
             request_id = engine.add_request(PROMPTS[0], params)
-            forget = engine._forget
+            forget = engine.outputs.forget
 
             def interrupted_forget(group):
                 os.kill(os.getpid(), signal.SIGINT)  # lands inside the deferred section
                 forget(group)
 
-            engine._forget = interrupted_forget
+            engine.outputs.forget = interrupted_forget
             outputs, interrupted = [], 0
             for _ in range(20):
                 if outputs:
@@ -273,7 +275,7 @@ def test_a_ctrl_c_as_step_hands_out_keeps_the_outputs_for_the_next_step(tiny_che
                     outputs = [o for o in engine.step() if o.finished]
                 except KeyboardInterrupt:
                     interrupted += 1
-                    engine._forget = forget
+                    engine.outputs.forget = forget
             assert interrupted == 1 and [o.request_id for o in outputs] == [request_id]
             assert len(outputs[0].outputs[0].token_ids) == 3 and not engine.has_unfinished()
     finally:
