@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import torch
 
-from cache.kv_format import KVARN_PRESETS
+from cache.kv_formats import FORMATS
 from engine import DEFAULT_MODEL, Engine
 from request import CompletionOutput, SamplingParams
 from scheduler.scheduler import KV_POOL_FULL
@@ -126,8 +126,7 @@ def add_engine_flags(engine: argparse._ArgumentGroup) -> None:
     engine.add_argument("--exit-policy", default=None,
                         help="full (default), threshold:Q, step:K (0-based), weighted, or early:Q (stops "
                              "looping a generated token once its exit CDF reaches Q)")
-    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8_e4m3",
-                                                                     *KVARN_PRESETS],
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=list(FORMATS),
                         help="how K/V is stored: the model dtype (auto), bf16, fp8_e4m3 with one scale per "
                         "(slot, kv head), or a KVarN preset (with --block-size of its tile) (default auto)")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")

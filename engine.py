@@ -15,7 +15,6 @@ import gc
 import importlib.util
 import inspect
 import json
-import os
 import sys
 import time
 import warnings
@@ -26,9 +25,8 @@ import torch
 
 from attention.base import select
 from cache.blocks import BlockManager
-from cache.kv_format import parse_kv_cache_dtype
-from cache.kv_pool import KVPool
-from cache.kvarn_pool import KVarNPool
+from cache.kv_format import PoolShape
+from cache.pool_sizing import PoolSizer
 from cache.layout import KV_SHARING, make_layout
 from cache.side_rows import SideRows
 from engine_config import EngineConfig
@@ -47,12 +45,6 @@ from stepping import OverlappedStepper, SyncStepper
 __all__ = ["Engine", "LLM", "SamplingParams", "RequestOutput", "DEFAULT_MODEL"]
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "model" / "checkpoints" / "tiny-ouro"
-# The CPU KV pool (see Engine._cpu_kv_budget): room for max_num_seqs sequences of max_model_len, but at most
-# this share of the memory available once the weights are loaded (the rest is for activations and the
-# machine's other work), and no more than the larger of one max_model_len sequence and CPU_KV_BYTES.
-CPU_KV_BYTES = 4 * 2**30
-CPU_KV_MEMORY_FRACTION = 0.5
-
 # A prompt as vLLM takes it: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
 Prompt = str | list[int] | dict[str, Any]
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -117,32 +109,18 @@ class Engine:
                                 fused_kernels=config.device.type == "cuda" and fused_kernels_available(),
                                 batch_invariant=config.batch_invariant,
                                 check_finite=config.check_finite_weights)
-        loops, layers = config.loops, self.config.num_hidden_layers
-        kvarn = parse_kv_cache_dtype(config.kv_cache_dtype).kind == "kvarn"
-        side_rows = SideRows(config.max_num_seqs, config.block_size, config.kv_sink_tokens,
-                             config.kv_tail_tokens, generated_apart=config.kv_sharing == "last") \
-            if kvarn else None  # a KVarN pool's high-precision rows
-        # One side block more than SideRows hands out: the scratch side block that graph padding rows write.
-        side_blocks = side_rows.capacity + 1 if kvarn else 0
-        generated_side_tiles = side_rows.generated_capacity if kvarn else 0
-        probe = self._make_pool(1, 0, device=torch.device("meta"))  # its byte counts; nothing allocated
-        reserved = probe.side_bytes_for(side_blocks, generated_side_tiles) if kvarn else 0
-        # The pool asked for, or the smallest one (a block and the scratch block), before sizing it to memory
-        self._check_pool_fits(probe, (config.num_kv_blocks or 1) + 1, reserved,
-                              "num_kv_blocks" if config.num_kv_blocks is not None else "loops or block_size")
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory(probe, reserved)
-        # One block more than the scheduler may hand out: the scratch block that graph padding rows write.
-        self.kv_pool = self._allocate_pool(probe, num_blocks + 1, reserved, side_blocks, generated_side_tiles)
-        scale = self.config.head_dim ** -0.5
-        if kvarn:
-            self.backend.bind_packed(self.kv_pool, scale)
-        else:
-            self.backend.bind(self.kv_pool.key_cache, self.kv_pool.value_cache, scale, self.kv_pool.kv_scales)
+        kv_format, shape = config.kv_format, self._pool_shape()
+        side_rows = kv_format.side_rows(shape)  # rows the pool keeps apart from its blocks (KVarN's), or None
+        self.kv_pool, num_blocks = PoolSizer(kv_format, shape, config.device, config.num_kv_blocks,
+                                             config.kv_cache_gib, config.gpu_memory_utilization,
+                                             config.max_model_len).build(side_rows, self._profile_run)
+        kv_format.bind(self.backend, self.kv_pool, self.config.head_dim ** -0.5)
         # In deterministic mode a generated token's K/V stands for a prompt's (in the prefix cache, in a
         # recompute) only where the backend gives a prompt token what decoding it gives.
         exact = config.generated_kv_exact and (not config.batch_invariant
                                                or self.backend.capabilities.prefill_matches_decode)
-        self.layout = make_layout(config.kv_sharing, loops, layers, config.block_size, exact)
+        self.layout = make_layout(config.kv_sharing, config.loops, self.config.num_hidden_layers,
+                                  config.block_size, exact)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           layout=self.layout, side_rows=side_rows)
         if self.layout.blocks_per_sequence(config.max_model_len, 0) > num_blocks:
@@ -155,20 +133,34 @@ class Engine:
                                    config.admission)
         self.runner = ModelRunner(config, self.model, self.backend, self.kv_pool, self.layout,
                                   scratch_block=num_blocks, token_text=self.tokenizer.token_text,
-                                  scratch_side_block=side_blocks - 1 if kvarn else None)
+                                  scratch_side_block=kv_format.scratch_side_block(side_rows))
         self.outputs = OutputBook()
         stepper = OverlappedStepper if config.overlaps_steps else SyncStepper
         self.stepper = stepper(self.scheduler, self.runner, self.outputs)
         self._step = self.stepper.step  # chosen once, as vLLM's step_fn
         if verbose:
-            speculation = f", speculative={config.speculative} x {config.speculative_tokens} tokens" \
-                if config.speculative else ""
-            kv = "" if config.kv_cache_dtype == "auto" else f", kv_cache_dtype={config.kv_cache_dtype}"
-            kv += "" if config.kv_rotation else " (no rotation)"
-            print(f"loop-engine: {loops} loops x {layers} layers, {config.dtype}{kv}, {config.device}, "
-                  f"attention={self.backend.name}, exit_policy={config.exit_policy}{speculation}; "
-                  f"{self.layout.report(self.kv_pool, num_blocks, side_rows=side_rows)} "
-                  f"({self.kv_pool.num_bytes / 2**30:.2f} GiB)", file=sys.stderr)
+            self._print_start_line(num_blocks, side_rows)
+
+    def _pool_shape(self) -> PoolShape:
+        """What the KV pool is built from (cache/kv_format.py), besides its block count."""
+        config, model = self.engine_config, self.config
+        return PoolShape(config.loops, model.num_hidden_layers, config.block_size, model.num_key_value_heads,
+                         model.head_dim, config.dtype, config.max_num_seqs, config.kv_sink_tokens,
+                         config.kv_tail_tokens, config.kv_rotation, config.batch_invariant,
+                         generated_apart=config.kv_sharing == "last",
+                         loop_uniform_scales=config.exit_policy.can_exit or config.kv_sharing == "last")
+
+    def _print_start_line(self, num_blocks: int, side_rows: SideRows | None) -> None:
+        config = self.engine_config
+        speculation = f", speculative={config.speculative} x {config.speculative_tokens} tokens" \
+            if config.speculative else ""
+        kv = "" if config.kv_cache_dtype == "auto" else f", kv_cache_dtype={config.kv_cache_dtype}"
+        kv += "" if config.kv_rotation else " (no rotation)"
+        print(f"loop-engine: {config.loops} loops x {self.config.num_hidden_layers} layers, "
+              f"{config.dtype}{kv}, {config.device}, attention={self.backend.name}, "
+              f"exit_policy={config.exit_policy}{speculation}; "
+              f"{self.layout.report(self.kv_pool, num_blocks, side_rows=side_rows)} "
+              f"({self.kv_pool.num_bytes / 2**30:.2f} GiB)", file=sys.stderr)
 
     @property
     def device(self) -> torch.device:
@@ -211,108 +203,6 @@ class Engine:
         per draft position and overall (None without speculation)."""
         return self.runner.speculation.stats if self.runner.speculation is not None else None
 
-    def _make_pool(self, num_blocks: int, side_blocks: int, generated_side_tiles: int = 0,
-                   device: torch.device | None = None) -> KVPool | KVarNPool:
-        """The KV pool of kv_cache_dtype: per-token elements (auto, bf16, fp8_e4m3) or KVarN tiles with
-        side_blocks blocks of high-precision rows (and, under kv_sharing="last", generated_side_tiles tiles of
-        generated ones). device: the engine's unless given (the meta device measures a pool's bytes)."""
-        config, model = self.engine_config, self.config
-        device = config.device if device is None else device
-        fmt = parse_kv_cache_dtype(config.kv_cache_dtype)
-        shape = (config.loops, model.num_hidden_layers, num_blocks)
-        if fmt.kind == "kvarn":
-            return KVarNPool(fmt, *shape, model.num_key_value_heads, model.head_dim, config.dtype,
-                             device, config.kv_sink_tokens, config.kv_tail_tokens, side_blocks,
-                             generated_side_tiles=generated_side_tiles, rotate=config.kv_rotation,
-                             batch_invariant=config.batch_invariant)
-        return KVPool(*shape, config.block_size, model.num_key_value_heads, model.head_dim,
-                      fmt.storage_dtype(config.dtype), device,
-                      loop_uniform_scales=config.exit_policy.can_exit or config.kv_sharing == "last")
-
-    def _allocate_pool(self, probe: KVPool | KVarNPool, num_blocks: int, reserved: int, side_blocks: int,
-                       generated_side_tiles: int) -> KVPool | KVarNPool:
-        """The KV pool of num_blocks blocks and `reserved` bytes of KVarN side rows, once _check_pool_fits;
-        an allocation that fails all the same is a ValueError naming what sized the pool."""
-        config = self.engine_config
-        lower = "num_kv_blocks" if config.num_kv_blocks is not None else \
-            "kv_cache_gib" if config.kv_cache_gib is not None else "loops or block_size"
-        self._check_pool_fits(probe, num_blocks, reserved, lower)
-        try:
-            return self._make_pool(num_blocks, side_blocks, generated_side_tiles)
-        except RuntimeError as err:  # the allocator's (torch's CUDA OutOfMemoryError is one)
-            sized_by = self._pool_sized_by(probe, num_blocks, reserved)
-            raise ValueError(f"allocating the KV pool ({sized_by}) on {config.device} failed: {err}; lower "
-                             f"{lower}") from None
-
-    def _check_pool_fits(self, probe: KVPool | KVarNPool, num_blocks: int, reserved: int, lower: str) -> None:
-        """A pool of num_blocks blocks and `reserved` bytes of side rows against the memory the device has
-        now, before anything is allocated: ValueError naming the options that sized it and those to lower."""
-        config = self.engine_config
-        needed = num_blocks * probe.bytes_per_block + reserved
-        available = device_memory_available(config.device)
-        if available is None or needed <= available:
-            return
-        if reserved > num_blocks * probe.bytes_per_block:
-            lower = "max_num_seqs, or kv_sink_tokens and kv_tail_tokens"
-        raise ValueError(f"the KV pool would take {needed / 2**30:.3g} GiB "
-                         f"({self._pool_sized_by(probe, num_blocks, reserved)}), more than the "
-                         f"{available / 2**30:.3g} GiB of memory available on {config.device}; lower {lower}")
-
-    def _pool_sized_by(self, probe: KVPool | KVarNPool, num_blocks: int, reserved: int = 0) -> str:
-        """The pool's size in the words of the options that set it."""
-        config = self.engine_config
-        asked = f"num_kv_blocks={config.num_kv_blocks}: " if config.num_kv_blocks is not None else \
-            f"kv_cache_gib={config.kv_cache_gib}: " if config.kv_cache_gib is not None else ""
-        side = (f", and {reserved / 2**30:.3g} GiB of KVarN side rows for max_num_seqs={config.max_num_seqs}"
-                if reserved else "")
-        return (f"{asked}{num_blocks} block(s) of {probe.bytes_per_block / 2**20:.3g} MiB, each "
-                f"block_size={probe.block_size} tokens x loops={config.loops} x "
-                f"{self.config.num_hidden_layers} layers{side}")
-
-    def _blocks_for_memory(self, probe: KVPool | KVarNPool, reserved: int = 0) -> int:
-        """kv_cache_gib when given. Otherwise vLLM's rule on CUDA: what is left of utilization x total after
-        the weights and a measured activation peak; on CPU, _cpu_kv_budget. `probe`: a one-block pool, for
-        the bytes per block; `reserved`: bytes of the budget that are not blocks (a KVarN side pool)."""
-        config = self.engine_config
-        if config.kv_cache_gib is not None:
-            budget = config.kv_cache_gib * 2**30
-        elif config.device.type != "cuda":  # sized for the blocks the sequences need; a side pool on top
-            budget = self._cpu_kv_budget(probe.bytes_per_block) + reserved
-        else:
-            torch.cuda.reset_peak_memory_stats(config.device)
-            try:
-                self._profile_run(config.max_num_batched_tokens)
-            except torch.cuda.OutOfMemoryError:
-                raise ValueError(f"max_num_batched_tokens={config.max_num_batched_tokens}: a step of that "
-                                 f"many tokens does not fit in {config.device}'s memory beside the weights; "
-                                 "lower it") from None
-            peak = torch.cuda.max_memory_allocated(config.device)
-            free, total = torch.cuda.mem_get_info(config.device)
-            others = total - free - torch.cuda.memory_reserved(config.device)
-            budget = total * config.gpu_memory_utilization - peak - others
-        blocks = KVPool.blocks_for_budget(probe.bytes_per_block, budget - reserved) - 1  # - the scratch block
-        if blocks < 1:
-            side = (f"; the KVarN side pool takes {reserved / 2**30:.2f} GiB of it (lower max_num_seqs or "
-                    "kv_sink_tokens / kv_tail_tokens)") if reserved else ""
-            raise ValueError(f"no memory left for the KV cache: its budget of {max(budget, 0) / 2**30:.3g} "
-                             "GiB holds no block besides the scratch block "
-                             f"({self._pool_sized_by(probe, 1)}); "
-                             "raise kv_cache_gib, or on CUDA gpu_memory_utilization, or lower "
-                             f"max_num_batched_tokens, loops or block_size{side}")
-        return blocks
-
-    def _cpu_kv_budget(self, bytes_per_block: int) -> float:
-        """Bytes for the CPU KV pool: room for max_num_seqs sequences of max_model_len (more is never used),
-        at most the larger of one such sequence and CPU_KV_BYTES, and at most CPU_KV_MEMORY_FRACTION of the
-        memory available now (the weights are loaded; CPU_KV_BYTES where the OS does not say). The pool is
-        allocated uninitialised, so its pages become resident only as tokens are written."""
-        config = self.engine_config
-        one_sequence = -(-config.max_model_len // config.block_size) * bytes_per_block
-        available = available_memory_bytes()
-        cap = CPU_KV_MEMORY_FRACTION * available if available is not None else CPU_KV_BYTES
-        return min(config.max_num_seqs * one_sequence, max(one_sequence, CPU_KV_BYTES), cap) \
-            + bytes_per_block  # the scratch block
-
     def max_concurrent_sequences(self, prompt_tokens: int, generated_tokens: int) -> int:
         """How many sequences of this shape the KV pool holds at once (kv_sharing="last" stores a generated
         token in 1/loops of a prompt token's bytes; a KVarN pool's side rows may hold fewer)."""
@@ -320,15 +210,22 @@ class Engine:
                                                     generated_tokens, self.block_manager.side_rows)
 
     @torch.inference_mode()
-    def _profile_run(self, num_tokens: int) -> None:
-        device = self.engine_config.device
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-        positions = torch.arange(num_tokens, device=device)
-        states = self.model(ids, positions, lambda q, k, v, slot: q.clone(),
-                            torch.arange(min(num_tokens, 256), device=device))
-        self.model.compute_logits(states.hidden[-1])
-        del states
-        torch.cuda.synchronize(device)
+    def _profile_run(self) -> None:
+        """The largest step (max_num_batched_tokens tokens) once, for the activation peak that the KV pool
+        leaves room for on CUDA (cache/pool_sizing.py)."""
+        config = self.engine_config
+        device, num_tokens = config.device, config.max_num_batched_tokens
+        try:
+            ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+            positions = torch.arange(num_tokens, device=device)
+            states = self.model(ids, positions, lambda q, k, v, slot: q.clone(),
+                                torch.arange(min(num_tokens, 256), device=device))
+            self.model.compute_logits(states.hidden[-1])
+            del states
+            torch.cuda.synchronize(device)
+        except torch.cuda.OutOfMemoryError:
+            raise ValueError(f"max_num_batched_tokens={num_tokens}: a step of that many tokens does not fit "
+                             f"in {device}'s memory beside the weights; lower it") from None
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -643,36 +540,6 @@ def engine_kwargs(pairs: Iterable[str], flag: str) -> dict[str, Any]:
             kwargs[key] = value
     check_engine_kwargs(kwargs, flag)
     return kwargs
-
-
-def available_memory_bytes() -> int | None:
-    """Host memory available to this process now: Linux's MemAvailable, within a cgroup v2 memory limit
-    when one is set; where /proc is missing, the free pages the OS reports; None where it reports none."""
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-    except OSError:
-        try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
-    available = next((int(line.split()[1]) * 1024 for line in meminfo.splitlines()
-                      if line.startswith("MemAvailable:")), None)
-    if available is None:  # kernels before 3.14
-        return None
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-    except (OSError, ValueError):
-        return available
-    return available if limit == "max" else min(available, max(0, int(limit) - used))
-
-
-def device_memory_available(device: torch.device) -> int | None:
-    """Bytes a new allocation may take on the device now: CUDA's free memory, or the host's available
-    memory (available_memory_bytes); None where the OS does not say."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return available_memory_bytes()
 
 
 LLM = Engine  # vLLM's name: `from engine import LLM`

@@ -5,8 +5,8 @@ Options are checked in two rounds, both before any weight is read: the plain one
 before the model directory is resolved, so a typo never waits for a download; those that depend on the
 checkpoint (max_model_len, step:K, dtype "auto") once its config.json is read.
 
-It imports the checkpoint's own config and locator (model/), the attention backend registry, the KV format
-names (cache/kv_format.py) and the shared request types (request.py) only.
+It imports the checkpoint's own config and locator (model/), the attention backend registry, the KV formats
+(cache/kv_formats.py) and the shared request types (request.py) only.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 
 from attention.base import check_name as check_backend_name
 from attention.base import resolve_name as resolve_backend_name
-from cache.kv_format import check_tile_dims, parse_kv_cache_dtype
+from cache.kv_format import KVFormat
+from cache.kv_formats import parse_kv_cache_dtype
 from model.checkpoint_paths import checkpoint_file
 from model.config import OuroConfig
 from model.loader import resolve_model_dir
@@ -62,7 +63,7 @@ class EngineConfig:
     # "reserve": admit a request only if the pool also covers what the running ones are expected to claim
     # (scheduler/scheduler.py); "greedy": whenever its next chunk fits, preempting later if need be.
     admission: str = "reserve"
-    # How K/V is stored (cache/kv_format.py): "auto" (the model dtype), "bf16", "fp8_e4m3" or a KVarN preset.
+    # How K/V is stored (cache/kv_formats.py): "auto" (the model dtype), "bf16", "fp8_e4m3" or a KVarN preset.
     kv_cache_dtype: str = "auto"
     # KVarN: positions kept in high precision, the first kv_sink_tokens and the kv_tail_tokens newest
     kv_sink_tokens: int = 0
@@ -83,15 +84,15 @@ class EngineConfig:
     check_finite_weights: bool = True
 
     def __post_init__(self) -> None:
-        check_options(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                         if f.name not in ("model_dir", "model", "device", "dtype")})
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                   if f.name not in ("model_dir", "model", "device", "dtype")}
+        check_options(**options)
         if self.max_model_len > self.model.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the checkpoint's "
                              f"max_position_embeddings {self.model.max_position_embeddings}")
         # step:K is range-checked against this engine's loop count.
         parse_exit_policy(self.exit_policy, self.model.total_ut_steps)
-        if parse_kv_cache_dtype(self.kv_cache_dtype).kind == "kvarn":
-            self._check_kvarn()
+        self.kv_format.check_engine(options, self.backend_name, self.model.head_dim)
         if self.async_scheduling:
             for bad, name in ((self.speculative is not None, f"speculative={self.speculative!r}"),
                               (self.exit_policy.can_exit, f"exit_policy={str(self.exit_policy)!r}")):
@@ -108,43 +109,11 @@ class EngineConfig:
                                  f"{str(self.exit_policy)!r} yet: a draft runs a fixed number of loops, "
                                  f"early:Q stops each token where its gate says; use a readout policy")
 
-    def _check_kvarn(self) -> None:
-        """What the KVarN pool supports today: the torch backend's reference path and the Triton backend's
-        (CUDA graphs for decode steps, piecewise graphs for prefill), tiles of block_size tokens, prefix
-        caching and preemption, kv_sharing="last" on the torch backend, and nothing else that moves K/V
-        between loops or rewinds it. Fail-closed: each other combination is a ValueError naming the
-        options."""
-        name = f"kv_cache_dtype={self.kv_cache_dtype!r}"
-        group = parse_kv_cache_dtype(self.kv_cache_dtype).group
-        try:
-            check_tile_dims(group, self.model.head_dim)
-        except ValueError as err:
-            raise ValueError(f"{name} cannot serve this checkpoint: {err}") from None
-        backend = self.backend_name
-        refused = [
-            (backend not in ("torch", "triton"), f"runs on attention='torch' or 'triton', got "
-                                                 f"attention={self.attention!r}"),
-            (self.packed_prefill, "cannot be combined with packed_prefill=True"),
-            (self.block_size != group, f"needs block_size={group} (one tile per block), got "
-                                       f"{self.block_size}"),
-            (self.kv_sharing != "none" and backend != "torch",
-             f"with kv_sharing={self.kv_sharing!r} runs on attention='torch' only (the Triton KVarN kernels "
-             f"do not read generated pages yet), got attention={self.attention!r}"),
-            (self.exit_policy.can_exit, f"cannot be combined with exit_policy={str(self.exit_policy)!r} "
-                                        "(copy-forward of packed tiles)"),
-            (self.speculative is not None, f"cannot be combined with speculative={self.speculative!r}"),
-            (not self.kv_rotation and backend != "torch",
-             f"with kv_rotation=False runs on attention='torch' only (the Triton KVarN kernels rotate), got "
-             f"attention={self.attention!r}"),
-        ]
-        for bad, why in refused:
-            if bad:
-                raise ValueError(f"{name} {why}")
-
     def deterministic_refusal(self) -> str | None:
         """Why deterministic mode cannot run with these options (None: it can): it runs the Triton kernels on
         CUDA (cuBLAS picks its kernels by the batch's shape) and the torch backend's tiles on CPU, over the
-        paged and shared-last layouts in the model dtype, fp8 or (torch backend) KVarN."""
+        paged and shared-last layouts in the model dtype, fp8 or (torch backend) KVarN (the format says:
+        KVFormat.deterministic_refusal)."""
         backend = self.backend_name
         refused = [
             (self.packed_prefill, "cannot be combined with packed_prefill=True (its packed tiles give a "
@@ -153,11 +122,14 @@ class EngineConfig:
              f"runs on CUDA with attention='triton' (the engine's own kernels; the torch backend's products "
              f"go through cuBLAS, which picks kernels by the batch's shape), got "
              f"attention={self.attention!r}"),
-            (parse_kv_cache_dtype(self.kv_cache_dtype).kind == "kvarn" and backend == "triton",
-             f"cannot be combined with kv_cache_dtype={self.kv_cache_dtype!r} on attention='triton' yet (its "
-             f"KVarN kernels are not batch-invariant; the torch backend's tiles are)"),
         ]
-        return next((reason for bad, reason in refused if bad), None)
+        refusal = next((reason for bad, reason in refused if bad), None)
+        return refusal if refusal is not None else self.kv_format.deterministic_refusal(backend)
+
+    @property
+    def kv_format(self) -> KVFormat:
+        """The format of kv_cache_dtype (cache/kv_formats.py): it builds the KV pool and binds the backend."""
+        return parse_kv_cache_dtype(self.kv_cache_dtype)
 
     @property
     def backend_name(self) -> str:
@@ -277,27 +249,18 @@ def check_options(**values: Any) -> None:
 
 
 def _check_kv_cache_dtype(values: dict[str, Any]) -> None:
-    """A format the engine stores, with sink and tail rows only where it has them; ValueError naming the
-    options otherwise (fail-closed: never a silent fallback to another format). KVarN's other combinations
-    are checked with the checkpoint (EngineConfig._check_kvarn)."""
-    name = values["kv_cache_dtype"]
-    fmt = parse_kv_cache_dtype(name)
+    """A format the engine stores, and the options it takes (KVFormat.check_options: sink and tail rows only
+    where it has them); ValueError naming the options otherwise. The combinations that need the checkpoint
+    are checked with it (KVFormat.check_engine)."""
+    fmt = parse_kv_cache_dtype(values["kv_cache_dtype"])
     for option in ("kv_sink_tokens", "kv_tail_tokens"):
         tokens = values.get(option, 0)
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
             raise ValueError(f"{option} must be an integer >= 0, got {tokens!r}")
-        if tokens and fmt.kind != "kvarn":
-            raise ValueError(f"{option}={tokens} applies to the KVarN formats only, not "
-                             f"kv_cache_dtype={name!r}")
     rotation = values.get("kv_rotation", True)
     if not isinstance(rotation, bool):
         raise ValueError(f"kv_rotation must be True or False, got {rotation!r}")
-    if not rotation and fmt.kind != "kvarn":
-        raise ValueError(f"kv_rotation=False applies to the KVarN formats only, not kv_cache_dtype={name!r}")
-    if fmt.kind == "fp8" and values.get("packed_prefill"):
-        raise ValueError(f"kv_cache_dtype={name!r} cannot be combined with packed_prefill=True: packed "
-                         "prefill reads the new K/V from the step's inputs, not through the fp8 cache that "
-                         "decode reads")
+    fmt.check_options(values)
 
 
 def draft_loops(speculative: object, loops: int | None = None) -> int:

@@ -1,5 +1,5 @@
-"""Low-bit KV formats (cache/kv_format.py, cache/kvarn.py) measured before they enter the engine: capacity at
-Ouro-1.4B's shape, and what each format does to the embedded tiny trained model's outputs. CPU.
+"""Low-bit KV formats (cache/kvarn_format.py, cache/kvarn.py) measured before they enter the engine: capacity
+at Ouro-1.4B's shape, and what each format does to the embedded tiny trained model's outputs. CPU.
 
     python -m benchmarks.kv_formats --out benchmarks/results/kv_formats.json
     python -m benchmarks.kv_formats --model <a checkpoint> --device cuda --dtype bfloat16 --out ...
@@ -30,7 +30,8 @@ import random
 import torch
 
 from benchmarks.common import ROOT, environment, write_results
-from cache.kv_format import KVFormat, parse_kv_cache_dtype
+from cache.kv_format import KVFormat
+from cache.kv_formats import parse_kv_cache_dtype
 from cache.packed_sequence import PackedSequence
 from engine import DEFAULT_MODEL, Engine, SamplingParams
 

@@ -38,7 +38,8 @@ import torch
 
 from benchmarks.common import environment, write_results
 from cache import kvarn
-from cache.kv_format import high_precision_rows, parse_kv_cache_dtype
+from cache.kv_format import high_precision_rows
+from cache.kv_formats import parse_kv_cache_dtype
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 16, 128  # Ouro-1.4B (model/tiny.py: the ouro-1.4b preset)
 SIDE_DTYPE = torch.bfloat16

@@ -15,7 +15,8 @@ import time
 from benchmarks.common import (BATCHED_TOKENS, add_random_prompts, checkpoint, copy_bandwidth, environment,
                                head_start, prefill_until_first_tokens, sync, weight_bytes_per_step,
                                write_results)
-from cache.kv_format import DENSE, FP8, KVARN_PRESETS
+from cache.kv_formats import FORMATS
+from cache.kvarn_format import KVARN_PRESETS
 from engine import Engine, SamplingParams
 
 
@@ -56,7 +57,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["graph", "eager"], choices=["graph", "eager"])
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
-                        choices=[*DENSE, *FP8, *KVARN_PRESETS],
+                        choices=list(FORMATS),
                         help="one engine per format (auto: the model's bf16; KVarN: with --block-size of its "
                              "tile)")
     parser.add_argument("--block-size", type=int, default=16, help="64 for the KVarN g64 formats")

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import (BATCHED_TOKENS, checkpoint, copy_bandwidth, environment, head_start,
                                prefill_until_first_tokens, write_results)
-from cache.kv_format import DENSE, FP8, KVARN_PRESETS
+from cache.kv_formats import FORMATS
 from engine import Engine, SamplingParams
 
 TOP_KERNELS = 12
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=[*DENSE, *FP8, *KVARN_PRESETS])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(FORMATS))
     parser.add_argument("--block-size", type=int, default=16, help="64 for the KVarN g64 formats")
     parser.add_argument("--out", default=f"benchmarks/results/profile_decode-{environment()['date']}.json")
     args = parser.parse_args()

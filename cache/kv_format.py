@@ -1,89 +1,117 @@
-"""KV cache formats: what a `kv_cache_dtype` string means, which tile shapes are valid, and what a token
-costs.
+"""What a KV cache format is (`kv_cache_dtype`): how K/V is stored and what a token costs, which options it
+takes, the KV pool that holds it, and how an attention backend binds to that pool. Each format lives in a file
+of its own (cache/dense_format.py, cache/kvarn_format.py) and is registered by name in cache/kv_formats.py;
+the engine calls a format's methods and never asks which one it has.
 
-    auto               K/V in the model's dtype, one (loop, layer) slot per token
-    bf16               K/V in bfloat16 whatever the model's dtype
-    fp8_e4m3           8-bit float K/V, one fp32 scale per (slot, kv head) (attention/fp8.py)
-    kvarn_kXvY_gG      KVarN (arXiv 2606.03458): tiles of G tokens x head_dim per (block, kv head), Hadamard-
-                       rotated, variance-normalized, X-bit keys and Y-bit values with fp16 scales
-                       (cache/kvarn.py); the first `sink` and newest `tail` tokens and the unfilled tile stay
-                       in high precision in a side pool (cache/kvarn_pool.py)
-
-A KVarN tile stores, per kv head: the key codes (G x D x key_bits), a per-channel key scale and zero and a
-per-token key scale; the value codes (G x D x value_bits), a per-channel value scale and a per-token value
-scale and zero; every scale fp16. Parsing is fail-closed: a string that is not one of these raises a
-ValueError naming `kv_cache_dtype` and the valid names.
+A new format is a KVFormat subclass: make_pool and bind at least; side_rows, side_bytes and
+scratch_side_block where its pool keeps rows apart from its blocks (as KVarN's high-precision rows).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-from attention.fp8 import FP8_DTYPE
+from attention.base import AttentionBackend
+from cache.side_rows import SideRows
 
-KVARN_PRESETS = {
-    "kvarn_k4v2_g64": (4, 2, 64),
-    "kvarn_k4v2_g128": (4, 2, 128),
-    "kvarn_k4v4_g64": (4, 4, 64),
-    "kvarn_k4v4_g128": (4, 4, 128),
-    "kvarn_k5v5_g64": (5, 5, 64),
-}
-DENSE = ("auto", "bf16")
-FP8 = ("fp8_e4m3",)
-SCALE_BYTES = 2  # fp16
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolShape:
+    """What a KV pool is built from, besides its block count: the model's shape and the engine's options."""
+
+    loops: int
+    num_layers: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the model's
+    max_num_seqs: int
+    sink_tokens: int = 0  # KVarN: the first positions kept in high precision
+    tail_tokens: int = 0  # KVarN: the newest positions kept in high precision
+    rotate: bool = True  # KVarN: the Hadamard rotation before normalizing
+    batch_invariant: bool = False  # deterministic mode
+    generated_apart: bool = False  # kv_sharing="last": generated tokens keep their last loop's K/V only
+    # K/V moves between the loops of a layer as bytes (copy-forward after an early exit, kv_sharing="last"),
+    # so an fp8 pool's scales may not differ between them
+    loop_uniform_scales: bool = False
+
+
+class Pool(Protocol):
+    """What the engine reads of any format's pool (cache/kv_pool.py: KVPool; cache/kvarn_pool.py:
+    KVarNPool)."""
+
+    block_size: int
+    slot_token_bytes: float  # one token's K + V in one (loop, layer) slot
+
+    @property
+    def bytes_per_block(self) -> int: ...
+
+    @property
+    def num_bytes(self) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
-class KVFormat:
+class KVFormat(ABC):
     name: str
     key_bits: int
     value_bits: int
     group: int | None = None  # tile tokens (KVarN); None: per-token storage
-    kind: str = "dense"  # "dense", "fp8" or "kvarn"
-
-    @property
-    def quantized(self) -> bool:
-        return self.kind != "dense"
-
-    def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The element dtype of a per-token pool in this format (dense and fp8)."""
-        if self.kind == "kvarn":
-            raise ValueError(f"kv_cache_dtype {self.name!r} stores packed tiles, not per-token elements")
-        if self.kind == "fp8":
-            return FP8_DTYPE
-        return model_dtype if self.name == "auto" else torch.bfloat16
+    kind: ClassVar[str]  # the family: "dense", "fp8" or "kvarn"
 
     def tile_bytes(self, head_dim: int) -> int:
-        """KVarN: bytes of one packed tile (keys and values) of one kv head, scales included."""
-        if self.kind != "kvarn":
-            raise ValueError(f"kv_cache_dtype {self.name!r} has no tiles")
-        g, d = self.group, head_dim
-        # codes, then the channel scale and zero and the token scale (keys); the channel scale and the token
-        # scale and zero (values)
-        keys = g * d * self.key_bits // 8 + SCALE_BYTES * (2 * d + g)
-        values = g * d * self.value_bits // 8 + SCALE_BYTES * (d + 2 * g)
-        return keys + values
+        """Bytes of one packed tile (keys and values) of one kv head, scales included."""
+        raise ValueError(f"kv_cache_dtype {self.name!r} has no tiles")
 
+    @abstractmethod
     def packed_token_bytes(self, kv_heads: int, head_dim: int) -> float:
         """K + V bytes per token in one (loop, layer) slot, in packed storage (no side pool)."""
-        if self.kind == "kvarn":
-            return kv_heads * self.tile_bytes(head_dim) / self.group
-        element = 2 if self.kind == "dense" else 1
-        return 2 * kv_heads * head_dim * element
 
     def sequence_bytes(self, tokens: int, slots: int, kv_heads: int, head_dim: int, sink: int = 0,
                        tail: int = 0, high_precision_bytes: int = 2) -> int:
-        """Bytes one sequence of `tokens` holds in `slots` (loop, layer) slots: packed tiles for every full
-        tile, plus, for KVarN, the side pool's high-precision rows (the first `sink` tokens, the newest `tail`
-        tokens and the unfilled tile, counted once each)."""
-        row = 2 * kv_heads * head_dim * high_precision_bytes  # one token's K + V in one slot, high precision
-        if self.kind != "kvarn":
-            return int(slots * tokens * self.packed_token_bytes(kv_heads, head_dim))
-        full = tokens // self.group
-        packed = full * kv_heads * self.tile_bytes(head_dim)
-        return slots * (packed + high_precision_rows(tokens, self.group, sink, tail) * row)
+        """Bytes one sequence of `tokens` holds in `slots` (loop, layer) slots (sink, tail and
+        high_precision_bytes: a format with high-precision rows)."""
+        return int(slots * tokens * self.packed_token_bytes(kv_heads, head_dim))
+
+    # -- the options it takes ------------------------------------------------------------------------
+
+    def check_options(self, values: dict[str, Any]) -> None:
+        """The plain options (engine_config.check_options' values) this format cannot take: ValueError naming
+        them (fail-closed: never a silent fallback to another format)."""
+
+    def check_engine(self, values: dict[str, Any], backend: str, head_dim: int) -> None:
+        """The options, the attention backend (its resolved name) and the checkpoint's head_dim this format
+        cannot serve: ValueError naming them."""
+
+    def deterministic_refusal(self, backend: str) -> str | None:
+        """Why deterministic mode cannot store K/V in this format on the backend (None: it can)."""
+        return None
+
+    # -- its pool, and a backend bound to it -----------------------------------------------------------
+
+    def side_rows(self, shape: PoolShape) -> SideRows | None:
+        """Who owns the pool's rows kept apart from its blocks (None: it keeps none)."""
+        return None
+
+    @abstractmethod
+    def make_pool(self, shape: PoolShape, num_blocks: int, side_rows: SideRows | None,
+                  device: torch.device) -> Pool:
+        """A pool of num_blocks blocks (and, given side_rows, room for them and their scratch rows)."""
+
+    def side_bytes(self, probe: Pool, side_rows: SideRows | None) -> int:
+        """The bytes of the side rows a pool like `probe` (a one-block pool) needs beside its blocks."""
+        return 0
+
+    def scratch_side_block(self, side_rows: SideRows | None) -> int | None:
+        """The side block that graph padding rows write (None: the pool keeps no side rows)."""
+        return None
+
+    @abstractmethod
+    def bind(self, backend: AttentionBackend, pool: Pool, scale: float) -> None:
+        """Hand the pool to the backend, which stores and reads K/V through it from then on."""
 
 
 def high_precision_rows(tokens: int, group: int, sink: int, tail: int) -> int:
@@ -93,19 +121,6 @@ def high_precision_rows(tokens: int, group: int, sink: int, tail: int) -> int:
     rows = set(range(min(sink, tokens)))
     rows.update(range(max(0, tokens - max(tail, partial)), tokens))
     return len(rows)
-
-
-def parse_kv_cache_dtype(name: object) -> KVFormat:
-    if isinstance(name, str):
-        if name in DENSE:
-            return KVFormat(name, 16, 16)
-        if name in FP8:
-            return KVFormat(name, 8, 8, kind="fp8")
-        if name in KVARN_PRESETS:
-            key_bits, value_bits, group = KVARN_PRESETS[name]
-            return KVFormat(name, key_bits, value_bits, group, "kvarn")
-    valid = ", ".join((*DENSE, *FP8, *KVARN_PRESETS))
-    raise ValueError(f"kv_cache_dtype must be one of {valid}; got {name!r}")
 
 
 def check_tile_dims(group: int, head_dim: int) -> None:

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import engine as engine_module
+from cache import pool_sizing
 from cli import default_cpu_threads, main, read_prompts_file
 from engine import Engine, SamplingParams
 from tests.conftest import ROOT
@@ -137,5 +137,5 @@ def test_auto_threads_leave_busy_cores_to_their_owners(monkeypatch):
 
 
 def test_available_memory_is_a_positive_amount_within_the_machine():
-    available = engine_module.available_memory_bytes()
+    available = pool_sizing.available_memory_bytes()
     assert available is not None and 0 < available <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -11,7 +11,7 @@ import torch
 from attention import fp8
 from attention.torch_backend import paged_attention_row
 from cache.copy_forward import copy_forward
-from cache.kv_format import parse_kv_cache_dtype
+from cache.kv_formats import parse_kv_cache_dtype
 from cache.kv_pool import KVPool
 from cache.packed_sequence import PackedSequence
 from engine import Engine, SamplingParams

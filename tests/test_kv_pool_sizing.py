@@ -1,13 +1,14 @@
-"""How big the KV pool is (Engine._blocks_for_memory): on CPU from max_model_len, max_num_seqs and the memory
-available; kv_cache_gib or num_kv_blocks when given. A pool smaller than max_model_len warns, and a sequence
-that fills it says so (finish_reason "length", stop_reason "kv_pool_full")."""
+"""How big the KV pool is (cache/pool_sizing.py: PoolSizer): on CPU from max_model_len, max_num_seqs and the
+memory available; kv_cache_gib or num_kv_blocks when given. A pool smaller than max_model_len warns, and a
+sequence that fills it says so (finish_reason "length", stop_reason "kv_pool_full")."""
 
 import warnings
 
 import pytest
 
-import engine as engine_module
-from engine import CPU_KV_BYTES, CPU_KV_MEMORY_FRACTION, Engine, SamplingParams
+from cache import pool_sizing
+from cache.pool_sizing import CPU_KV_BYTES, CPU_KV_MEMORY_FRACTION
+from engine import Engine, SamplingParams
 from scheduler.scheduler import KV_POOL_FULL
 
 
@@ -29,7 +30,7 @@ def test_cpu_pool_holds_max_num_seqs_sequences_of_max_model_len_when_memory_allo
 
 def test_cpu_pool_stops_at_the_floor_when_many_sequences_would_fit(tiny_checkpoint, monkeypatch):
     """max_num_seqs x max_model_len is more than CPU_KV_BYTES, one sequence is less: the floor decides."""
-    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 2**40)
+    monkeypatch.setattr(pool_sizing, "available_memory_bytes", lambda: 2**40)
     per_block = block_bytes(tiny_checkpoint)
     assert 256 * 4096 // 16 * per_block > CPU_KV_BYTES > 4096 // 16 * per_block
     assert blocks(tiny_checkpoint, max_model_len=4096, max_num_seqs=256) == CPU_KV_BYTES // per_block
@@ -37,7 +38,7 @@ def test_cpu_pool_stops_at_the_floor_when_many_sequences_would_fit(tiny_checkpoi
 
 def test_cpu_pool_is_capped_by_available_memory_and_warns_below_max_model_len(tiny_checkpoint, monkeypatch):
     per_block = block_bytes(tiny_checkpoint)
-    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 20 * per_block)
+    monkeypatch.setattr(pool_sizing, "available_memory_bytes", lambda: 20 * per_block)
     expected = int(CPU_KV_MEMORY_FRACTION * 20)  # blocks of the capped budget, the scratch block aside
     with pytest.warns(UserWarning, match=f"holds {expected * 16} tokens, less than max_model_len 4096"):
         assert blocks(tiny_checkpoint) == expected

@@ -1,4 +1,4 @@
-"""The KVarN tile codec (cache/kvarn.py), the format strings and their byte accounting (cache/kv_format.py),
+"""The KVarN tile codec (cache/kvarn.py), the format strings and their byte accounting (cache/kv_formats.py),
 and the one-sequence reference store (cache/packed_sequence.py), on CPU."""
 
 import pytest
@@ -6,7 +6,9 @@ import torch
 
 from attention import fp8
 from cache import kvarn
-from cache.kv_format import KVARN_PRESETS, check_tile_dims, high_precision_rows, parse_kv_cache_dtype
+from cache.kv_format import check_tile_dims, high_precision_rows
+from cache.kv_formats import parse_kv_cache_dtype
+from cache.kvarn_format import KVARN_PRESETS
 from cache.packed_sequence import PackedSequence
 
 

@@ -11,16 +11,16 @@ import torch
 from attention.base import AttentionMetadata, side_table_tensor
 from attention.triton_kvarn import kvarn_forward, prepare_kvarn_graph_step, prepare_kvarn_step
 from cache import kvarn
-from cache.kv_format import KVFormat
+from cache.kvarn_format import KVarNFormat
 from cache.kvarn_pack_kernel import pack_tiles, rotate
 from cache.kvarn_pool import KVarNPool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FMT = KVFormat("kvarn_k4v2_g16", 4, 2, 16, "kvarn")  # a 16-token tile, to stay small
+FMT = KVarNFormat("kvarn_k4v2_g16", 4, 2, 16)  # a 16-token tile, to stay small
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
 
 
-def pool_tensors(num_blocks: int, fmt: KVFormat = FMT, kv_heads: int = KV_HEADS,
+def pool_tensors(num_blocks: int, fmt: KVarNFormat = FMT, kv_heads: int = KV_HEADS,
                  head_dim: int = HEAD_DIM) -> list[torch.Tensor]:
     g, d = fmt.group, head_dim
     return [torch.randint(0, 256, (num_blocks, kv_heads, g, d * fmt.key_bits // 8), dtype=torch.uint8),
@@ -29,7 +29,7 @@ def pool_tensors(num_blocks: int, fmt: KVFormat = FMT, kv_heads: int = KV_HEADS,
             torch.full((num_blocks, kv_heads, d + 2 * g), float("nan"), dtype=torch.float16)]
 
 
-def check_rotating_pack(fmt: KVFormat, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+def check_rotating_pack(fmt: KVarNFormat, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
     """Unrotated rows with rotation=H pack as well as the same rows rotated by the caller: each tile decodes
     to the rotated rows with about the same error. Not bit for bit: the two rotations sum in different
     orders, and on the H200 at Ouro's shape a third of the scales came out up to 1.6% apart (likely the
@@ -73,7 +73,7 @@ def test_pack_rotates_in_the_kernel_and_skips_negative_blocks():
 def test_pack_rotates_in_the_kernel_at_ouro_shape():
     """Ouro-1.4B's attention shape (16 kv heads, head_dim 128) in a 64-token tile, bf16 rows: the fp32 dot
     of a [64, 128] tile by the [128, 128] rotation compiles and agrees."""
-    check_rotating_pack(KVFormat("kvarn_k4v2_g64", 4, 2, 64, "kvarn"), 16, 128, torch.bfloat16)
+    check_rotating_pack(KVarNFormat("kvarn_k4v2_g64", 4, 2, 64), 16, 128, torch.bfloat16)
 
 
 def decode_step(pool: KVarNPool, lengths: list[int], width: int) -> tuple[AttentionMetadata, list]:

@@ -15,7 +15,8 @@ from attention.kernels.kvarn_decode import PLANE_WIDTHS, kvarn_decode
 from attention.kernels.kvarn_prefill import kvarn_prefill
 from attention import packed_attention
 from cache import kvarn
-from cache.kv_format import KVARN_PRESETS, KVFormat, parse_kv_cache_dtype
+from cache.kv_formats import parse_kv_cache_dtype
+from cache.kvarn_format import KVARN_PRESETS, KVarNFormat
 from cache.kvarn_pool import KVarNPool
 from cache.kvarn_pack_kernel import pack_tiles, plane_widths, rotate
 from cache.packed_sequence import PackedSequence
@@ -356,7 +357,7 @@ def test_pack_then_decode_equals_the_packed_sequence_reference():
     codec's codes and the two agree to fp32 rounding; on CUDA a code may be one step off (exp, log and sqrt
     round differently there)."""
     heads, kv_heads, head_dim, group, sink, tail, length = 4, 2, 32, 16, 8, 20, 70
-    fmt = KVFormat("kvarn_k4v2_g16", 4, 2, group, "kvarn")  # a 16-token tile, to stay small
+    fmt = KVarNFormat("kvarn_k4v2_g16", 4, 2, group)  # a 16-token tile, to stay small
     g = torch.Generator().manual_seed(3)
     k = torch.randn(length, kv_heads, head_dim, generator=g)
     v = torch.randn(length, kv_heads, head_dim, generator=g)
@@ -388,7 +389,7 @@ def test_pack_then_decode_equals_the_packed_sequence_reference():
 # Prefill attention over a packed history
 
 
-K4V2_G16 = KVFormat("kvarn_k4v2_g16", 4, 2, 16, "kvarn")  # a 16-token tile, to stay small
+K4V2_G16 = KVarNFormat("kvarn_k4v2_g16", 4, 2, 16)  # a 16-token tile, to stay small
 
 
 @dataclasses.dataclass
