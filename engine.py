@@ -35,7 +35,8 @@ from model.loader import load_model
 from model.ouro import fused_kernels_available
 from model.tokenizer import Tokenizer
 from outputs import Inbox, OutputBook, SequenceGroup, sequence_ids, sequence_params, take_all
-from request import ExitPolicy, Request, RequestOutput, SamplingParams, SpeculativeStats, request_policy
+from request import Request, RequestOutput, SamplingParams, SpeculativeStats
+from exit_policy import ExitPolicy, request_policy
 from runner.interrupts import deferred_interrupts
 from runner.loop_driver import LoopStats
 from runner.model_runner import ModelRunner

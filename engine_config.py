@@ -26,7 +26,8 @@ from cache.kv_formats import parse_kv_cache_dtype
 from model.checkpoint_paths import checkpoint_file
 from model.config import OuroConfig
 from model.loader import resolve_model_dir
-from request import ADMISSION, ExitPolicy, parse_exit_policy
+from exit_policy import ExitPolicy, parse_exit_policy
+from request import ADMISSION
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

@@ -4,7 +4,7 @@ random-weight checkpoint, with CUDA graphs (per-loop graphs for early:Q) and eag
     python -m benchmarks.early_exit --preset ouro-1.4b --out benchmarks/results/early_exit.json
 
 Random weights exit arbitrarily, so the exit pattern is forced: the gate weight is zeroed and its bias set
-(model.exit_policy.force_exit_loop) so that every generated token's exit CDF first reaches Q after loop k,
+(exit_policy.force_exit_loop) so that every generated token's exit CDF first reaches Q after loop k,
 for k = 0, 1, 2 (1, 2, 3 of 4 loops). One more row keeps the random gate (an arbitrary mix), and one forces
 no exit at all, which measures what the loop-by-loop driver itself costs. kv_sharing="last" rows run the
 full policy (and one forced exit) on the shared-last KV layout. Every row records its kv_sharing.
@@ -19,7 +19,7 @@ import random
 from benchmarks.common import (add_random_prompts, checkpoint, environment, prefill_until_first_tokens,
                                time_until_done, write_results)
 from engine import Engine, SamplingParams
-from model.exit_policy import force_exit_loop
+from exit_policy import force_exit_loop
 
 Q = 0.5
 
@@ -116,7 +116,7 @@ def main() -> None:
                      f"{r['speedup_vs_full_eager']} |")
     table = "\n".join(lines)
     write_results(args.out, {**env, "checkpoint": path, "q": Q, "prompt": args.prompt, "steps": args.steps,
-                             "gate": "weight zeroed, bias forced per row (model.exit_policy.force_exit_loop)",
+                             "gate": "weight zeroed, bias forced per row (exit_policy.force_exit_loop)",
                              "rows": rows}, table)
     print(table)
 

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import checkpoint
 from engine import Engine, SamplingParams
-from model.exit_policy import force_exit_loop
+from exit_policy import force_exit_loop
 
 
 def main() -> None:

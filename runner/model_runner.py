@@ -26,10 +26,9 @@ from cache.kv_pool import KVPool
 from cache.kvarn_pool import KVarNPool
 from cache.layout import KVLayout
 from engine_config import EngineConfig
-from model.exit_policy import readout_logits
+from exit_policy import FULL, ExitPolicy, LoopTrace, readout_logits, request_policy
 from model.ouro import LoopStates, OuroForCausalLM
-from request import (FULL, ExitPolicy, Logprob, LoopTrace, Request, ScheduledBatch, SpeculativeStats,
-                     request_policy)
+from request import Logprob, Request, ScheduledBatch, SpeculativeStats
 from runner.block_tables import BlockTables
 from runner.cuda_graph import DecodeGraphs
 from runner.host_to_device import upload

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from model.exit_policy import readout_logits
+from exit_policy import LoopTrace, readout_logits
 from model.ouro import LoopStates
-from request import LoopTrace, Request, ScheduledBatch, SpeculativeStats
+from request import Request, ScheduledBatch, SpeculativeStats
 from runner.loop_driver import run_loops
 from runner.sampler import apply_filters
 

@@ -10,7 +10,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from engine import Engine
-from request import SamplingParams, request_policy
+from exit_policy import request_policy
+from request import SamplingParams
 from server.errors import bad_request, from_sampling_error
 
 # The most logprobs a request may ask for per token (vLLM's default max_logprobs).

@@ -11,7 +11,8 @@ import uuid
 from typing import Any
 
 from model.tokenizer import Tokenizer
-from request import CompletionOutput, Logprob, LoopTrace, RequestOutput
+from exit_policy import LoopTrace
+from request import CompletionOutput, Logprob, RequestOutput
 from server.protocol import Plan
 
 # vLLM's floor for a logprob in JSON, which has no -inf.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from model.exit_policy import force_exit_loop
+from exit_policy import force_exit_loop
 
 pytestmark = pytest.mark.gpu
 

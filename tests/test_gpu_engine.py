@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from model.exit_policy import force_exit_loop
+from exit_policy import force_exit_loop
 from runner.loop_driver import EagerLoops, run_loops
 from tests.conftest import ROOT
 from tests.reference import ReferenceOuro

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from model.exit_policy import exit_pdf, hf_exit_loops, threshold_exit_loops
-from request import ExitPolicy, parse_exit_policy
+from exit_policy import ExitPolicy, exit_pdf, hf_exit_loops, parse_exit_policy, threshold_exit_loops
 from tests.reference import ReferenceOuro, hf_exit_loop
 
 PROMPTS = ["A looped language model", "Hello", "0123456789 + - * / = 42"]

@@ -10,7 +10,8 @@ imports included), so no package cycle can come back.
     scheduler/, engine_config.py
     cache/, model/           KV memory; the network and its kernels (neither imports the other)
     attention/               backends and their kernels, and the KV codecs they store and read with
-    request.py               the shared request and batch types: imports nothing of the engine
+    request.py               the shared request and batch types: imports exit_policy.py only
+    exit_policy.py           the exit policies: their strings, the readout, the loop traces; imports nothing
 
 A module's `if __name__ == "__main__":` block is a program run on top of it, not part of the module:
 engine.py's hands `python engine.py ...` to cli.py.
@@ -21,19 +22,21 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-ENGINE = {"engine", "stepping", "outputs", "engine_config", "request", "runner", "scheduler", "cache",
-          "model", "attention"}
+ENGINE = {"engine", "stepping", "outputs", "engine_config", "request", "exit_policy", "runner", "scheduler",
+          "cache", "model", "attention"}
 LAYERS = ENGINE | {"server", "cli", "benchmarks"}
+SHARED = {"request", "exit_policy"}  # the types every layer may speak of
 ALLOWED = {
-    "request": set(),
-    "attention": {"attention"},
-    "cache": {"cache", "attention", "request"},
-    "model": {"model", "attention", "request"},
-    "scheduler": {"scheduler", "cache", "request"},
-    "engine_config": {"model", "cache", "attention", "request"},
-    "runner": {"runner", "engine_config", "model", "cache", "attention", "request"},
-    "outputs": {"runner", "request"},
-    "stepping": {"outputs", "runner", "scheduler", "request"},
+    "exit_policy": set(),
+    "request": {"exit_policy"},
+    "attention": {"attention"} | SHARED,
+    "cache": {"cache", "attention"} | SHARED,
+    "model": {"model", "attention"} | SHARED,
+    "scheduler": {"scheduler", "cache"} | SHARED,
+    "engine_config": {"model", "cache", "attention"} | SHARED,
+    "runner": {"runner", "engine_config", "model", "cache", "attention"} | SHARED,
+    "outputs": {"runner"} | SHARED,
+    "stepping": {"outputs", "runner", "scheduler"} | SHARED,
     "engine": ENGINE,
     "server": ENGINE,
     "cli": LAYERS,
@@ -73,7 +76,7 @@ def violations(sources: dict[str, str]) -> list[str]:
 
 def engine_sources() -> dict[str, str]:
     paths = [ROOT / f"{name}.py" for name in ("cli", "engine", "stepping", "outputs", "engine_config",
-                                                  "request")]
+                                                  "request", "exit_policy")]
     for package in ("runner", "scheduler", "cache", "model", "attention", "server"):
         paths += sorted((ROOT / package).rglob("*.py"))
     return {str(p.relative_to(ROOT)): p.read_text() for p in paths}
@@ -88,7 +91,8 @@ def test_no_module_imports_a_layer_above_it():
 def test_the_check_catches_upward_and_sideways_imports():
     bad = {"cache/blocks.py": "from scheduler.scheduler import Scheduler\n",
            "model/ouro.py": "def f():\n    import cache.kv_pool\n",
-           "request.py": "from model.config import OuroConfig\n",
+           "request.py": "from model.config import OuroConfig\nfrom exit_policy import ExitPolicy\n",
+           "exit_policy.py": "from request import LoopTrace\n",
            "runner/x.py": "from scheduler import scheduler\n",
            "scheduler/scheduler.py": "import torch\nfrom request import Request\n",
            "runner/y.py": "from server.app import serve\n",
@@ -96,6 +100,7 @@ def test_the_check_catches_upward_and_sideways_imports():
            "server/app.py": "from engine import Engine\nfrom runner import model_runner\nimport cli\n",
            "cli.py": "from server.app import serve\nfrom benchmarks.paired_eval import main\n"}
     assert violations(bad) == ["cache/blocks.py imports scheduler", "engine.py imports server",
+                               "exit_policy.py imports request",
                                "model/ouro.py imports cache", "request.py imports model",
                                "runner/x.py imports scheduler", "runner/y.py imports server",
                                "server/app.py imports cli"]

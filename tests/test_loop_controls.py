@@ -3,7 +3,7 @@ plain oracle in tests/reference.py: greedy tokens identical in fp32, exit pdfs w
 
 Random tiny weights exit arbitrarily (with Q = 0.5 tokens exit after loop 1, 2, ... in a mix, which the
 tests assert); a known exit pattern comes from zeroing the gate weight and setting its bias in the loaded
-model and the oracle alike (model.exit_policy.force_exit_loop)."""
+model and the oracle alike (exit_policy.force_exit_loop)."""
 
 import dataclasses
 import os
@@ -17,10 +17,11 @@ from cache.blocks import BlockManager
 from cache.kv_pool import slot_token_bytes
 from cache.layout import PagedLayout, SharedLastLayout
 from engine import Engine, SamplingParams
+from exit_policy import (ExitPolicy, constant_gate_bias, exit_pdf, force_exit_loop, parse_exit_policy,
+                         stack_traces)
 from model.config import OuroConfig
-from model.exit_policy import constant_gate_bias, exit_pdf, force_exit_loop
 from model.tiny import PRESETS, hf_config
-from request import ExitPolicy, Request, parse_exit_policy, stack_traces
+from request import Request
 from tests.conftest import ROOT
 from tests.reference import ReferenceOuro
 

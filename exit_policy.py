@@ -1,6 +1,8 @@
-"""The exit gate's semantics (docs/ouro.md §4): the exit pdf, the per-row readout that turns per-loop states
-into logits under each row's exit policy (request.py: ExitPolicy), and per-token loop traces. It reads
-per-loop states; it never runs the network or decides which loops run (runner/loop_driver.py does).
+"""Exit policies (docs/ouro.md §4): which loop's state a token reads out, and (early:Q only) when a generated
+token stops looping. The policy strings and their parsing, which policy a request reads out under, the exit
+gate's pdf, the per-row readout that turns per-loop states into logits, and per-token loop traces, in one
+module. It reads per-loop states; it never runs the network or decides which loops run (runner/loop_driver.py
+does). It imports nothing of the engine, so every layer, request.py's SamplingParams included, may use it.
 
 The exit pdf and CDF are computed in float64, one loop at a time, in the same order as tests/reference.py;
 only the `hf` policy computes them in the model dtype, as the official remote code does.
@@ -8,12 +10,154 @@ only the `hf` policy computes them in the model dtype, as the official remote co
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import torch
 
-from request import ExitPolicy, LoopTrace
+EXIT_POLICY_KINDS = ("full", "threshold", "step", "weighted", "early", "hf")
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExitPolicy:
+    """Which loop's state a token reads out, and (early:Q only) when a generated token stops looping.
 
+        full          every loop, read out after the last (the default; what vLLM does)
+        threshold:Q   HF's Q-exit: the first loop whose exit CDF reaches Q; Q >= 1 means the last loop
+        step:K        HF's exit_at_step: loop K, 0-based
+        weighted      expected logits, sum_t p(t) lm_head(H[t])
+        early:Q       threshold:Q's readout, but generated tokens stop looping at that loop (engine-wide)
+        hf, hf:Q      the official remote code's Q-exit bit for bit: its exit CDF in the model dtype, Q from
+                      the config's early_exit_threshold (hf) or given (hf:Q); in bf16 the CDF can round to 1
+                      before the last loop, so even Q = 1 may read out an earlier loop
+
+    threshold:Q computes the CDF in float64, where Q = 1 is never reached early; hf keeps HF's rounding.
+    """
+
+    kind: str
+    value: float | int | None = None
+
+    @property
+    def readout_only(self) -> bool:
+        """True when the policy only picks what to read out; early:Q also changes what is computed."""
+        return self.kind != "early"
+
+    @property
+    def can_exit(self) -> bool:
+        """True when a generated token may stop looping before the last loop (early:Q with Q < 1)."""
+        return self.kind == "early" and float(self.value) < 1.0
+
+    def __str__(self) -> str:
+        return self.kind if self.value is None else f"{self.kind}:{self.value}"
+
+
+FULL = ExitPolicy("full")
+
+
+@functools.lru_cache(maxsize=256)
+def parse_exit_policy(spec: str | ExitPolicy, loops: int | None = None,
+                      name: str = "exit_policy") -> ExitPolicy:
+    """'full' | 'threshold:Q' | 'step:K' | 'weighted' | 'early:Q' | 'hf' | 'hf:Q'. With `loops`, step:K is
+    range-checked. Raises ValueError naming `name`."""
+    if isinstance(spec, ExitPolicy):
+        spec = str(spec)
+    usage = "use 'full', 'threshold:Q', 'step:K', 'weighted', 'early:Q', 'hf' or 'hf:Q'"
+    if not isinstance(spec, str):
+        raise ValueError(f"{name} must be a string ({usage}), got {spec!r}")
+    kind, colon, arg = spec.strip().partition(":")
+    if kind not in EXIT_POLICY_KINDS:
+        raise ValueError(f"{name} {spec!r} is not an exit policy; {usage}")
+    if kind == "hf" and not colon:
+        return ExitPolicy("hf")  # Q: the config's early_exit_threshold, read at readout
+    if kind in ("full", "weighted"):
+        if colon:
+            raise ValueError(f"{name} {spec!r}: {kind!r} takes no argument")
+        return ExitPolicy(kind)
+    if kind == "step":
+        try:
+            step = int(arg)
+        except ValueError:
+            raise ValueError(f"{name} {spec!r}: step:K needs an integer loop index K (0-based)") from None
+        if step < 0 or (loops is not None and step >= loops):
+            bound = f"< loops ({loops})" if loops is not None else "a loop index"
+            raise ValueError(f"{name} {spec!r}: K must be >= 0 and {bound}")
+        return ExitPolicy("step", step)
+    try:
+        q = float(arg)
+    except ValueError:
+        raise ValueError(f"{name} {spec!r}: {kind}:Q needs a number Q (an exit CDF level, 0 <= Q; "
+                         "Q >= 1 means the last loop)") from None
+    if not math.isfinite(q) or q < 0:
+        raise ValueError(f"{name} {spec!r}: Q must be a finite number >= 0")
+    return ExitPolicy(kind, q)
+
+
+def request_policy(spec: str | None, engine_policy: ExitPolicy, loops: int) -> ExitPolicy:
+    """The policy one request reads out under: its own readout-only override, else the engine's."""
+    if spec is None:
+        return engine_policy
+    policy = parse_exit_policy(spec, loops, "SamplingParams.exit_policy")
+    if not policy.readout_only:
+        raise ValueError(f"SamplingParams.exit_policy {spec!r}: early:Q changes the K/V every later token "
+                         "reads, so it is engine-wide; pass it as Engine(exit_policy=...)")
+    if not engine_policy.readout_only:
+        raise ValueError(f"SamplingParams.exit_policy {spec!r}: this engine runs {engine_policy}, whose "
+                         "readout is fixed; per-request policies need a readout-only engine policy")
+    return policy
+
+
+
+# -- traces -----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(slots=True)
+class LoopTrace:
+    """One generated token's loops, as plain lists (one entry per loop this token ran).
+
+    exit_pdf[t]: the gate's exit probability at loop t (float64 math; under early:Q only the loops the
+    token ran, so the list may be shorter and sum to less than 1). exit_loop: the loop whose readout gave
+    the logits (None under "weighted", which mixes every loop). top_token_ids[t] / top_logprobs[t]: the
+    argmax token of loop t's own logits and its log-probability.
+    """
+
+    exit_pdf: list[float]
+    exit_loop: int | None
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+    # Under speculative decoding: "accepted" (a draft the full model confirmed) or "target" (the full model's
+    # own token, where it rejected a draft or where no draft was made). None: no speculation.
+    draft: str | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class TraceTensors:
+    """A completion's traces stacked, NaN / -1 padded to the longest: exit_pdf, top_logprobs [N, T]
+    float64; top_token_ids [N, T] int64; exit_loop [N] int64 (-1 for None); loops_run [N] int64."""
+
+    exit_pdf: torch.Tensor
+    exit_loop: torch.Tensor
+    loops_run: torch.Tensor
+    top_token_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+def stack_traces(traces: list[LoopTrace]) -> TraceTensors:
+    width = max((len(t.exit_pdf) for t in traces), default=0)
+
+    def padded(rows: list[list], fill: float | int, dtype: torch.dtype) -> torch.Tensor:
+        values = [row + [fill] * (width - len(row)) for row in rows]
+        return torch.tensor(values, dtype=dtype).view(len(rows), width)
+
+    return TraceTensors(
+        exit_pdf=padded([t.exit_pdf for t in traces], math.nan, torch.float64),
+        exit_loop=torch.tensor([-1 if t.exit_loop is None else t.exit_loop for t in traces],
+                               dtype=torch.int64),
+        loops_run=torch.tensor([len(t.exit_pdf) for t in traces], dtype=torch.int64),
+        top_token_ids=padded([t.top_token_ids for t in traces], -1, torch.int64),
+        top_logprobs=padded([t.top_logprobs for t in traces], math.nan, torch.float64),
+    )
+
+
+
+# -- the readout ------------------------------------------------------------------------------------
 
 def exit_pdf(gate_logits: torch.Tensor, loops: int | None = None) -> torch.Tensor:
     """[t, R] gate logits of the first t loops -> [t, R] float64 exit pdf. p(t) = lambda_t S_{t-1}; the
