@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from attention.base import select
+from attention.registry import select
 from cache.blocks import BlockManager
 from cache.kv_format import PoolShape
 from cache.pool_sizing import PoolSizer

@@ -36,7 +36,7 @@ import torch
 import triton
 
 from attention.launch import INTERPRETED, CompiledLaunch
-from attention.base import AttentionBackend, AttentionMetadata, Capabilities, register
+from attention.base import AttentionBackend, AttentionMetadata, Capabilities
 from attention.kernels.decode import decode_split_kernel, host_split_count, split_cap
 from attention.kernels.kv_store import kv_store_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
@@ -122,7 +122,6 @@ class _Plan:
     workspace_size: tuple[int, int] | None = None  # eager multi-split decode: (partials, tickets)
 
 
-@register
 class TritonBackend(AttentionBackend):
     name = "triton"
     # The kernels tile head_dim with tl.arange, which needs a power of two; these are the ones tested.
