@@ -12,11 +12,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
-import importlib.util
 import inspect
 import json
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -26,17 +24,17 @@ import torch
 from attention.registry import select
 from cache.blocks import BlockManager
 from cache.kv_format import PoolShape
-from cache.pool_sizing import PoolSizer
 from cache.layout import KV_SHARING, make_layout
+from cache.pool_sizing import PoolSizer
 from cache.side_rows import SideRows
 from engine_config import EngineConfig
+from exit_policy import ExitPolicy, request_policy
 from model.config import OuroConfig
 from model.loader import load_model
 from model.ouro import fused_kernels_available
 from model.tokenizer import Tokenizer
-from outputs import Inbox, OutputBook, SequenceGroup, sequence_ids, sequence_params, take_all
+from outputs import Inbox, OutputBook, SequenceGroup, TokenProgress, sequence_ids, sequence_params, take_all
 from request import Request, RequestOutput, SamplingParams, SpeculativeStats
-from exit_policy import ExitPolicy, request_policy
 from runner.interrupts import deferred_interrupts
 from runner.loop_driver import LoopStats
 from runner.model_runner import ModelRunner
@@ -544,55 +542,6 @@ def engine_kwargs(pairs: Iterable[str], flag: str) -> dict[str, Any]:
 
 
 LLM = Engine  # vLLM's name: `from engine import LLM`
-
-
-class TokenProgress:
-    """generate()'s progress bar, in generated tokens (tqdm shows tok/s). Its total starts at the most each
-    request may generate (n x max_tokens, capped by max_model_len) and drops by what a request leaves unused
-    when it finishes, so the bar moves with the tokens and ends at 100%."""
-
-    def __init__(self, groups: list[SequenceGroup], max_model_len: int, prompt_tokens: int) -> None:
-        """prompt_tokens: the engine's count of prompt tokens computed so far, for the prompt tok/s."""
-        self.budget = {g.request_id: sum(_token_budget(r, max_model_len) for r in g.requests) for g in groups}
-        self.counted = dict.fromkeys(self.budget, 0)
-        self.bar = progress_bar_class()(total=sum(self.budget.values()), desc="generating", unit="tok",
-                                        dynamic_ncols=True)
-        self.start, self.prompt_tokens0 = time.perf_counter(), prompt_tokens
-
-    def advance(self, group: SequenceGroup) -> None:
-        done = sum(r.num_output_tokens for r in group.requests)
-        new = done - self.counted[group.request_id]
-        self.counted[group.request_id] = done
-        if group.finished:
-            self.bar.total -= self.budget[group.request_id] - done
-        self.bar.update(new)
-
-    def show_prompt_rate(self, prompt_tokens: int) -> None:
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"prompt {(prompt_tokens - self.prompt_tokens0) / elapsed:.0f} tok/s",
-                                 refresh=False)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def _token_budget(request: Request, max_model_len: int) -> int:
-    room = max(max_model_len - request.num_prompt_tokens, 0)
-    return room if request.params.max_tokens is None else min(request.params.max_tokens, room)
-
-
-def progress_bar_class() -> type:
-    """tqdm's notebook widget inside a Jupyter kernel that has ipywidgets, else the plain text bar: without
-    ipywidgets, tqdm.auto warns ("IProgress not found") and draws no widget."""
-    ipython = sys.modules.get("IPython")  # a Jupyter kernel has imported it; a script need not
-    shell = ipython.get_ipython() if ipython is not None else None
-    if shell is not None and "IPKernelApp" in getattr(shell, "config", {}) \
-            and importlib.util.find_spec("ipywidgets") is not None:
-        from tqdm.notebook import tqdm
-    else:
-        from tqdm import tqdm
-    return tqdm
-
 
 
 if __name__ == "__main__":  # `python engine.py generate ...`: the command line is cli.py's

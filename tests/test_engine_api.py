@@ -12,7 +12,7 @@ import pytest
 import tqdm
 import tqdm.notebook
 
-import engine as engine_module
+import outputs as outputs_module
 from engine import LLM, Engine, SamplingParams
 
 
@@ -226,7 +226,7 @@ class RecordingBar:
 
 def record_bars(monkeypatch) -> list[RecordingBar]:
     bars = []
-    monkeypatch.setattr(engine_module, "progress_bar_class",
+    monkeypatch.setattr(outputs_module, "progress_bar_class",
                         lambda: lambda **kwargs: bars.append(RecordingBar(**kwargs)) or bars[-1])
     return bars
 
@@ -250,7 +250,7 @@ def test_the_progress_bar_counts_generated_tokens_and_ends_at_its_total(engine, 
 
 def test_progress_bar_is_plain_tqdm_outside_a_notebook_kernel(monkeypatch):
     monkeypatch.delitem(sys.modules, "IPython", raising=False)
-    assert engine_module.progress_bar_class() is tqdm.std.tqdm
+    assert outputs_module.progress_bar_class() is tqdm.std.tqdm
 
 
 def test_progress_bar_falls_back_to_plain_tqdm_in_a_kernel_without_ipywidgets(monkeypatch):
@@ -261,8 +261,8 @@ def test_progress_bar_falls_back_to_plain_tqdm_in_a_kernel_without_ipywidgets(mo
                         lambda name, *a: None if name == "ipywidgets" else real_find_spec(name, *a))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        bar_class = engine_module.progress_bar_class()
+        bar_class = outputs_module.progress_bar_class()
         bar_class(total=2, file=io.StringIO()).close()
     assert bar_class is tqdm.std.tqdm
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
-    assert engine_module.progress_bar_class() is tqdm.notebook.tqdm
+    assert outputs_module.progress_bar_class() is tqdm.notebook.tqdm
