@@ -31,16 +31,6 @@ class DenseFormat(KVFormat):
     def packed_token_bytes(self, kv_heads: int, head_dim: int) -> float:
         return 2 * kv_heads * head_dim * self.key_bits // 8
 
-    def check_options(self, values: dict[str, Any]) -> None:
-        for option in ("kv_sink_tokens", "kv_tail_tokens"):
-            tokens = values.get(option, 0)
-            if tokens:
-                raise ValueError(f"{option}={tokens} applies to the KVarN formats only, not "
-                                 f"kv_cache_dtype={self.name!r}")
-        if not values.get("kv_rotation", True):
-            raise ValueError(f"kv_rotation=False applies to the KVarN formats only, not "
-                             f"kv_cache_dtype={self.name!r}")
-
     def make_pool(self, shape: PoolShape, num_blocks: int, side_rows: SideRows | None,
                   device: torch.device) -> KVPool:
         return KVPool(shape.loops, shape.num_layers, num_blocks, shape.block_size, shape.kv_heads,

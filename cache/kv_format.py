@@ -80,7 +80,16 @@ class KVFormat(ABC):
 
     def check_options(self, values: dict[str, Any]) -> None:
         """The plain options (engine_config.check_options' values) this format cannot take: ValueError naming
-        them (fail-closed: never a silent fallback to another format)."""
+        them (fail-closed: never a silent fallback to another format). High-precision rows and their rotation
+        are KVarN's: any other format refuses them."""
+        for option in ("kv_sink_tokens", "kv_tail_tokens"):
+            tokens = values.get(option, 0)
+            if tokens:
+                raise ValueError(f"{option}={tokens} applies to the KVarN formats only, not "
+                                 f"kv_cache_dtype={self.name!r}")
+        if not values.get("kv_rotation", True):
+            raise ValueError(f"kv_rotation=False applies to the KVarN formats only, not "
+                             f"kv_cache_dtype={self.name!r}")
 
     def check_engine(self, values: dict[str, Any], backend: str, head_dim: int) -> None:
         """The options, the attention backend (its resolved name) and the checkpoint's head_dim this format

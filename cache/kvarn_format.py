@@ -57,6 +57,9 @@ class KVarNFormat(KVFormat):
         packed = full * kv_heads * self.tile_bytes(head_dim)
         return slots * (packed + high_precision_rows(tokens, self.group, sink, tail) * row)
 
+    def check_options(self, values: dict[str, Any]) -> None:
+        """Sink and tail rows and the rotation are KVarN's own options: any values engine_config accepts."""
+
     def check_engine(self, values: dict[str, Any], backend: str, head_dim: int) -> None:
         """What the KVarN pool supports today: the torch backend's reference path and the Triton backend's
         (CUDA graphs for decode steps, piecewise graphs for prefill), tiles of block_size tokens, prefix
