@@ -59,8 +59,9 @@ class Engine:
     """One model, one KV pool, one scheduler. Not thread-safe; one process, one device.
 
     Construction resolves and validates every option once (engine_config.EngineConfig), then builds each
-    component from that frozen config: attention backend, model, KV pool and layout, block manager,
-    scheduler, and the step runner (which captures CUDA graphs on CUDA)."""
+    component from that frozen config: attention backend, model, KV pool (its format's, sized to memory) and
+    layout, block manager, scheduler, the step runner (which captures CUDA graphs on CUDA), and the way it
+    steps, synchronous or overlapped (stepping.py), chosen once."""
 
     _closed = False
 
