@@ -99,8 +99,9 @@ class EngineConfig:
                     raise ValueError(f"async_scheduling=True cannot be combined with {name}: its steps read "
                                      "their tokens (or their exits) on the host before the next can start; "
                                      "leave async_scheduling at None (auto) or False")
-        if self.deterministic and self.deterministic_refusal():
-            raise ValueError(f"deterministic=True {self.deterministic_refusal()}")
+        refusal = self.deterministic_refusal() if self.deterministic else None
+        if refusal:
+            raise ValueError(f"deterministic=True {refusal}")
         if self.speculative is not None:
             draft_loops(self.speculative, self.model.total_ut_steps)  # d against this engine's loop count
             if self.exit_policy.can_exit:
