@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from attention.base import select
+from attention.registry import select
 from cache.blocks import BlockManager
 from cache.kv_format import KVARN_PRESETS, parse_kv_cache_dtype
 from cache.kv_pool import KVPool

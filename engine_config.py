@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from attention.base import check_name as check_backend_name
-from attention.base import resolve_name as resolve_backend_name
+from attention.registry import check_name as check_backend_name
+from attention.registry import resolve_name as resolve_backend_name
 from cache.kv_format import check_tile_dims, parse_kv_cache_dtype
 from model.checkpoint_paths import checkpoint_file
 from model.config import OuroConfig
@@ -162,7 +162,7 @@ class EngineConfig:
 
     @property
     def backend_name(self) -> str:
-        """The attention backend's name, "auto" resolved (attention/base.py: resolve_name)."""
+        """The attention backend's name, "auto" resolved (attention/registry.py: resolve_name)."""
         return resolve_backend_name(self.attention, self.device)
 
     @property

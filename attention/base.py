@@ -1,15 +1,14 @@
-"""The attention backend interface (mini-sglang's hook shape), Capabilities, and a per-instance registry.
+"""The attention backend interface (mini-sglang's hook shape) and what crosses it: Capabilities and the
+step's AttentionMetadata. Backends by name, and their selection, are attention/registry.py's.
 
 A backend is prepared once per step with `AttentionMetadata`, then called once per (loop, layer) with
-the new tokens' q, k, v and the KV slot. `select` returns a fresh instance whose Capabilities are a
-copy: a requirement switches a capability on for that instance only, never for the class or registry.
+the new tokens' q, k, v and the KV slot.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import warnings
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -209,72 +208,3 @@ class AttentionBackend(ABC):
                              f"supports {', '.join(map(str, caps.head_dims))}); attention='torch' runs any")
         if device.type not in caps.devices:
             raise ValueError(f"attention backend {self.name!r} does not run on device {device.type!r}")
-
-
-_REGISTRY: dict[str, type[AttentionBackend]] = {}
-
-
-def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def available() -> list[str]:
-    _load_builtin_backends()
-    return sorted(_REGISTRY)
-
-
-def check_name(name: str) -> None:
-    """ValueError for a backend name select() refuses: one not registered, or triton without its package."""
-    _load_builtin_backends()
-    if name == "auto" or name in _REGISTRY:
-        return
-    if name == "triton":
-        raise ValueError("attention='triton' needs the triton package, which is not installed here "
-                         "(pip install triton, Linux only; or pip install -e '.[gpu]'); "
-                         "attention='torch' runs without it")
-    raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(sorted(_REGISTRY))}")
-
-
-def select(name: str, device: torch.device, requirements: dict[str, bool] | None = None) -> AttentionBackend:
-    """A new backend instance. "auto" is triton on CUDA and torch elsewhere.
-
-    `requirements` names capabilities to switch on, on the returned instance only.
-    """
-    if name == "auto" and device.type == "cuda" and resolve_name(name, device) == "torch":
-        warnings.warn("triton is not installed: attention='auto' on CUDA falls back to the torch backend "
-                      "(slower; pip install triton for the Triton kernels)", stacklevel=3)
-    name = resolve_name(name, device)
-    check_name(name)
-    cls = _REGISTRY[name]
-    caps = dataclasses.replace(cls.default_capabilities)
-    for key, wanted in (requirements or {}).items():
-        if not wanted:
-            continue
-        if key not in cls.optional_capabilities:
-            raise ValueError(f"attention backend {name!r} cannot provide {key!r}")
-        setattr(caps, key, True)
-    return cls(caps)
-
-
-def resolve_name(name: str, device: torch.device) -> str:
-    """The backend a name selects on a device: "auto" is triton on CUDA (where installed), else torch."""
-    _load_builtin_backends()
-    if name != "auto":
-        return name
-    return "triton" if device.type == "cuda" and "triton" in _REGISTRY else "torch"
-
-
-def _load_builtin_backends() -> None:
-    import attention.torch_backend  # noqa: F401  (registers "torch")
-    try:
-        import attention.triton_backend  # noqa: F401  (registers "triton")
-    except ModuleNotFoundError as err:
-        if not triton_missing(err):
-            raise
-
-
-def triton_missing(err: ModuleNotFoundError) -> bool:
-    """Is this the import error of triton itself (not installed: macOS, Windows, CPU-only installs), as
-    opposed to a missing module inside the engine, which must surface?"""
-    return err.name == "triton"

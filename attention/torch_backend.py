@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from attention import fp8
-from attention.base import AttentionBackend, Capabilities, SharedKVMetadata, register
+from attention.base import AttentionBackend, Capabilities, SharedKVMetadata
 from attention.packed_attention import attend_generated_row_through_pool, attend_row_through_pool
 from attention.tiled_reference import tiled_attention
 
@@ -63,7 +63,6 @@ def paged_attention_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return out.transpose(0, 1).to(q.dtype)
 
 
-@register
 class TorchBackend(AttentionBackend):
     name = "torch"
     default_capabilities = Capabilities(kv_formats=("paged", "shared-last"), kvarn=True)

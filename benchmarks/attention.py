@@ -36,7 +36,8 @@ from benchmarks.common import bare_launch_us, graph_time_us, host_us
 from benchmarks.common import commit as common_commit
 
 from attention import fp8
-from attention.base import AttentionMetadata, select
+from attention.base import AttentionMetadata
+from attention.registry import select
 from attention.torch_backend import gather_context
 
 # 16 and 64 x 512: many short rows, where the short split class multiplies the programs of a batch that

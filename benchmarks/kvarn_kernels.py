@@ -243,7 +243,8 @@ class DensePrefill:
     forward (the KV store, then the prefill kernel) for `rows` rows of `new` tokens after `prefix`."""
 
     def __init__(self, rows: int, prefix: int, new: int) -> None:
-        from attention.base import AttentionMetadata, select
+        from attention.base import AttentionMetadata
+        from attention.registry import select
 
         context, page = prefix + new, 16
         pages = math.ceil(context / page)

@@ -27,7 +27,8 @@ from triton.runtime.errors import OutOfResources
 
 from benchmarks.common import (add_random_prompts, checkpoint, environment, matmul_rate,
                                prefill_until_first_tokens, sync, write_results)
-from attention.base import AttentionMetadata, select
+from attention.base import AttentionMetadata
+from attention.registry import select
 from engine import Engine, SamplingParams
 
 HEADS, HEAD_DIM, BLOCK_SIZE, SLOTS = 16, 128, 16, 4  # Ouro-1.4B's attention; a few slots, walked in turn

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.base import triton_missing
 from model import batch_invariant
 from model.config import OuroConfig
+from triton_runtime.installed import triton_missing
 
 try:
     from model.kernels import fused, gemv_epilogues

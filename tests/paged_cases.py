@@ -8,7 +8,8 @@ import dataclasses
 
 import torch
 
-from attention.base import AttentionBackend, AttentionMetadata, select
+from attention.base import AttentionBackend, AttentionMetadata
+from attention.registry import select
 from attention.torch_backend import gather_context, store_kv
 from tests.numerics import FLOOR_ULPS, NOISE_FACTOR, unit_roundoff
 

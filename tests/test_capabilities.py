@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from attention.base import available, select
+from attention.registry import available, select
 from attention.triton_backend import PACKED_PREFILL_TOLERANCE, TritonBackend
 
 CPU = torch.device("cpu")

@@ -164,10 +164,10 @@ def test_the_parser_sees_each_kind_of_reference_and_flags_what_is_missing(tmp_pa
         "results latency-2026-12-04-f4b3c29.md and gone-2026-01-01-abc1234.json.\n"
         "`runner/loop_driver.py: run_loops`, `runner/loop_driver.py: no_such_function`,\n"
         "`model/ouro.py: EpilogueBuffers.no_such_attribute`, tests/test_blocks.py::no_such_test,\n"
-        "model.ouro.EpilogueBuffers, attention.launch.no_such_name, model.norm.weight, vllm/x/ouro.py.\n"
+        "model.ouro.EpilogueBuffers, triton_runtime.launch.no_such_name, model.norm.weight, vllm/x/ouro.py.\n"
         "```bash\npython -m benchmarks.latency\npython -m benchmarks.no_such_benchmark\n```\n"
         "```python\nfrom engine import Engine, no_such_export\n```\n")
     assert missing_references(doc) == [
         "model/no_such.py", "gone-2026-01-01-abc1234.json", "runner/loop_driver.py: no_such_function",
         "model/ouro.py: EpilogueBuffers.no_such_attribute", "tests/test_blocks.py: no_such_test",
-        "attention.launch.no_such_name", "benchmarks.no_such_benchmark", "engine.no_such_export"]
+        "benchmarks.no_such_benchmark", "engine.no_such_export", "triton_runtime.launch.no_such_name"]

@@ -75,7 +75,7 @@ def test_kvarn_refusals_that_depend_on_the_checkpoint_or_backend_name_the_option
     import re
     import shutil
 
-    from attention import base
+    from attention import registry
     from attention.torch_backend import TorchBackend
 
     checkpoint = shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
@@ -84,8 +84,9 @@ def test_kvarn_refusals_that_depend_on_the_checkpoint_or_backend_name_the_option
         (checkpoint / "config.json").write_text(json.dumps({**config, "head_dim": 24}))
         arguments = {"kv_cache_dtype": value}
     else:
-        base.available()  # the built-in backends registered first, so this one is only added
-        monkeypatch.setitem(base._REGISTRY, "flex", type("FlexBackend", (TorchBackend,), {"name": "flex"}))
+        registry.available()  # the built-in backends registered first, so this one is only added
+        flex = type("FlexBackend", (TorchBackend,), {"name": "flex"})
+        monkeypatch.setitem(registry._REGISTRY, "flex", flex)
         arguments = {"kv_cache_dtype": "kvarn_k4v2_g64", "attention": value}
     with pytest.raises(ValueError, match=re.escape(message)):
         Engine(checkpoint, device="cpu", block_size=64, verbose=False, **arguments)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from attention.base import select
+from attention.registry import select
 from engine import Engine, SamplingParams
 from model.tiny import random_weights
 from tests.conftest import ROOT

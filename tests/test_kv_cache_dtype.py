@@ -39,7 +39,7 @@ def fp8_case(dtype=torch.float32, shape=None, **rows):
 
 
 def bind(name, case, scales):
-    from attention.base import select
+    from attention.registry import select
 
     backend = select(name, case.key_cache.device)
     backend.bind(case.key_cache.clone(), case.value_cache.clone(), case.scale, scales)
@@ -105,7 +105,7 @@ def test_fp8_triton_decode_at_ouro_shape_in_bf16_matches_the_fp8_reference(decod
     values are loaded as 32-bit words and widened by inline PTX (attention/kernels/decode.py). Its errors are
     P's and the output's rounding (2^-11, 2^-9 relative); a value read in the wrong byte order or lane is an
     O(1) error, the one-key row's output being that key's value itself."""
-    from attention.base import select
+    from attention.registry import select
 
     contexts = [1, 2, 17, 100, 513, 2048, 4100]
     case, scales = fp8_case(torch.bfloat16, {"heads": 16, "kv_heads": 16, "head_dim": 128, "block_size": 16},
@@ -133,7 +133,7 @@ def test_fp8_triton_graph_mode_decode_is_bitwise_equal_to_eager():
 
 @pytest.mark.interpreter
 def test_backends_refuse_an_fp8_pool_without_scales_and_scales_without_fp8():
-    from attention.base import select
+    from attention.registry import select
 
     case, scales = fp8_case()
     backend = select("torch", torch.device(DEVICE))

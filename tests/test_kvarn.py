@@ -340,7 +340,7 @@ def test_batch_invariant_two_way_attention_gives_a_query_the_same_bits_in_a_chun
 
 
 def test_a_batch_invariant_torch_backend_refuses_a_pool_that_is_not():
-    from attention.base import select
+    from attention.registry import select
     from cache.kvarn_pool import KVarNPool
 
     pool = KVarNPool(parse_kv_cache_dtype("kvarn_k4v2_g64"), 1, 1, 2, 2, 32, torch.float32,

@@ -30,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.workspace import current_stream
 from model.kernels.fused import PRECISE, rms_normalize, rotate_half, round_to, silu_times
 from model.kernels.gemv import (ROW_TICKET, GemvConfig, Plan, build_plan, check_operands, prefetch_l2,
                                 skinny_ok, split_k_total, tile_product)
+from triton_runtime.stream import current_stream
 
 # The rows the epilogue variants take (a graph bucket boundary).
 MAX_EPILOGUE_M = 16
@@ -244,7 +244,7 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _pointer_key(tensor: torch.Tensor) -> tuple:
     """What Triton specializes on of a pointer operand: dtype, device, 16-byte alignment (as
-    attention/launch.py's specialization reads them)."""
+    triton_runtime/launch.py's specialization reads them)."""
     return (tensor.dtype, tensor.device, tensor.data_ptr() & 15)
 
 
