@@ -35,14 +35,12 @@ from cache.kvarn_pool import KVarNPool
 from cache.layout import KV_SHARING, make_layout
 from cache.side_rows import SideRows
 from engine_config import EngineConfig
-from model.config import OuroConfig
-from model.loader import load_model
-from model.ouro import fused_kernels_available
+from model.registry import load_model
 from model.tokenizer import Tokenizer
 from request import (CompletionOutput, ExitPolicy, Request, RequestOutput, SamplingParams, ScheduledBatch,
                      SpeculativeStats, request_policy)
 from runner.interrupts import deferred_interrupts
-from runner.loop_driver import LoopStats
+from runner.loop_driver import EagerLoops, LoopStats, StepInputs, run_loops
 from runner.model_runner import LaunchedStep, ModelRunner, StepResult
 from scheduler.scheduler import KV_POOL_FULL, Scheduler
 
@@ -140,21 +138,19 @@ class Engine:
             kv_rotation=kv_rotation, async_scheduling=async_scheduling,
             piecewise_graph_tokens=piecewise_graph_tokens, deterministic=deterministic)
         model_dir = config.model_dir
-        self.config: OuroConfig = config.model
+        self.config = config.model  # the checkpoint's config, of its family's class (model/registry.py)
+        shape = config.model.shape
         self.tokenizer = Tokenizer(model_dir)
         self.backend = select(config.attention, config.device, {"packed_prefill": config.packed_prefill,
                                                                 "batch_invariant": config.batch_invariant})
-        self.backend.check(config.dtype, self.config.head_dim, config.device)
+        self.backend.check(config.dtype, shape.head_dim, config.device)
         layout_name = KV_SHARING[config.kv_sharing]
         if layout_name not in self.backend.capabilities.kv_formats:
             raise ValueError(f"kv_sharing={config.kv_sharing!r} needs the {layout_name!r} KV format, which "
                              f"attention={self.backend.name!r} does not provide "
                              f"(it has {', '.join(self.backend.capabilities.kv_formats)})")
-        # Fused Triton kernels around the GEMMs on CUDA; the plain torch ops elsewhere.
-        self.model = load_model(model_dir, self.config, config.device, config.dtype,
-                                fused_kernels=config.device.type == "cuda" and fused_kernels_available(),
-                                batch_invariant=config.batch_invariant)
-        loops, layers = config.loops, self.config.num_hidden_layers
+        self.model = load_model(model_dir, self.config, config.device, config.dtype, config.batch_invariant)
+        loops, layers = config.loops, self.model.slot_map.loop_layers
         kvarn = parse_kv_cache_dtype(config.kv_cache_dtype).kind == "kvarn"
         side_rows = SideRows(config.max_num_seqs, config.block_size, config.kv_sink_tokens,
                              config.kv_tail_tokens, generated_apart=config.kv_sharing == "last") \
@@ -167,7 +163,7 @@ class Engine:
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(probe, reserved)
         # One block more than the scheduler may hand out: the scratch block that graph padding rows write.
         self.kv_pool = self._make_pool(num_blocks + 1, side_blocks, generated_side_tiles)
-        scale = self.config.head_dim ** -0.5
+        scale = shape.head_dim ** -0.5
         if kvarn:
             self.backend.bind_packed(self.kv_pool, scale)
         else:
@@ -245,9 +241,9 @@ class Engine:
         """The KV pool of kv_cache_dtype: per-token elements (auto, bf16, fp8_e4m3) or KVarN tiles with
         side_blocks blocks of high-precision rows (and, under kv_sharing="last", generated_side_tiles tiles of
         generated ones)."""
-        config, model = self.engine_config, self.config
+        config, model = self.engine_config, self.engine_config.model.shape
         fmt = parse_kv_cache_dtype(config.kv_cache_dtype)
-        shape = (config.loops, model.num_hidden_layers, num_blocks)
+        shape = (config.loops, self.model.slot_map.loop_layers, num_blocks)
         if fmt.kind == "kvarn":
             return KVarNPool(fmt, *shape, model.num_key_value_heads, model.head_dim, config.dtype,
                              config.device, config.kv_sink_tokens, config.kv_tail_tokens, side_blocks,
@@ -305,8 +301,9 @@ class Engine:
         device = self.engine_config.device
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         positions = torch.arange(num_tokens, device=device)
-        states = self.model(ids, positions, lambda q, k, v, slot: q.clone(),
-                            torch.arange(min(num_tokens, 256), device=device))
+        inputs = StepInputs(ids, positions, None, torch.arange(min(num_tokens, 256), device=device), [])
+        executor = EagerLoops(self.model, None, lambda q, k, v, slot: q.clone())  # no KV: nothing stored
+        states = run_loops(executor, self.model, inputs, range(self.engine_config.loops))
         self.model.compute_logits(states.hidden[-1])
         del states
         torch.cuda.synchronize(device)
@@ -356,7 +353,7 @@ class Engine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        request_policy(params.exit_policy, self.exit_policy, self.config.total_ut_steps)
+        request_policy(params.exit_policy, self.exit_policy, self.engine_config.loops)
         speculative = self.engine_config.speculative
         if speculative is not None:
             for name, off in (("min_tokens", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
@@ -1187,13 +1184,13 @@ def _generate_one(engine: Engine, args: argparse.Namespace, params: SamplingPara
         return 1
     n = len(completion.token_ids)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    loops = engine.config.total_ut_steps
+    loops = engine.engine_config.loops
     if engine.loop_stats.decode_tokens:  # weights are read once per loop run
         loops = engine.loop_stats.loops_per_token
     drafts = engine.speculative_stats
     if drafts is not None and drafts.tokens:  # one batch row: a step reads the weights k*d + (T - d) times
         d = engine.engine_config.draft_loops
-        loops = (d * drafts.num_drafted + (engine.config.total_ut_steps - d) * drafts.steps) / drafts.tokens
+        loops = (d * drafts.num_drafted + (engine.engine_config.loops - d) * drafts.steps) / drafts.tokens
         print(f"speculative {engine.engine_config.speculative}: {drafts.acceptance_rate:.1%} of "
               f"{drafts.num_drafted} drafts accepted, {drafts.tokens_per_step:.2f} tokens per step",
               file=sys.stderr)
