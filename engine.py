@@ -172,7 +172,7 @@ class Engine:
         # recompute) only where the backend gives a prompt token what decoding it gives.
         exact = config.generated_kv_exact and (not config.batch_invariant
                                                or self.backend.capabilities.prefill_matches_decode)
-        self.layout = make_layout(config.kv_sharing, loops, layers, config.block_size, exact)
+        self.layout = make_layout(config.kv_sharing, self.model.slot_map, config.block_size, exact)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           layout=self.layout, side_rows=side_rows)
         if self.layout.blocks_per_sequence(config.max_model_len, 0) > num_blocks:
@@ -241,16 +241,16 @@ class Engine:
         """The KV pool of kv_cache_dtype: per-token elements (auto, bf16, fp8_e4m3) or KVarN tiles with
         side_blocks blocks of high-precision rows (and, under kv_sharing="last", generated_side_tiles tiles of
         generated ones)."""
-        config, model = self.engine_config, self.engine_config.model.shape
+        config, shape, slot_map = self.engine_config, self.engine_config.model.shape, self.model.slot_map
         fmt = parse_kv_cache_dtype(config.kv_cache_dtype)
-        shape = (config.loops, self.model.slot_map.loop_layers, num_blocks)
+        heads = (shape.num_key_value_heads, shape.head_dim)
         if fmt.kind == "kvarn":
-            return KVarNPool(fmt, *shape, model.num_key_value_heads, model.head_dim, config.dtype,
-                             config.device, config.kv_sink_tokens, config.kv_tail_tokens, side_blocks,
+            return KVarNPool(fmt, slot_map, num_blocks, *heads, config.dtype, config.device,
+                             config.kv_sink_tokens, config.kv_tail_tokens, side_blocks,
                              generated_side_tiles=generated_side_tiles, rotate=config.kv_rotation,
                              batch_invariant=config.batch_invariant)
-        return KVPool(*shape, config.block_size, model.num_key_value_heads, model.head_dim,
-                      fmt.storage_dtype(config.dtype), config.device,
+        return KVPool(slot_map, num_blocks, config.block_size, *heads, fmt.storage_dtype(config.dtype),
+                      config.device,
                       loop_uniform_scales=config.exit_policy.can_exit or config.kv_sharing == "last")
 
     def _blocks_for_memory(self, probe: KVPool | KVarNPool, reserved: int = 0) -> int:

@@ -6,7 +6,8 @@ imports included), so no package cycle can come back.
     engine.py
     runner/                  step execution: runner, loop driver, CUDA graphs, sampler
     scheduler/, engine_config.py
-    cache/, model/           KV memory; the network and its kernels (neither imports the other)
+    cache/                   KV memory, sized and addressed by the model's slot map (model/looped.py)
+    model/                   the network and its kernels, and the looped-model interface
     attention/               backends and their kernels, and the KV codecs they store and read with
     request.py               the shared request and batch types: imports nothing of the engine
 """
@@ -24,7 +25,7 @@ CLI_FUNCTIONS = {"cli_serve"}
 ALLOWED = {
     "request": set(),
     "attention": {"attention"},
-    "cache": {"cache", "attention", "request"},
+    "cache": {"cache", "model", "attention", "request"},
     "model": {"model", "attention", "request"},
     "scheduler": {"scheduler", "cache", "request"},
     "engine_config": {"model", "cache", "attention", "request"},
