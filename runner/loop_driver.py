@@ -4,12 +4,13 @@
 `run_loops(executor, model, inputs, loops, hook)` runs loops `loops` (a range) through an executor, which
 either runs each loop eagerly through the model's interface (EagerLoops; model/looped.py: LoopedModel) or
 replays a captured graph of it (runner/cuda_graph.py), and keeps every sampling row's per-loop readout state
-and gate logit. After each loop an optional hook sees the
-gate logits and may stop rows: early:Q (EarlyExit) stops the generated tokens whose exit CDF reached Q and
-copies their K/V forward through the KV layout. Without a hook every row runs every loop, with no host sync,
-so the whole call can itself be captured into one graph (a whole decode step). Running loops 0..d-1, then
-loops d..T-1 from loop d-1's output (StepInputs.hidden), gives bit for bit what running 0..T-1 does: each loop
-reads only its own slots' K/V and the previous loop's output, so a draft of the first d loops is exact.
+and gate logit. After each loop an optional hook sees the gate logits and may stop rows: early:Q (EarlyExit)
+stops the generated tokens whose exit CDF reached Q and copies their K/V forward through the KV layout.
+Without a hook every row runs every loop, with no host sync, so the whole call can itself be captured: into
+one graph (a whole decode step), or into a chain of pieces split at each attention call (a step with prompt
+tokens, runner/piecewise_graphs.py). Running loops 0..d-1, then loops d..T-1 from loop d-1's output
+(StepInputs.hidden), gives bit for bit what running 0..T-1 does: each loop reads only its own slots' K/V and
+the previous loop's output, so a draft of the first d loops is exact.
 """
 
 from __future__ import annotations
