@@ -36,14 +36,12 @@ from cache.kvarn_pool import KVarNPool
 from cache.layout import KV_SHARING, make_layout
 from cache.side_rows import SideRows
 from engine_config import EngineConfig
-from model.config import OuroConfig
-from model.loader import load_model
-from model.ouro import fused_kernels_available
+from model.registry import load_model
 from model.tokenizer import Tokenizer
 from request import (CompletionOutput, ExitPolicy, Request, RequestOutput, SamplingParams, ScheduledBatch,
                      SpeculativeStats, request_policy)
 from runner.interrupts import deferred_interrupts
-from runner.loop_driver import LoopStats
+from runner.loop_driver import EagerLoops, LoopStats, StepInputs, run_loops
 from runner.model_runner import LaunchedStep, ModelRunner, StepResult
 from scheduler.scheduler import KV_POOL_FULL, Scheduler
 
@@ -143,22 +141,20 @@ class Engine:
             piecewise_graph_tokens=piecewise_graph_tokens, deterministic=deterministic,
             check_finite_weights=check_finite_weights)
         model_dir = config.model_dir
-        self.config: OuroConfig = config.model
+        self.config = config.model  # the checkpoint's config, of its family's class (model/registry.py)
+        shape = config.model.shape
         self.tokenizer = Tokenizer(model_dir)
         self.backend = select(config.attention, config.device, {"packed_prefill": config.packed_prefill,
                                                                 "batch_invariant": config.batch_invariant})
-        self.backend.check(config.dtype, self.config.head_dim, config.device)
+        self.backend.check(config.dtype, shape.head_dim, config.device)
         layout_name = KV_SHARING[config.kv_sharing]
         if layout_name not in self.backend.capabilities.kv_formats:
             raise ValueError(f"kv_sharing={config.kv_sharing!r} needs the {layout_name!r} KV format, which "
                              f"attention={self.backend.name!r} does not provide "
                              f"(it has {', '.join(self.backend.capabilities.kv_formats)})")
-        # Fused Triton kernels around the GEMMs on CUDA; the plain torch ops elsewhere.
-        self.model = load_model(model_dir, self.config, config.device, config.dtype,
-                                fused_kernels=config.device.type == "cuda" and fused_kernels_available(),
-                                batch_invariant=config.batch_invariant,
+        self.model = load_model(model_dir, self.config, config.device, config.dtype, config.batch_invariant,
                                 check_finite=config.check_finite_weights)
-        loops, layers = config.loops, self.config.num_hidden_layers
+        loops, layers = config.loops, self.model.slot_map.loop_layers
         kvarn = parse_kv_cache_dtype(config.kv_cache_dtype).kind == "kvarn"
         side_rows = SideRows(config.max_num_seqs, config.block_size, config.kv_sink_tokens,
                              config.kv_tail_tokens, generated_apart=config.kv_sharing == "last") \
@@ -174,7 +170,7 @@ class Engine:
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(probe, reserved)
         # One block more than the scheduler may hand out: the scratch block that graph padding rows write.
         self.kv_pool = self._allocate_pool(probe, num_blocks + 1, reserved, side_blocks, generated_side_tiles)
-        scale = self.config.head_dim ** -0.5
+        scale = shape.head_dim ** -0.5
         if kvarn:
             self.backend.bind_packed(self.kv_pool, scale)
         else:
@@ -183,7 +179,7 @@ class Engine:
         # recompute) only where the backend gives a prompt token what decoding it gives.
         exact = config.generated_kv_exact and (not config.batch_invariant
                                                or self.backend.capabilities.prefill_matches_decode)
-        self.layout = make_layout(config.kv_sharing, loops, layers, config.block_size, exact)
+        self.layout = make_layout(config.kv_sharing, self.model.slot_map, config.block_size, exact)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           layout=self.layout, side_rows=side_rows)
         if self.layout.blocks_per_sequence(config.max_model_len, 0) > num_blocks:
@@ -253,17 +249,17 @@ class Engine:
         """The KV pool of kv_cache_dtype: per-token elements (auto, bf16, fp8_e4m3) or KVarN tiles with
         side_blocks blocks of high-precision rows (and, under kv_sharing="last", generated_side_tiles tiles of
         generated ones). device: the engine's unless given (the meta device measures a pool's bytes)."""
-        config, model = self.engine_config, self.config
+        config, shape, slot_map = self.engine_config, self.engine_config.model.shape, self.model.slot_map
         device = config.device if device is None else device
         fmt = parse_kv_cache_dtype(config.kv_cache_dtype)
-        shape = (config.loops, model.num_hidden_layers, num_blocks)
+        heads = (shape.num_key_value_heads, shape.head_dim)
         if fmt.kind == "kvarn":
-            return KVarNPool(fmt, *shape, model.num_key_value_heads, model.head_dim, config.dtype,
-                             device, config.kv_sink_tokens, config.kv_tail_tokens, side_blocks,
+            return KVarNPool(fmt, slot_map, num_blocks, *heads, config.dtype, device,
+                             config.kv_sink_tokens, config.kv_tail_tokens, side_blocks,
                              generated_side_tiles=generated_side_tiles, rotate=config.kv_rotation,
                              batch_invariant=config.batch_invariant)
-        return KVPool(*shape, config.block_size, model.num_key_value_heads, model.head_dim,
-                      fmt.storage_dtype(config.dtype), device,
+        return KVPool(slot_map, num_blocks, config.block_size, *heads, fmt.storage_dtype(config.dtype),
+                      device,
                       loop_uniform_scales=config.exit_policy.can_exit or config.kv_sharing == "last")
 
     def _allocate_pool(self, probe: KVPool | KVarNPool, num_blocks: int, reserved: int, side_blocks: int,
@@ -361,8 +357,9 @@ class Engine:
         device = self.engine_config.device
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         positions = torch.arange(num_tokens, device=device)
-        states = self.model(ids, positions, lambda q, k, v, slot: q.clone(),
-                            torch.arange(min(num_tokens, 256), device=device))
+        inputs = StepInputs(ids, positions, None, torch.arange(min(num_tokens, 256), device=device), [])
+        executor = EagerLoops(self.model, None, lambda q, k, v, slot: q.clone())  # no KV: nothing stored
+        states = run_loops(executor, self.model, inputs, range(self.engine_config.loops))
         self.model.compute_logits(states.hidden[-1])
         del states
         torch.cuda.synchronize(device)
@@ -414,7 +411,7 @@ class Engine:
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params) if params is not None else SamplingParams()
-        request_policy(params.exit_policy, self.exit_policy, self.config.total_ut_steps)
+        request_policy(params.exit_policy, self.exit_policy, self.engine_config.loops)
         speculative = self.engine_config.speculative
         if speculative is not None:
             for name, off in (("min_tokens", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
@@ -1326,13 +1323,13 @@ def _generate_one(engine: Engine, args: argparse.Namespace, params: SamplingPara
         return 1
     n = len(completion.token_ids)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    loops = engine.config.total_ut_steps
+    loops = engine.engine_config.loops
     if engine.loop_stats.decode_tokens:  # weights are read once per loop run
         loops = engine.loop_stats.loops_per_token
     drafts = engine.speculative_stats
     if drafts is not None and drafts.tokens:  # one batch row: a step reads the weights k*d + (T - d) times
         d = engine.engine_config.draft_loops
-        loops = (d * drafts.num_drafted + (engine.config.total_ut_steps - d) * drafts.steps) / drafts.tokens
+        loops = (d * drafts.num_drafted + (engine.engine_config.loops - d) * drafts.steps) / drafts.tokens
         print(f"speculative {engine.engine_config.speculative}: {drafts.acceptance_rate:.1%} of "
               f"{drafts.num_drafted} drafts accepted, {drafts.tokens_per_step:.2f} tokens per step",
               file=sys.stderr)

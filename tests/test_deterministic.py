@@ -175,14 +175,14 @@ def test_fused_layers_give_row_0_its_bits_at_every_row_count(tmp_path, monkeypat
     gate logits through the epilogue GEMMs and the norm kernel (1 and 2 rows), the unfused composition on the
     skinny kernel (17) and on the tiled one (66), all one GEMM
     config per weight (coarse here, one layer and 2 loops: the interpreter runs every program in Python)."""
-    from model import ouro
+    from model import ouro_fused
     from model.config import OuroConfig
     from model.kernels.gemv import GemvConfig
     from model.loader import load_model
     from model.tiny import write_checkpoint
     from tests.test_fused_model import dense_causal_attention
 
-    monkeypatch.setattr(ouro, "invariant_config",
+    monkeypatch.setattr(ouro_fused, "invariant_config",
                         lambda n, k, dtype, sm_count=0: GemvConfig(128, 128, 2, block_m=64))
     path = write_checkpoint(tmp_path, preset="tiny", seed=0, loops=2, layers=1)
     config = OuroConfig.from_file(path / "config.json")

@@ -8,7 +8,8 @@ packages or between modules.
     engine.py                the Engine (its command line excepted for now: CLI_IMPORTS)
     runner/                  step execution: runner, loop driver, CUDA graphs, sampler
     scheduler/, engine_config.py
-    cache/, model/           KV memory; the network and its kernels (neither imports the other)
+    cache/                   KV memory, sized and addressed by the model's slot map (model/looped.py)
+    model/                   the network and its kernels, and the looped-model interface
     attention/               backends and their kernels, and the KV codecs they store and read with
     triton_runtime/          the Triton runtime: launch, PDL, stream, workspace, jit helpers kernels share
     request.py               the shared request and batch types
@@ -27,7 +28,8 @@ ALLOWED = {
     "request": set(),
     "triton_runtime": set(),
     "attention": {"triton_runtime"},
-    "cache": {"attention", "triton_runtime", "request"},
+    # cache/ reads the model's slot map (model/looped.py) and nothing else of model/
+    "cache": {"model", "attention", "triton_runtime", "request"},
     "model": {"attention", "triton_runtime", "request"},
     "scheduler": {"cache", "request"},
     "engine_config": {"model", "cache", "attention", "request"},

@@ -40,8 +40,8 @@ MAX_EPILOGUE_M = 16
 # The rows the norm epilogue takes. Its tail is one program's work over all M rows, while the norm kernel
 # spreads rows over SMs: on the H200 (benchmarks/epilogue_rows.py, in graph chains with PDL) the GEMM then the
 # norm kernel took 6.4-6.6 µs (o) and 9.8-10.2 µs (down) at 2-16 rows against 7.9-17.8 and 11.9-22.7 for the
-# epilogue; at one row 5.6 against 5.9 and 9.2 against 9.8. Layers (model/ouro.py) launch the norm kernel
-# past this many rows; at one row the saved launches keep a layer application at 5 kernels.
+# epilogue; at one row 5.6 against 5.9 and 9.2 against 9.8. Layers (model/ouro_fused.py) launch the norm
+# kernel past this many rows; at one row the saved launches keep a layer application at 5 kernels.
 MAX_NORM_EPILOGUE_M = 1
 _ROW_TICKET = tl.constexpr(ROW_TICKET)
 
