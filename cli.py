@@ -298,13 +298,13 @@ def _generate_one(engine: Engine, args: argparse.Namespace, params: SamplingPara
         return 1
     n = len(completion.token_ids)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    loops = engine.config.total_ut_steps
+    loops = engine.engine_config.loops
     if engine.loop_stats.decode_tokens:  # weights are read once per loop run
         loops = engine.loop_stats.loops_per_token
     drafts = engine.speculative_stats
     if drafts is not None and drafts.tokens:  # one batch row: a step reads the weights k*d + (T - d) times
         d = engine.engine_config.draft_loops
-        loops = (d * drafts.num_drafted + (engine.config.total_ut_steps - d) * drafts.steps) / drafts.tokens
+        loops = (d * drafts.num_drafted + (engine.engine_config.loops - d) * drafts.steps) / drafts.tokens
         print(f"speculative {engine.engine_config.speculative}: {drafts.acceptance_rate:.1%} of "
               f"{drafts.num_drafted} drafts accepted, {drafts.tokens_per_step:.2f} tokens per step",
               file=sys.stderr)

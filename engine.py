@@ -29,14 +29,12 @@ from cache.pool_sizing import PoolSizer
 from cache.side_rows import SideRows
 from engine_config import EngineConfig
 from exit_policy import ExitPolicy, request_policy
-from model.config import OuroConfig
-from model.loader import load_model
-from model.ouro import fused_kernels_available
+from model.registry import load_model
 from model.tokenizer import Tokenizer
 from outputs import Inbox, OutputBook, SequenceGroup, TokenProgress, sequence_ids, sequence_params, take_all
 from request import Request, RequestOutput, SamplingParams, SpeculativeStats
 from runner.interrupts import deferred_interrupts
-from runner.loop_driver import LoopStats
+from runner.loop_driver import EagerLoops, LoopStats, StepInputs, run_loops
 from runner.model_runner import ModelRunner
 from scheduler.scheduler import KV_POOL_FULL, Scheduler
 from stepping import OverlappedStepper, SyncStepper
@@ -94,33 +92,29 @@ class Engine:
             piecewise_graph_tokens=piecewise_graph_tokens, deterministic=deterministic,
             check_finite_weights=check_finite_weights)
         model_dir = config.model_dir
-        self.config: OuroConfig = config.model
+        self.config = config.model  # the checkpoint's config, of its family's class (model/registry.py)
         self.tokenizer = Tokenizer(model_dir)
         self.backend = select(config.attention, config.device, {"packed_prefill": config.packed_prefill,
                                                                 "batch_invariant": config.batch_invariant})
-        self.backend.check(config.dtype, self.config.head_dim, config.device)
+        self.backend.check(config.dtype, config.model.shape.head_dim, config.device)
         layout_name = KV_SHARING[config.kv_sharing]
         if layout_name not in self.backend.capabilities.kv_formats:
             raise ValueError(f"kv_sharing={config.kv_sharing!r} needs the {layout_name!r} KV format, which "
                              f"attention={self.backend.name!r} does not provide "
                              f"(it has {', '.join(self.backend.capabilities.kv_formats)})")
-        # Fused Triton kernels around the GEMMs on CUDA; the plain torch ops elsewhere.
-        self.model = load_model(model_dir, self.config, config.device, config.dtype,
-                                fused_kernels=config.device.type == "cuda" and fused_kernels_available(),
-                                batch_invariant=config.batch_invariant,
+        self.model = load_model(model_dir, self.config, config.device, config.dtype, config.batch_invariant,
                                 check_finite=config.check_finite_weights)
         kv_format, shape = config.kv_format, self._pool_shape()
         side_rows = kv_format.side_rows(shape)  # rows the pool keeps apart from its blocks (KVarN's), or None
         self.kv_pool, num_blocks = PoolSizer(kv_format, shape, config.device, config.num_kv_blocks,
                                              config.kv_cache_gib, config.gpu_memory_utilization,
                                              config.max_model_len).build(side_rows, self._profile_run)
-        kv_format.bind(self.backend, self.kv_pool, self.config.head_dim ** -0.5)
+        kv_format.bind(self.backend, self.kv_pool, shape.head_dim ** -0.5)
         # In deterministic mode a generated token's K/V stands for a prompt's (in the prefix cache, in a
         # recompute) only where the backend gives a prompt token what decoding it gives.
         exact = config.generated_kv_exact and (not config.batch_invariant
                                                or self.backend.capabilities.prefill_matches_decode)
-        self.layout = make_layout(config.kv_sharing, config.loops, self.config.num_hidden_layers,
-                                  config.block_size, exact)
+        self.layout = make_layout(config.kv_sharing, self.model.slot_map, config.block_size, exact)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           layout=self.layout, side_rows=side_rows)
         if self.layout.blocks_per_sequence(config.max_model_len, 0) > num_blocks:
@@ -143,10 +137,10 @@ class Engine:
 
     def _pool_shape(self) -> PoolShape:
         """What the KV pool is built from (cache/kv_format.py), besides its block count."""
-        config, model = self.engine_config, self.config
-        return PoolShape(config.loops, model.num_hidden_layers, config.block_size, model.num_key_value_heads,
-                         model.head_dim, config.dtype, config.max_num_seqs, config.kv_sink_tokens,
-                         config.kv_tail_tokens, config.kv_rotation, config.batch_invariant,
+        config, shape = self.engine_config, self.engine_config.model.shape
+        return PoolShape(self.model.slot_map, config.block_size, shape.num_key_value_heads, shape.head_dim,
+                         config.dtype, config.max_num_seqs, config.kv_sink_tokens, config.kv_tail_tokens,
+                         config.kv_rotation, config.batch_invariant,
                          generated_apart=config.kv_sharing == "last",
                          loop_uniform_scales=config.exit_policy.can_exit or config.kv_sharing == "last")
 
@@ -156,7 +150,7 @@ class Engine:
             if config.speculative else ""
         kv = "" if config.kv_cache_dtype == "auto" else f", kv_cache_dtype={config.kv_cache_dtype}"
         kv += "" if config.kv_rotation else " (no rotation)"
-        print(f"loop-engine: {config.loops} loops x {self.config.num_hidden_layers} layers, "
+        print(f"loop-engine: {config.loops} loops x {self.model.slot_map.loop_layers} layers, "
               f"{config.dtype}{kv}, {config.device}, attention={self.backend.name}, "
               f"exit_policy={config.exit_policy}{speculation}; "
               f"{self.layout.report(self.kv_pool, num_blocks, side_rows=side_rows)} "
@@ -218,8 +212,9 @@ class Engine:
         try:
             ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
             positions = torch.arange(num_tokens, device=device)
-            states = self.model(ids, positions, lambda q, k, v, slot: q.clone(),
-                                torch.arange(min(num_tokens, 256), device=device))
+            inputs = StepInputs(ids, positions, None, torch.arange(min(num_tokens, 256), device=device), [])
+            executor = EagerLoops(self.model, None, lambda q, k, v, slot: q.clone())  # no KV: nothing stored
+            states = run_loops(executor, self.model, inputs, range(config.loops))
             self.model.compute_logits(states.hidden[-1])
             del states
             torch.cuda.synchronize(device)
@@ -274,7 +269,7 @@ class Engine:
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params) if params is not None else SamplingParams()
-        request_policy(params.exit_policy, self.exit_policy, self.config.total_ut_steps)
+        request_policy(params.exit_policy, self.exit_policy, self.engine_config.loops)
         speculative = self.engine_config.speculative
         if speculative is not None:
             for name, off in (("min_tokens", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),

@@ -5,8 +5,9 @@ Options are checked in two rounds, both before any weight is read: the plain one
 before the model directory is resolved, so a typo never waits for a download; those that depend on the
 checkpoint (max_model_len, step:K, dtype "auto") once its config.json is read.
 
-It imports the checkpoint's own config and locator (model/), the attention backend registry, the KV formats
-(cache/kv_formats.py) and the shared request types (request.py) only.
+It imports the model families' registry, the looped config view and the locator (model/), the attention
+backend registry, the KV formats (cache/kv_formats.py), the exit policies (exit_policy.py) and the shared
+request types (request.py) only.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from attention.registry import check_name as check_backend_name
 from attention.registry import resolve_name as resolve_backend_name
 from cache.kv_format import KVFormat
 from cache.kv_formats import parse_kv_cache_dtype
-from model.checkpoint_paths import checkpoint_file
-from model.config import OuroConfig
-from model.loader import resolve_model_dir
 from exit_policy import ExitPolicy, parse_exit_policy
+from model.loader import resolve_model_dir
+from model.looped import LoopedConfig
+from model.registry import read_config
 from request import ADMISSION
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -39,7 +40,7 @@ DETERMINISTIC_BY_DEFAULT = {"cpu": False, "cuda": False}
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     model_dir: Path
-    model: OuroConfig  # the checkpoint's config, with the loop-count override applied
+    model: LoopedConfig  # the checkpoint's config (its family's class), with the loop-count override applied
     device: torch.device
     dtype: torch.dtype
     attention: str = "auto"
@@ -92,8 +93,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the checkpoint's "
                              f"max_position_embeddings {self.model.max_position_embeddings}")
         # step:K is range-checked against this engine's loop count.
-        parse_exit_policy(self.exit_policy, self.model.total_ut_steps)
-        self.kv_format.check_engine(options, self.backend_name, self.model.head_dim)
+        parse_exit_policy(self.exit_policy, self.loops)
+        self.kv_format.check_engine(options, self.backend_name, self.model.shape.head_dim)
         if self.async_scheduling:
             for bad, name in ((self.speculative is not None, f"speculative={self.speculative!r}"),
                               (self.exit_policy.can_exit, f"exit_policy={str(self.exit_policy)!r}")):
@@ -101,10 +102,11 @@ class EngineConfig:
                     raise ValueError(f"async_scheduling=True cannot be combined with {name}: its steps read "
                                      "their tokens (or their exits) on the host before the next can start; "
                                      "leave async_scheduling at None (auto) or False")
-        if self.deterministic and self.deterministic_refusal():
-            raise ValueError(f"deterministic=True {self.deterministic_refusal()}")
+        refusal = self.deterministic_refusal() if self.deterministic else None
+        if refusal:
+            raise ValueError(f"deterministic=True {refusal}")
         if self.speculative is not None:
-            draft_loops(self.speculative, self.model.total_ut_steps)  # d against this engine's loop count
+            draft_loops(self.speculative, self.loops)  # d against this engine's loop count
             if self.exit_policy.can_exit:
                 raise ValueError(f"speculative={self.speculative!r} cannot be combined with exit_policy="
                                  f"{str(self.exit_policy)!r} yet: a draft runs a fixed number of loops, "
@@ -166,7 +168,7 @@ class EngineConfig:
 
     @property
     def loops(self) -> int:
-        return self.model.total_ut_steps
+        return self.model.shape.loops
 
     @property
     def generated_kv_exact(self) -> bool:
@@ -188,11 +190,10 @@ class EngineConfig:
             raise ValueError("pass exit_policy or exit_threshold (= exit_policy='threshold:Q'), not both")
         device = resolve_device(device)
         model_dir = resolve_model_dir(model)
-        config_file = checkpoint_file(model_dir, "config.json", "the checkpoint's config")
-        config = OuroConfig.from_file(config_file).with_overrides(loops, exit_threshold)
+        config = read_config(model_dir).with_overrides(loops, exit_threshold)
         if exit_policy is None:
             exit_policy = "full" if exit_threshold is None else f"threshold:{exit_threshold}"
-        policy = parse_exit_policy(exit_policy, config.total_ut_steps)
+        policy = parse_exit_policy(exit_policy, config.shape.loops)
         if options.get("max_model_len") is None:  # as vLLM: the checkpoint's own limit
             options["max_model_len"] = config.max_position_embeddings
         return cls(model_dir, config, device, resolve_dtype(dtype, config, device), exit_policy=policy,
@@ -303,7 +304,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def resolve_dtype(dtype: str | torch.dtype, config: OuroConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, config: LoopedConfig, device: torch.device) -> torch.dtype:
     """"auto": the checkpoint's half dtype on CUDA, float32 on CPU (where bf16 matmuls are slow)."""
     _check_dtype(dtype)
     if isinstance(dtype, torch.dtype):

@@ -1,5 +1,5 @@
-"""The attention backend interface (mini-sglang's hook shape) and Capabilities; the backends are registered
-by name in attention/registry.py, which imports them (none of them imports it).
+"""The attention backend interface (mini-sglang's hook shape) and what crosses it: Capabilities and the
+step's AttentionMetadata. Backends by name, and their selection, are attention/registry.py's.
 
 A backend is prepared once per step with `AttentionMetadata`, then called once per (loop, layer) with
 the new tokens' q, k, v and the KV slot.
@@ -208,9 +208,3 @@ class AttentionBackend(ABC):
                              f"supports {', '.join(map(str, caps.head_dims))}); attention='torch' runs any")
         if device.type not in caps.devices:
             raise ValueError(f"attention backend {self.name!r} does not run on device {device.type!r}")
-
-
-def triton_missing(err: ModuleNotFoundError) -> bool:
-    """Is this the import error of triton itself (not installed: macOS, Windows, CPU-only installs), as
-    opposed to a missing module inside the engine, which must surface?"""
-    return err.name == "triton"

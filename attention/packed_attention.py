@@ -97,7 +97,7 @@ def attend_generated_row_through_pool(pool, slot: int, prompt: tuple[list[int], 
     its generated side table and page table; cache/kvarn_pool.py). The tile it completes is packed first
     (with this loop's row), and its row is kept after the reads. fp32 [1, heads, D]. batch_invariant: as
     attend_row_through_pool's."""
-    layer = slot % pool.num_layers
+    layer = pool.slot_map.physical_layer(slot)
     side_table, pages = generated
     pool.pack_generated(layer, side_table, pages, index, k, v)
     prompt_exact, prompt_packed = pool.read(slot, *prompt, prompt_len, k[:0], v[:0], prompt_len)

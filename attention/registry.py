@@ -1,10 +1,8 @@
-"""The attention backends by name, and `select`, which builds a new instance for each engine. A backend is a
-file of its own (an attention/base.py: AttentionBackend subclass) and its line in BACKENDS; each is imported
-at first use, so one whose package is missing (triton on macOS, Windows, CPU-only installs) is left out and
-costs the others nothing. The registry imports the backends; none of them imports it.
+"""The attention backends by name, and `select`: a fresh instance of one, whose Capabilities are a copy, so a
+requirement switches a capability on for that instance only, never for the class or the registry.
 
-`select` returns a fresh instance whose Capabilities are a copy: a requirement switches a capability on for
-that instance only, never for the class or registry.
+The built-in backends are listed here by module and class and imported on first use: a backend imports only
+the interface (attention/base.py), never this registry. Adding one is its own file plus a line in BUILTIN.
 """
 
 from __future__ import annotations
@@ -15,14 +13,13 @@ import warnings
 
 import torch
 
-from attention.base import AttentionBackend, triton_missing
+from attention.base import AttentionBackend
+from triton_runtime.installed import triton_missing
 
-# name: "module:class"
-BACKENDS = {
-    "torch": "attention.torch_backend:TorchBackend",
-    "triton": "attention.triton_backend:TritonBackend",
-}
-_REGISTRY: dict[str, type[AttentionBackend]] = {}  # the backends imported so far, by name
+# name -> (module, class). A backend whose module needs triton is left out where triton is not installed.
+BUILTIN = {"torch": ("attention.torch_backend", "TorchBackend"),
+           "triton": ("attention.triton_backend", "TritonBackend")}
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
 
 
 def available() -> list[str]:
@@ -72,11 +69,9 @@ def resolve_name(name: str, device: torch.device) -> str:
 
 
 def _load_builtin_backends() -> None:
-    """Import each backend of BACKENDS not imported yet; one whose triton package is missing is left out."""
-    for name, path in BACKENDS.items():
+    for name, (module, cls) in BUILTIN.items():
         if name in _REGISTRY:
             continue
-        module, _, cls = path.partition(":")
         try:
             _REGISTRY[name] = getattr(importlib.import_module(module), cls)
         except ModuleNotFoundError as err:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 KEY_TILE = 64
-# Bounds the keys a bmm call expands (queries x padded keys x head_dim elements, per head).
+# Bounds the keys a bmm call expands (heads x queries x padded keys x head_dim elements).
 _EXPANDED_ELEMENTS = 1 << 22
 
 

@@ -7,7 +7,7 @@ several new tokens and the decode kernel on rows with one. An instance selected 
 prefill rows that have no cached prefix to the packed kernel instead. Under CUDA-graph capture (decode steps
 only) the decode launch is the same, over a partial buffer and tickets that this instance owns: the tickets
 are made before the capture (by the warm-up run that precedes it) and the kernel leaves them at zero.
-Kernels are in attention/kernels/. Where the GPU and Triton allow it (attention/pdl.py) every kernel is
+Kernels are in attention/kernels/. Where the GPU and Triton allow it (triton_runtime/pdl.py) every kernel is
 launched with Programmatic Dependent Launch.
 
 Split rule (SplitRule). A row of context c gets min(cap, max(1, ceil(c / keys))) splits, each a multiple of
@@ -35,14 +35,15 @@ import dataclasses
 import torch
 import triton
 
-from attention.launch import INTERPRETED, CompiledLaunch
 from attention.base import AttentionBackend, AttentionMetadata, Capabilities
 from attention.kernels.decode import decode_split_kernel, host_split_count, split_cap
 from attention.kernels.kv_store import kv_store_kernel
 from attention.kernels.prefill import prefill_packed_kernel, prefill_paged_kernel
-from attention.pdl import pdl_supported
 from attention.triton_kvarn import KVarNStep, kvarn_forward, prepare_kvarn_graph_step, prepare_kvarn_step
-from attention.workspace import Workspace, current_stream
+from triton_runtime.launch import INTERPRETED, CompiledLaunch
+from triton_runtime.pdl import pdl_supported
+from triton_runtime.stream import current_stream
+from triton_runtime.workspace import Workspace
 
 # Max |packed - per-row| / max |reference| that the packed prefill kernel promises (bf16 inputs; fp32
 # inputs land near 1e-6).

@@ -1,5 +1,5 @@
 """Host work of an eager decode step, apart from the GPU: the engine's step at batch 1 on the CPU with every
-Triton launch replaced by a no-op (attention.launch.CompiledLaunch, through which the model's and the
+Triton launch replaced by a no-op (triton_runtime.launch.CompiledLaunch, through which the model's and the
 attention backend's kernels all launch), so what is timed is Python, the plans' lookups and torch's dispatch
 of the step's allocations and small ops. An eager step on CUDA costs this plus its launches (about 19 µs each
 on the H200's host, docs/h200.md) and whatever the GPU does not hide. The lm_head product still runs, as a
@@ -24,10 +24,10 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from attention.launch import CompiledLaunch  # noqa: E402
 from benchmarks.common import environment, write_results  # noqa: E402
 from engine import Engine, SamplingParams  # noqa: E402
 from model.tiny import write_checkpoint  # noqa: E402
+from triton_runtime.launch import CompiledLaunch  # noqa: E402
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ import triton
 import benchmarks.common as common
 from model.kernels import gemv
 from model.kernels.gemv import GemvConfig
-from attention.pdl import pdl_supported
+from triton_runtime.pdl import pdl_supported
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "lm_head": (49152, 2048)}

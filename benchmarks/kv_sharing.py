@@ -20,6 +20,7 @@ from cache.blocks import BlockManager
 from cache.kv_pool import KVPool, slot_token_bytes
 from cache.layout import make_layout
 from model.config import OuroConfig
+from model.looped import SlotMap
 from model.tiny import PRESETS, hf_config
 from request import Request, SamplingParams
 
@@ -60,7 +61,7 @@ def main() -> None:
         loops, layers = config.total_ut_steps, config.num_hidden_layers
         slot_bytes = slot_token_bytes(config.num_key_value_heads, config.head_dim, dtype)
         blocks = KVPool.blocks_for_budget(loops * layers * args.block_size * slot_bytes, budget)
-        layouts = {s: make_layout(s, loops, layers, args.block_size) for s in ("none", "last")}
+        layouts = {s: make_layout(s, SlotMap(loops, layers), args.block_size) for s in ("none", "last")}
         for prompt in args.prompts:
             generated = SEQUENCE - prompt
             counts = {}

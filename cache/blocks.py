@@ -16,6 +16,7 @@ import hashlib
 
 from cache.layout import KVLayout, PagedLayout
 from cache.side_rows import SideRows
+from model.looped import SlotMap
 from request import Request
 
 
@@ -43,7 +44,7 @@ class BlockManager:
             raise ValueError(f"BlockManager.num_blocks must be an integer >= 1, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"BlockManager.block_size must be an integer >= 1, got {block_size!r}")
-        self.layout = layout if layout is not None else PagedLayout(1, 1, block_size)
+        self.layout = layout if layout is not None else PagedLayout(SlotMap(1, 1), block_size)
         if self.layout.block_size != block_size:
             raise ValueError(f"BlockManager.block_size {block_size} differs from the layout's "
                              f"{self.layout.block_size}")

@@ -33,9 +33,8 @@ class DenseFormat(KVFormat):
 
     def make_pool(self, shape: PoolShape, num_blocks: int, side_rows: SideRows | None,
                   device: torch.device) -> KVPool:
-        return KVPool(shape.loops, shape.num_layers, num_blocks, shape.block_size, shape.kv_heads,
-                      shape.head_dim, self.storage_dtype(shape.dtype), device,
-                      loop_uniform_scales=shape.loop_uniform_scales)
+        return KVPool(shape.slot_map, num_blocks, shape.block_size, shape.kv_heads, shape.head_dim,
+                      self.storage_dtype(shape.dtype), device, loop_uniform_scales=shape.loop_uniform_scales)
 
     def bind(self, backend: AttentionBackend, pool: KVPool, scale: float) -> None:
         backend.bind(pool.key_cache, pool.value_cache, scale, pool.kv_scales)

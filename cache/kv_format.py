@@ -17,14 +17,14 @@ import torch
 
 from attention.base import AttentionBackend
 from cache.side_rows import SideRows
+from model.looped import SlotMap
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoolShape:
     """What a KV pool is built from, besides its block count: the model's shape and the engine's options."""
 
-    loops: int
-    num_layers: int
+    slot_map: SlotMap  # the model's (loop, layer) slots (model/looped.py)
     block_size: int
     kv_heads: int
     head_dim: int

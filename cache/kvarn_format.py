@@ -108,8 +108,8 @@ class KVarNFormat(KVFormat):
         """With side_rows: one side block more than they hand out, the scratch side block that graph padding
         rows write (and, under kv_sharing="last", their generated side tiles)."""
         side_blocks, generated_side_tiles = self._side_planes(side_rows)
-        return KVarNPool(self, shape.loops, shape.num_layers, num_blocks, shape.kv_heads, shape.head_dim,
-                         shape.dtype, device, shape.sink_tokens, shape.tail_tokens, side_blocks,
+        return KVarNPool(self, shape.slot_map, num_blocks, shape.kv_heads, shape.head_dim, shape.dtype,
+                         device, shape.sink_tokens, shape.tail_tokens, side_blocks,
                          generated_side_tiles=generated_side_tiles, rotate=shape.rotate,
                          batch_invariant=shape.batch_invariant)
 

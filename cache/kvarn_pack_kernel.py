@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.kvarn_decode import high_byte_offset
 from cache import kvarn
 from cache.kv_format import check_tile_dims
+from triton_runtime.kvarn_record import high_byte_offset
 
 FP16_MAX = tl.constexpr(kvarn.FP16_MAX)
 

@@ -1,13 +1,13 @@
-"""The KVarN paged pool (kv_cache_dtype="kvarn_*"): per (loop, layer) slot, a packed tile per
+"""The KVarN paged pool (kv_cache_dtype="kvarn_*"): per slot (model/looped.py: SlotMap), a packed tile per
 (block, kv head) at the block's id, and side blocks of high-precision rows. The reference path, in plain
 torch (cache/kvarn.py's codec), which the torch attention backend stores and reads through; and, for the
 Triton backend's decode rows, `write_side_rows` and `pack_side_blocks` (the Triton pack kernel).
 
-    key_codes    uint8 [T*L, blocks, kv_heads, G, D * key_bits / 8]    (cache/kvarn.py: record_codes)
-    value_codes  uint8 [T*L, blocks, kv_heads, G, D * value_bits / 8]
-    key_scales   fp16  [T*L, blocks, kv_heads, 2 D + G]
-    value_scales fp16  [T*L, blocks, kv_heads, D + 2 G]
-    side_keys, side_values  [T*L, side blocks, G, kv_heads, D]  the model's dtype, as the model made them
+    key_codes    uint8 [slots, blocks, kv_heads, G, D * key_bits / 8]    (cache/kvarn.py: record_codes)
+    value_codes  uint8 [slots, blocks, kv_heads, G, D * value_bits / 8]
+    key_scales   fp16  [slots, blocks, kv_heads, 2 D + G]
+    value_scales fp16  [slots, blocks, kv_heads, D + 2 G]
+    side_keys, side_values  [slots, side blocks, G, kv_heads, D]  the model's dtype, as the model made them
     generated_side_keys, generated_side_values  [L, side tiles, G, kv_heads, D]  (kv_sharing="last")
 
 Block size = G, the tile. A block is packed when its last position is stored, from its side rows and the
@@ -26,10 +26,11 @@ import torch
 
 from cache import kvarn
 from cache.kv_format import KVFormat, check_tile_dims
+from model.looped import SlotMap
 
 
 class KVarNPool:
-    def __init__(self, fmt: KVFormat, loops: int, num_layers: int, num_blocks: int, kv_heads: int,
+    def __init__(self, fmt: KVFormat, slot_map: SlotMap, num_blocks: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, sink: int = 0, tail: int = 0,
                  side_blocks: int = 0, iterations: int = 8, generated_side_tiles: int = 0,
                  rotate: bool = True, batch_invariant: bool = False) -> None:
@@ -38,12 +39,14 @@ class KVarNPool:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         check_tile_dims(fmt.group, head_dim)
-        self.fmt, self.loops, self.num_layers = fmt, loops, num_layers
+        self.fmt, self.slot_map = fmt, slot_map
+        # kv_sharing="last" (a slot map of loops only): a generated page's T groups of L planes
+        self.loops, self.num_layers = slot_map.loops, slot_map.loop_layers
         self.num_blocks, self.block_size = num_blocks, fmt.group
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.sink, self.tail, self.iterations = sink, tail, iterations
         self.batch_invariant = batch_invariant
-        g, d, slots = fmt.group, head_dim, loops * num_layers
+        g, d, slots = fmt.group, head_dim, slot_map.num_slots
         # Unwritten records and rows are never read (a block is read packed once full and packed, a side row
         # once stored), so nothing is filled: pages become resident only as they are written.
         self.key_codes = torch.empty(slots, num_blocks, kv_heads, g, d * fmt.key_bits // 8, dtype=torch.uint8,
@@ -56,8 +59,8 @@ class KVarNPool:
                                         device=device)
         self.side_keys = torch.empty(slots, side_blocks, g, kv_heads, d, dtype=dtype, device=device)
         self.side_values = torch.empty_like(self.side_keys)
-        self.generated_side_keys = torch.empty(num_layers, generated_side_tiles, g, kv_heads, d, dtype=dtype,
-                                               device=device)
+        self.generated_side_keys = torch.empty(self.num_layers, generated_side_tiles, g, kv_heads, d,
+                                               dtype=dtype, device=device)
         self.generated_side_values = torch.empty_like(self.generated_side_keys)
         # The tiles' Hadamard rotation (None: tiles are normalized as stored; the Triton kernels need it)
         self.rotation = kvarn.hadamard(d, device=device) if rotate else None
@@ -65,7 +68,7 @@ class KVarNPool:
 
     @property
     def num_slots(self) -> int:
-        return self.loops * self.num_layers
+        return self.slot_map.num_slots
 
     @property
     def bytes_per_block(self) -> int:
@@ -84,7 +87,7 @@ class KVarNPool:
         return self.num_blocks * self.bytes_per_block + self.side_bytes
 
     def side_bytes_for(self, side_blocks: int, generated_side_tiles: int = 0) -> int:
-        """The bytes of `side_blocks` side blocks (T x L planes of G rows each) and `generated_side_tiles`
+        """The bytes of `side_blocks` side blocks (num_slots planes of G rows each) and `generated_side_tiles`
         generated side tiles (L planes each): what a pool of this shape would allocate."""
         row = 2 * self.kv_heads * self.head_dim * self.side_keys.element_size()  # one token's K + V
         planes = side_blocks * self.num_slots + generated_side_tiles * self.num_layers

@@ -3,16 +3,18 @@ needs, the slot mapping of new tokens, whether generated tokens' blocks may ente
 early exit does to the deeper slots (copy-forward), and the byte accounting. The block manager owns which
 request holds which block; the layout only says how many and where.
 
-    paged        one K/V per (loop, layer) for every token, as the model defines it (the default)
+    paged        one K/V per slot of the model's slot map (model/looped.py: SlotMap) for every token, as the
+                 model defines it (the default)
     shared-last  kv_sharing="last", the paper's decode-time approximation (arXiv 2510.25741 §5.4.2): prompt
                  tokens keep one K/V per (loop, layer); a generated token keeps only its last loop's K/V per
                  layer, which every loop of later tokens reads
 
-shared-last memory. One pool, one free list. A block is either a prompt block (block_size tokens in all
-T x L planes, as paged, prefix-cached) or a generated page: the same bytes regrouped as T groups of L planes
-hold T x block_size generated tokens, one K/V per layer each. Generated token g of a request lives in page
-generated_block_table[g // (T * bs)], plane (g % (T * bs)) // bs * L + layer, offset g % bs. So a generated
-token costs 1/T of a prompt token, and the prompt/generated split adapts to the workload.
+shared-last memory (a slot map of loops only, T loops of L layers, as Ouro's). One pool, one free list. A
+block is either a prompt block (block_size tokens in all T x L planes, as paged, prefix-cached) or a generated
+page: the same bytes regrouped as T groups of L planes hold T x block_size generated tokens, one K/V per layer
+each. Generated token g of a request lives in page generated_block_table[g // (T * bs)], plane
+(g % (T * bs)) // bs * L + layer, offset g % bs. So a generated token costs 1/T of a prompt token, and the
+prompt/generated split adapts to the workload.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import ClassVar
 
 from cache.kv_pool import KVPool
 from cache.side_rows import SideRows
+from model.looped import SlotMap
 from request import Request
 
 KV_SHARING = {"none": "paged", "last": "shared-last"}
@@ -34,11 +37,11 @@ class KVLayout(ABC):
     # False when an early exit leaves nothing to copy into the deeper slots
     copies_forward: ClassVar[bool] = True
 
-    def __init__(self, loops: int, num_layers: int, block_size: int, generated_kv_exact: bool = True) -> None:
+    def __init__(self, slot_map: SlotMap, block_size: int, generated_kv_exact: bool = True) -> None:
         """generated_kv_exact: False when a generated token's K/V is not what a prompt token's would be: the
         exit policy leaves its deeper slots holding copies (early:Q), or (deterministic mode) the attention
         backend sums a prompt's queries otherwise than a decoded token's, so a prompt token's bits differ."""
-        self.loops, self.num_layers, self.block_size = loops, num_layers, block_size
+        self.slot_map, self.block_size = slot_map, block_size
         self.generated_kv_exact = generated_kv_exact
 
     @property
@@ -64,7 +67,7 @@ class KVLayout(ABC):
 
     @abstractmethod
     def planes_per_token(self, generated: bool) -> int:
-        """(loop, layer) planes that hold one prompt or generated token's K/V."""
+        """Slot planes that hold one prompt or generated token's K/V."""
 
     def slot_mapping(self, request: Request, start: int, end: int) -> list[int]:
         """In-plane index (block * block_size + offset) of positions start..end-1 of the request's prompt."""
@@ -114,16 +117,22 @@ class PagedLayout(KVLayout):
         return -(-(prompt_tokens + generated_tokens) // self.block_size)
 
     def planes_per_token(self, generated: bool) -> int:
-        return self.loops * self.num_layers
+        return self.slot_map.num_slots
 
 
 class SharedLastLayout(KVLayout):
     name = "shared-last"
     stores_generated_apart = True
 
+    def __init__(self, slot_map: SlotMap, block_size: int, generated_kv_exact: bool = True) -> None:
+        if not slot_map.loops_only:
+            raise ValueError("kv_sharing='last' needs a model whose slots all belong to its loops; this one "
+                             f"has {slot_map.prelude_layers} prelude and {slot_map.coda_layers} coda slots")
+        super().__init__(slot_map, block_size, generated_kv_exact)
+
     @property
     def page_tokens(self) -> int:
-        return self.loops * self.block_size
+        return self.slot_map.loops * self.block_size
 
     @property
     def cache_generated(self) -> bool:
@@ -140,7 +149,7 @@ class SharedLastLayout(KVLayout):
         return -(-prompt_tokens // self.block_size) + -(-generated_tokens // self.page_tokens)
 
     def planes_per_token(self, generated: bool) -> int:
-        return self.num_layers if generated else self.loops * self.num_layers
+        return self.slot_map.loop_layers if generated else self.slot_map.num_slots
 
     def slot_mapping(self, request: Request, start: int, end: int) -> list[int]:
         """Prompt positions as paged; -1 for a generated position, which is in no per-loop plane: attention
@@ -155,9 +164,9 @@ class SharedLastLayout(KVLayout):
         """Nothing to copy: an exited token's shared location already holds its last computed loop."""
 
 
-def make_layout(kv_sharing: str, loops: int, num_layers: int, block_size: int,
+def make_layout(kv_sharing: str, slot_map: SlotMap, block_size: int,
                 generated_kv_exact: bool = True) -> KVLayout:
     if kv_sharing not in KV_SHARING:
         raise ValueError(f"kv_sharing must be 'none' or 'last', got {kv_sharing!r}")
     cls = SharedLastLayout if KV_SHARING[kv_sharing] == "shared-last" else PagedLayout
-    return cls(loops, num_layers, block_size, generated_kv_exact)
+    return cls(slot_map, block_size, generated_kv_exact)

@@ -1,5 +1,5 @@
 """One sequence's K/V history in a low-bit format, in plain torch: the reference that a paged packed pool and
-its kernels must match, usable as the model's attention callable (model/ouro.py: Attention) on any device.
+its kernels must match, usable as the model's attention callable (model/looped.py: Attention) on any device.
 
 Per (loop, layer) slot the history grows token by token. Under a KVarN format a tile of `group` tokens is
 packed (cache/kvarn.py: rotation, variance normalization, codes packed into bit planes) as soon as its last

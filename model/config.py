@@ -13,6 +13,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from model.looped import ModelShape
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OuroConfig:
@@ -76,6 +78,11 @@ class OuroConfig:
                              f"got {self.torch_dtype!r}")
 
     @property
+    def shape(self) -> ModelShape:
+        return ModelShape(self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim,
+                          self.vocab_size, self.total_ut_steps)
+
+    @property
     def num_slots(self) -> int:
         """KV planes: one per (loop, layer), slot = loop * num_hidden_layers + layer."""
         return self.total_ut_steps * self.num_hidden_layers
@@ -110,19 +117,25 @@ class OuroConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> OuroConfig:
         """The config in a config.json; every error names the file."""
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no config.json at {path}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} is not valid JSON: {err}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path} must hold a JSON object")
+        raw = read_config_json(path)
         try:
             return cls.from_dict(raw)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's config.json as a dict; FileNotFoundError or ValueError naming the file otherwise."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no config.json at {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return raw
 
 
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from attention.base import AttentionBackend, AttentionMetadata, SharedKVMetadata
-from model.ouro import LoopStates, OuroForCausalLM
+from model.looped import LoopedModel, LoopStates
 from runner.loop_driver import EagerLoops, LoopOutput, StepInputs, advance_exit_cdf, run_loops
 
 # A padding row's prompt length under kv_sharing="last": longer than any context, so it has no generated
@@ -64,7 +64,7 @@ class DecodeGraphs:
 
     reuses_outputs = True  # a loop's hidden and gate outputs are static buffers that the next replay rewrites
 
-    def __init__(self, model: OuroForCausalLM, backend: AttentionBackend, mode: str, max_num_seqs: int,
+    def __init__(self, model: LoopedModel, backend: AttentionBackend, mode: str, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device,
                  shared_kv: tuple[int, int, int] | None = None, exit_threshold: float | None = None,
                  copy_forward: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None,
@@ -81,15 +81,15 @@ class DecodeGraphs:
         self.model = model
         self.backend = backend
         self.mode = mode
-        self.loops = model.config.total_ut_steps
+        self.loops = model.slot_map.loops
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.buckets = batch_buckets(max_num_seqs)
         n = self.buckets[-1]
-        dtype = model.embed_tokens.weight.dtype
+        dtype = model.dtype
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.hidden = torch.zeros(n, model.config.hidden_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(n, model.shape.hidden_size, dtype=dtype, device=device)
         self.slot_mapping = torch.full((n,), scratch_block * block_size, dtype=torch.int64, device=device)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int32,
@@ -136,18 +136,20 @@ class DecodeGraphs:
         return run_loops(executor, self.model, self._inputs(bs), range(self.loops))
 
     def _loop(self, bs: int, t: int) -> None:
+        """The body of loop t's graph: loop 0's embeds the step's tokens; each reads the state of the
+        static buffer and leaves its output there (the next loop's input)."""
         model = self.model
         h = self.hidden[:bs]
         if t == 0:
-            h.copy_(model.embed_tokens(self.input_ids[:bs]))
+            h.copy_(model.embed(self.input_ids[:bs]))
             if self.exit_threshold is not None:  # a new step's exit CDF, reset on the device
                 self.cdf[:bs].zero_()
                 self.survival[:bs].fill_(1.0)
-        cos, sin = model.rotary(self.positions[:bs], h.dtype)
+        context = model.step_context(self.positions[:bs], h.dtype)
         self.backend.prepare(self._meta(bs))
-        out = model.run_loop(h, cos, sin, self.backend.forward, t)
+        out = model.loop(h, context, t, self.backend.forward)
         h.copy_(out)
-        gate = model.gate_logits(out)
+        gate = model.exit_gate(out)
         self.gate_logits[:bs].copy_(gate)
         if self.exit_threshold is not None and t < self.loops - 1:
             hit = advance_exit_cdf(self.cdf[:bs], self.survival[:bs], gate, self.exit_threshold)

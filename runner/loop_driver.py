@@ -1,13 +1,16 @@
-"""The loop driver: the one function that runs a looped model's loops over a step's batch.
+"""The loop driver: the one function that runs a looped model's loops over a step's batch, whatever runs them
+(eager calls, a captured whole step, per-loop graphs, a piecewise chain's capture).
 
 `run_loops(executor, model, inputs, loops, hook)` runs loops `loops` (a range) through an executor, which
-either runs each loop eagerly (EagerLoops) or replays a captured graph of it (runner/cuda_graph.py), and
-keeps every sampling row's per-loop readout state and gate logit. After each loop an optional hook sees the
-gate logits and may stop rows: early:Q (EarlyExit) stops the generated tokens whose exit CDF reached Q and
-copies their K/V forward through the KV layout. Without a hook every row runs every loop, with no host sync,
-so the whole call can itself be captured into one graph (a whole decode step). Running loops 0..d-1, then
-loops d..T-1 from loop d-1's output (StepInputs.hidden), gives bit for bit what running 0..T-1 does: each loop
-reads only its own slots' K/V and the previous loop's output, so a draft of the first d loops is exact.
+either runs each loop eagerly through the model's interface (EagerLoops; model/looped.py: LoopedModel) or
+replays a captured graph of it (runner/cuda_graph.py), and keeps every sampling row's per-loop readout state
+and gate logit. After each loop an optional hook sees the gate logits and may stop rows: early:Q (EarlyExit)
+stops the generated tokens whose exit CDF reached Q and copies their K/V forward through the KV layout.
+Without a hook every row runs every loop, with no host sync, so the whole call can itself be captured: into
+one graph (a whole decode step), or into a chain of pieces split at each attention call (a step with prompt
+tokens, runner/piecewise_graphs.py). Running loops 0..d-1, then loops d..T-1 from loop d-1's output
+(StepInputs.hidden), gives bit for bit what running 0..T-1 does: each loop reads only its own slots' K/V and
+the previous loop's output, so a draft of the first d loops is exact.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 from attention.base import AttentionBackend, AttentionMetadata
 from cache.kv_pool import KVPool
 from cache.layout import KVLayout
-from model.ouro import LoopStates, OuroForCausalLM
+from model.looped import Attention, LoopedModel, LoopStates
 
 
 @dataclasses.dataclass(slots=True)
@@ -30,7 +33,8 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [N] int64, the new tokens of every row, row after row
     positions: torch.Tensor  # [N] int64
-    meta: AttentionMetadata
+    # None only where the executor's attention needs no metadata (a piecewise chain's capture, a profile run)
+    meta: AttentionMetadata | None
     # [R] int64: the tokens that read out (each sampling row's last). None: every token, only for a whole
     # step without a hook (a captured step graph), whose executor returns a fresh tensor per loop.
     readout: torch.Tensor | None
@@ -47,7 +51,7 @@ class StepInputs:
 
 @dataclasses.dataclass(slots=True)
 class LoopOutput:
-    """What one loop over the live rows gives: h [live tokens, H], the loop's post-norm output; and, where
+    """What one loop over the live rows gives: h [live tokens, H], the loop's output state; and, where
     the executor computed them on the device already (a captured loop), the gate logits [live tokens] and
     which live rows' exit CDF reached the threshold ([live rows] bool), whose K/V the executor has then
     copied forward too."""
@@ -62,7 +66,7 @@ class LoopExecutor(Protocol):
     reuses_outputs: bool
 
     def begin(self, inputs: StepInputs) -> None:
-        """Embed the step's tokens and make the attention metadata current."""
+        """Embed the step's tokens (or take inputs.hidden) and make the attention metadata current."""
 
     def run_loop(self, t: int) -> LoopOutput:
         """Loop t over the live rows."""
@@ -83,35 +87,47 @@ class LoopHook(Protocol):
 
 
 class EagerLoops:
-    """Each loop as plain calls into the model, through the attention backend."""
+    """Each loop as plain calls into the model's interface, through the attention backend (prepared with the
+    step's metadata), or through `attention` as is where there is no backend (a piecewise chain's capture
+    splits itself at each call; a profile run stores nothing)."""
 
     reuses_outputs = False
 
-    def __init__(self, model: OuroForCausalLM, backend: AttentionBackend) -> None:
+    def __init__(self, model: LoopedModel, backend: AttentionBackend | None,
+                 attention: Attention | None = None) -> None:
+        if (backend is None) == (attention is None):
+            raise ValueError("EagerLoops runs attention through a backend or a callable: pass one of them")
         self.model = model
         self.backend = backend
+        self.attention = attention
 
     def begin(self, inputs: StepInputs) -> None:
-        self.h = inputs.hidden if inputs.hidden is not None else self.model.embed_tokens(inputs.input_ids)
-        self.cos, self.sin = self.model.rotary(inputs.positions, self.h.dtype)
+        self.state = inputs.hidden if inputs.hidden is not None else self.model.embed(inputs.input_ids)
+        self.context = self.model.step_context(inputs.positions, self.state.dtype)
         self.meta = inputs.meta
-        self.backend.prepare(self.meta)
+        if self.backend is not None:
+            self.backend.prepare(self.meta)
 
     def run_loop(self, t: int) -> LoopOutput:
-        self.h = self.model.run_loop(self.h, self.cos, self.sin, self.backend.forward, t)
-        return LoopOutput(self.h)
+        attention = self.attention if self.backend is None else self.backend.forward
+        self.state = self.model.loop(self.state, self.context, t, attention)
+        return LoopOutput(self.state)
 
     def keep(self, rows: list[int]) -> None:
         self.meta, tokens = self.meta.select(rows)
-        self.h, self.cos, self.sin = self.h[tokens], self.cos[tokens], self.sin[tokens]
+        self.state = self.state[tokens]
+        self.context = self.context.select(tokens)
         self.backend.prepare(self.meta)
 
 
-def run_loops(executor: LoopExecutor, model: OuroForCausalLM, inputs: StepInputs, loops: range,
-              hook: LoopHook | None = None) -> LoopStates:
-    """Per-loop states of the readout tokens: hidden [len(loops), R, H] and gate logits [len(loops), R]. A row
-    a hook stopped repeats its last loop's hidden state in later loops, with NaN gate logits there."""
+def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, loops: range,
+              hook: LoopHook | None = None, read_gates: bool = True) -> LoopStates:
+    """Per-loop states of the readout tokens: hidden [len(loops), R, H] and gate logits [len(loops), R] (None
+    where the model has no exit gate, or read_gates is False: a piecewise chain's capture, whose replays
+    compute them on their readout rows). A row a hook stopped repeats its last loop's hidden state in later
+    loops, with NaN gate logits there."""
     executor.begin(inputs)
+    gate_of = model.exit_gate if read_gates else None
 
     every_token = inputs.readout is None or inputs.reads_out_every_token
 
@@ -127,15 +143,16 @@ def run_loops(executor: LoopExecutor, model: OuroForCausalLM, inputs: StepInputs
         for t in loops:
             out = read(executor.run_loop(t).h, executor.reuses_outputs)
             hidden.append(out)
-            gates.append(model.gate_logits(out))
-        return LoopStates(torch.stack(hidden), torch.stack(gates))
+            if gate_of is not None:
+                gates.append(gate_of(out))
+        return LoopStates(torch.stack(hidden), torch.stack(gates) if gates else None)
     hook.begin(inputs)
     rows = _LiveRows(inputs.meta.query_starts_cpu, inputs.input_ids.device)
     state = gate_state = None  # every token's latest loop output and gate, once some row has stopped
     for t in loops:
         out = executor.run_loop(t)
         h = out.h
-        gate = out.gate_logits if out.gate_logits is not None else model.gate_logits(h)
+        gate = out.gate_logits if out.gate_logits is not None else gate_of(h)
         if rows.all_live:
             hidden.append(read(h, executor.reuses_outputs))
             gates.append(read(gate, executor.reuses_outputs and out.gate_logits is not None))

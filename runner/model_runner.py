@@ -27,7 +27,7 @@ from cache.kvarn_pool import KVarNPool
 from cache.layout import KVLayout
 from engine_config import EngineConfig
 from exit_policy import FULL, ExitPolicy, LoopTrace, readout_logits, request_policy
-from model.ouro import LoopStates, OuroForCausalLM
+from model.looped import LoopedModel, LoopStates
 from request import Logprob, Request, ScheduledBatch, SpeculativeStats
 from runner.block_tables import BlockTables
 from runner.cuda_graph import DecodeGraphs
@@ -82,7 +82,7 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: OuroForCausalLM, backend: AttentionBackend,
+    def __init__(self, config: EngineConfig, model: LoopedModel, backend: AttentionBackend,
                  pool: KVPool | KVarNPool, layout: KVLayout, scratch_block: int,
                  token_text: Callable[[int], str] | None = None,
                  scratch_side_block: int | None = None) -> None:
@@ -128,7 +128,7 @@ class ModelRunner:
 
             reserve_workspace(self.device)  # the skinny GEMM's split-K tickets, made outside any capture
         config = self.config
-        shared = (self.loops, config.model.num_hidden_layers, self.max_pages) \
+        shared = (self.loops, self.model.slot_map.loop_layers, self.max_pages) \
             if self.generated_tables is not None else None
         hook, layout = self.hook, self.layout
         threshold = hook.threshold if hook is not None else None
@@ -232,7 +232,7 @@ class ModelRunner:
         if self.generated_tables is not None:
             generated_sides = [r.generated_side_table for r in requests] if self.side_tables else None
             shared = SharedKVMetadata(int32[3], int32[4], prompt_lens, self.loops,
-                                      self.config.model.num_hidden_layers, generated_sides)
+                                      self.model.slot_map.loop_layers, generated_sides)
         meta = AttentionMetadata(
             query_start_loc=int32[0],
             context_lens=int32[1],
@@ -271,8 +271,8 @@ class ModelRunner:
             self.backend.prepare(inputs.meta)
             hidden = piecewise.run(inputs.input_ids, inputs.positions)[:, inputs.readout]
             # each loop's gate on its own, as the eager loop driver computes it
-            gates = [self.model.gate_logits(h) for h in hidden]
-            return LoopStates(hidden, torch.stack(gates))
+            gate_of = self.model.exit_gate
+            return LoopStates(hidden, None if gate_of is None else torch.stack([gate_of(h) for h in hidden]))
         executor = self.executor_for(rows) if decode else self.eager
         return run_loops(executor, self.model, inputs, range(self.loops), self.hook)
 

@@ -7,10 +7,11 @@ into rows, each row's cached prefix, which rows decode), so capturing it whole w
 composition. The work between attention calls (norms, projections, RoPE, the MLP) depends only on the
 token count: padded to a bucket, it is the same kernels on the same buffers in every step. This is
 vLLM's piecewise capture (its default for mixed batches), done here with the plain capture API instead of
-a compiler pass: the model runs once per bucket under capture, and the attention callable it is handed
-copies q, k and v into static buffers (the piece's last kernels), ends the piece's capture, begins the
-next one and returns the static buffer that eager attention fills at replay time. A step of T loops x L
-layers replays T * L + 1 pieces and makes T * L eager attention calls.
+a compiler pass: the loop driver runs the model's loops once per bucket under capture (runner/loop_driver.py:
+run_loops, with an eager executor), and the attention callable it is handed copies q, k and v into static
+buffers (the piece's last kernels), ends the piece's capture, begins the next one and returns the static
+buffer that eager attention fills at replay time. A step whose model has S KV slots (T loops x L layers)
+replays S + 1 pieces and makes S eager attention calls, in the slot map's order.
 
 Only small steps are captured (up to `max_tokens`, 512 by default): there the host's launches cost more
 than the GPU's work, and one eager step of 1,000+ launches is several times slower than the replay. A
@@ -37,8 +38,9 @@ from typing import Callable
 import torch
 
 from attention.base import AttentionBackend
-from model.ouro import OuroForCausalLM
+from model.looped import Attention, LoopedModel
 from runner.cuda_graph import collect_garbage
+from runner.loop_driver import EagerLoops, StepInputs, run_loops
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -54,18 +56,18 @@ class PiecewiseGraphs:
     holds a step, with eager attention between the pieces, and returns every loop's output of the step's
     tokens, [T, tokens, H] (a view of graph-owned memory that the next run overwrites)."""
 
-    def __init__(self, model: OuroForCausalLM, backend: AttentionBackend, max_tokens: int,
+    def __init__(self, model: LoopedModel, backend: AttentionBackend, max_tokens: int,
                  device: torch.device) -> None:
         self.model = model
         self.backend = backend
-        self.loops = model.config.total_ut_steps
+        self.loops = model.slot_map.loops
         self.buckets = token_buckets(max_tokens)
         self.max_tokens = self.buckets[-1]
-        n, config = self.max_tokens, model.config
-        dtype = model.embed_tokens.weight.dtype
+        n, shape = self.max_tokens, model.shape
+        dtype = model.dtype
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        heads, kv_heads, head_dim = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim
         self.q = torch.zeros(n, heads, head_dim, dtype=dtype, device=device)
         self.k = torch.zeros(n, kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
@@ -83,16 +85,13 @@ class PiecewiseGraphs:
 
     # -- capture -------------------------------------------------------------------------------------
 
-    def _run_model(self, n: int, attention: Callable) -> torch.Tensor:
-        """The model's loops over the first n static tokens: [T, n, H], every loop's output."""
-        model = self.model
-        h = model.embed_tokens(self.input_ids[:n])
-        cos, sin = model.rotary(self.positions[:n], h.dtype)
-        outputs = []
-        for t in range(self.loops):
-            h = model.run_loop(h, cos, sin, attention, t)
-            outputs.append(h)
-        return torch.stack(outputs)
+    def run_model(self, n: int, attention: Attention) -> torch.Tensor:
+        """The model's loops over the first n static tokens, through the loop driver with `attention` as is
+        (a capture's splitting callable): [T, n, H], every loop's output (the gates are the replay's)."""
+        inputs = StepInputs(self.input_ids[:n], self.positions[:n], None, None, [])
+        states = run_loops(EagerLoops(self.model, None, attention), self.model, inputs, range(self.loops),
+                           read_gates=False)
+        return states.hidden
 
     def _stash(self, n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """A piece's last kernels: q, k, v into the static buffers eager attention reads. Returns the static
@@ -108,7 +107,7 @@ class PiecewiseGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         for n in reversed(self.buckets):  # largest first: later chains reuse its pool memory
             with torch.cuda.stream(stream):  # the warm-up: compiles and allocator growth outside capture
-                self._run_model(n, lambda q, k, v, slot, n=n: self._stash(n, q, k, v))
+                self.run_model(n, lambda q, k, v, slot, n=n: self._stash(n, q, k, v))
             torch.cuda.synchronize()
             collect()
             chain: list[torch.cuda.CUDAGraph] = []
@@ -130,7 +129,7 @@ class PiecewiseGraphs:
             with torch.cuda.stream(stream):
                 begin_piece()
                 try:
-                    self.outputs[n] = self._run_model(n, split)
+                    self.outputs[n] = self.run_model(n, split)
                 finally:
                     chain[-1].capture_end()
             if self.slots and slots != self.slots:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from exit_policy import LoopTrace, readout_logits
-from model.ouro import LoopStates
+from model.looped import LoopStates
 from request import Request, ScheduledBatch, SpeculativeStats
 from runner.loop_driver import run_loops
 from runner.sampler import apply_filters

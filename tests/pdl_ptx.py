@@ -1,6 +1,6 @@
 """What a compiled kernel's program can do before `griddepcontrol.wait`, read from its PTX: the check that a
-Programmatic Dependent Launch kernel (attention/pdl.py) reads only what no earlier kernel of the step writes
-before the wait, writes nothing to global memory before it, and reaches it on every path."""
+Programmatic Dependent Launch kernel (triton_runtime/pdl.py) reads only what no earlier kernel of the step
+writes before the wait, writes nothing to global memory before it, and reaches it on every path."""
 
 from __future__ import annotations
 

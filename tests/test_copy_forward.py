@@ -6,12 +6,13 @@ import torch
 
 from cache.copy_forward import copy_forward
 from cache.kv_pool import KVPool
+from model.looped import SlotMap
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def filled_pool(loops: int, layers: int, kv_heads: int, head_dim: int) -> KVPool:
-    pool = KVPool(loops, layers, num_blocks=5, block_size=4, kv_heads=kv_heads, head_dim=head_dim,
+    pool = KVPool(SlotMap(loops, layers), num_blocks=5, block_size=4, kv_heads=kv_heads, head_dim=head_dim,
                   dtype=torch.float32, device=torch.device(DEVICE))
     generator = torch.Generator().manual_seed(0)
     pool.key_cache.copy_(torch.randn(pool.key_cache.shape, generator=generator))
@@ -28,8 +29,9 @@ def test_triton_copy_forward_matches_indexing(loop, masked, kv_heads, head_dim):
     mask = torch.tensor([True, False, True, True], device=DEVICE) if masked else None
     expected, actual = (filled_pool(loops, layers, kv_heads, head_dim) for _ in range(2))
     before = expected.key_cache.clone()
-    copy_forward(expected.key_cache, expected.value_cache, loops, slots, loop, mask, use_triton=False)
-    copy_forward(actual.key_cache, actual.value_cache, loops, slots, loop, mask, use_triton=True)
+    slot_map = SlotMap(loops, layers)
+    copy_forward(expected.key_cache, expected.value_cache, slot_map, slots, loop, mask, use_triton=False)
+    copy_forward(actual.key_cache, actual.value_cache, slot_map, slots, loop, mask, use_triton=True)
     torch.testing.assert_close(actual.key_cache, expected.key_cache, rtol=0, atol=0)
     torch.testing.assert_close(actual.value_cache, expected.value_cache, rtol=0, atol=0)
     planes = expected.key_cache.view(loops, layers, -1, kv_heads, head_dim)

@@ -27,7 +27,7 @@ PROMPTS = _prompts(8, seed=3)
 def _bits(output) -> tuple:
     """A completion's tokens and, per token, every vocabulary entry's logprob (a Python float per fp32)."""
     completion = output.outputs[0]
-    assert len(completion.token_ids) == PARAMS.max_tokens, completion.finish_reason
+    assert completion.finish_reason == "length" and len(completion.logprobs) == len(completion.token_ids)
     logprobs = tuple(tuple(sorted((token, entry.logprob) for token, entry in step.items()))
                      for step in completion.logprobs)
     return tuple(completion.token_ids), logprobs
@@ -175,14 +175,14 @@ def test_fused_layers_give_row_0_its_bits_at_every_row_count(tmp_path, monkeypat
     gate logits through the epilogue GEMMs and the norm kernel (1 and 2 rows), the unfused composition on the
     skinny kernel (17) and on the tiled one (66), all one GEMM
     config per weight (coarse here, one layer and 2 loops: the interpreter runs every program in Python)."""
-    from model import ouro
+    from model import ouro_fused
     from model.config import OuroConfig
     from model.kernels.gemv import GemvConfig
     from model.loader import load_model
     from model.tiny import write_checkpoint
     from tests.test_fused_model import dense_causal_attention
 
-    monkeypatch.setattr(ouro, "invariant_config",
+    monkeypatch.setattr(ouro_fused, "invariant_config",
                         lambda n, k, dtype, sm_count=0: GemvConfig(128, 128, 2, block_m=64))
     path = write_checkpoint(tmp_path, preset="tiny", seed=0, loops=2, layers=1)
     config = OuroConfig.from_file(path / "config.json")
@@ -197,10 +197,14 @@ def test_fused_layers_give_row_0_its_bits_at_every_row_count(tmp_path, monkeypat
 
 
 @pytest.mark.interpreter
-def test_triton_backend_attends_a_one_token_prompt_chunk_as_a_prompt(tiny_checkpoint):
+def test_triton_backend_attends_a_one_token_prompt_chunk_as_a_prompt(tmp_path):
     """A prompt of 17 tokens in chunks of 16 leaves a last chunk of one token: a batch-invariant Triton
-    backend attends it with the prefill kernel, as the unchunked prompt's, not the decode kernel."""
+    backend attends it with the prefill kernel, as the unchunked prompt's, not the decode kernel (one layer,
+    2 loops, 3 tokens: the interpreter runs every program in Python)."""
+    from model.tiny import write_checkpoint
+
+    path = write_checkpoint(tmp_path, preset="tiny", seed=0, loops=2, layers=1)
     prompt = _prompts(1, seed=9, low=17, high=17)
-    options = dict(attention="triton", enable_prefix_caching=False)
-    assert _run(tiny_checkpoint, prompt, max_num_batched_tokens=16, **options) == \
-        _run(tiny_checkpoint, prompt, **options)
+    options = dict(attention="triton", enable_prefix_caching=False,
+                   params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=VOCAB))
+    assert _run(path, prompt, max_num_batched_tokens=16, **options) == _run(path, prompt, **options)

@@ -1,6 +1,6 @@
 """What README.md and docs/*.md cite exists: every repository path (`model/ouro.py`, `docs/ouro.md`, a
 directory, a glob), every results file named bare (`latency-2026-12-04-f4b3c29.md`), every `file.py: name`
-and `tests/x.py::test_name`, every dotted name rooted at one of our modules (`model.ouro.EpilogueBuffers`,
+and `tests/x.py::test_name`, every dotted name rooted at one of our modules (`model.ouro.OuroLayer`,
 `python -m benchmarks.latency`, `from engine import Engine`), each name defined where the doc says.
 
 A path counts as the repository's when its first part is a top-level entry of it; names are looked up in the
@@ -163,11 +163,11 @@ def test_the_parser_sees_each_kind_of_reference_and_flags_what_is_missing(tmp_pa
         "See `model/ouro.py` and docs/ouro.md, model/no_such.py and benchmarks/results/latency-*.md;\n"
         "results latency-2026-12-04-f4b3c29.md and gone-2026-01-01-abc1234.json.\n"
         "`runner/loop_driver.py: run_loops`, `runner/loop_driver.py: no_such_function`,\n"
-        "`model/ouro.py: EpilogueBuffers.no_such_attribute`, tests/test_blocks.py::no_such_test,\n"
-        "model.ouro.EpilogueBuffers, attention.launch.no_such_name, model.norm.weight, vllm/x/ouro.py.\n"
+        "`model/ouro.py: OuroLayer.no_such_attribute`, tests/test_blocks.py::no_such_test,\n"
+        "model.ouro.OuroLayer, triton_runtime.launch.no_such_name, model.norm.weight, vllm/x/ouro.py.\n"
         "```bash\npython -m benchmarks.latency\npython -m benchmarks.no_such_benchmark\n```\n"
         "```python\nfrom engine import Engine, no_such_export\n```\n")
     assert missing_references(doc) == [
         "model/no_such.py", "gone-2026-01-01-abc1234.json", "runner/loop_driver.py: no_such_function",
-        "model/ouro.py: EpilogueBuffers.no_such_attribute", "tests/test_blocks.py: no_such_test",
-        "attention.launch.no_such_name", "benchmarks.no_such_benchmark", "engine.no_such_export"]
+        "model/ouro.py: OuroLayer.no_such_attribute", "tests/test_blocks.py: no_such_test",
+        "benchmarks.no_such_benchmark", "engine.no_such_export", "triton_runtime.launch.no_such_name"]

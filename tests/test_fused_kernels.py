@@ -177,7 +177,7 @@ def test_kernels_match_torch_at_ouro_shapes(dtype, rows):
 def test_the_launch_cache_keys_on_what_triton_specializes_on():
     """A cached compiled variant is reused only for arguments Triton would compile the same: a tensor's
     dtype, device and 16-byte alignment, each int's value; a float's value does not count."""
-    from attention.launch import specialization
+    from triton_runtime.launch import specialization
 
     x = torch.zeros(64)
     base = specialization((x, 16, 1e-6, True, None))
@@ -192,7 +192,7 @@ def test_direct_launches_pass_only_registered_launch_hooks():
     metadata built for it, at every launch) and the chain itself once a hook is registered."""
     from triton.knobs import HookChain
 
-    from attention.launch import _registered
+    from triton_runtime.launch import _registered
 
     chain = HookChain()
     assert _registered(chain) is None and _registered(None) is None

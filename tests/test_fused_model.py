@@ -4,7 +4,6 @@ layer at one row is 4 model launches (model/kernels/gemv_epilogues.py)."""
 import pytest
 import torch
 
-from attention.launch import CompiledLaunch
 from engine import Engine, SamplingParams
 from model.config import OuroConfig
 from model.kernels import gemv
@@ -14,6 +13,7 @@ from model.loader import load_model
 from tests.numerics import assert_within_noise
 from tests.reference import ReferenceOuro
 from tests.test_engine_parity import PROMPTS
+from triton_runtime.launch import CompiledLaunch
 
 
 def dense_causal_attention(q, k, v, slot):

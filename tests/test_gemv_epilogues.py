@@ -22,7 +22,8 @@ from model.kernels import gemv, gemv_epilogues
 from model.kernels.fused import add_rmsnorm_rmsnorm, rmsnorm, rope_qkv, silu_mul
 from model.kernels.gemv import GemvConfig, skinny_linear
 from model.kernels.gemv_epilogues import gate_up_silu, linear_add_norms, qkv_rope
-from model.ouro import EpilogueBuffers, OuroLayer, Rotary
+from model.ouro import OuroLayer, Rotary
+from model.ouro_fused import EpilogueBuffers, FusedOuro
 from model.tiny import PRESETS, hf_config, write_checkpoint
 from tests.numerics import assert_within_noise
 from tests.test_fused_kernels import assert_matches_torch
@@ -228,22 +229,23 @@ def test_a_plan_is_built_again_for_another_dtype_or_alignment(monkeypatch):
 
 
 def test_a_layers_weight_keys_are_read_again_when_a_weight_changes():
-    """OuroLayer keeps what the plans key on of its weights (gemv_epilogues.WeightKeys) between calls and
-    reads it again when a weight was replaced: converted by .to() (its data, in place), assigned, or its data
-    replaced by data at another alignment. Copying into the weights (load_state_dict) keeps the keys."""
-    layer = OuroLayer(OuroConfig.from_dict(hf_config(PRESETS["tiny"])))
-    _, keys = layer._fused_weights()
+    """The fused path keeps what the plans key on of a layer's weights (gemv_epilogues.WeightKeys) between
+    calls and reads it again when a weight was replaced: converted by .to() (its data, in place), assigned, or
+    its data replaced by data at another alignment. Copying into the weights (load_state_dict) keeps the
+    keys."""
+    layer, path = OuroLayer(OuroConfig.from_dict(hf_config(PRESETS["tiny"]))), FusedOuro(1)
+    _, keys = path.layer_weights(layer, 0)
     assert keys[0] == gemv_epilogues.weight_key(layer.qkv_proj.weight) and keys[0][0] == torch.float32
     layer.load_state_dict(OuroLayer(OuroConfig.from_dict(hf_config(PRESETS["tiny"]))).state_dict())
-    assert layer._fused_weights()[1] is keys
+    assert path.layer_weights(layer, 0)[1] is keys
     layer.half()
-    _, keys = layer._fused_weights()
+    _, keys = path.layer_weights(layer, 0)
     assert all(key[0] == torch.float16 for key in keys)
     layer.o_proj.weight = torch.nn.Parameter(off_alignment(layer.o_proj.weight.detach()))
-    assert layer._fused_weights()[1][1][2] == layer.o_proj.weight.data_ptr() % 16 != 0
+    assert path.layer_weights(layer, 0)[1][1][2] == layer.o_proj.weight.data_ptr() % 16 != 0
     with torch.no_grad():
         layer.down_proj.weight.data = off_alignment(layer.down_proj.weight)
-    assert layer._fused_weights()[1][3][2] == layer.down_proj.weight.data_ptr() % 16 != 0
+    assert path.layer_weights(layer, 0)[1][3][2] == layer.down_proj.weight.data_ptr() % 16 != 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,9 +323,9 @@ def test_a_bf16_layer_at_ouro_shape_is_as_exact_on_the_epilogue_path_as_unfused(
         hb, wb = h.bfloat16(), next_weight.bfloat16()
         cos, sin = rotary(positions, torch.bfloat16)
         normed = rmsnorm(hb, bf16.input_layernorm.weight, config.rms_norm_eps)
-        buffers = EpilogueBuffers.for_rows(hb, config)
-        fused = bf16.forward_fused(hb, normed, cos, sin, own_key_only, 0, wb, epilogues=buffers)
-        unfused = bf16.forward_fused(hb, normed, cos, sin, own_key_only, 0, wb, epilogues=None)
+        buffers, path = EpilogueBuffers.for_rows(hb, config), FusedOuro(1)
+        fused = path.layer_forward(bf16, 0, hb, normed, cos, sin, own_key_only, 0, wb, epilogues=buffers)
+        unfused = path.layer_forward(bf16, 0, hb, normed, cos, sin, own_key_only, 0, wb, epilogues=None)
         cos64, sin64 = rotary(positions, torch.float64)
         h64 = exact(hb.double(), cos64, sin64, own_key_only, 0)
         xf = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)

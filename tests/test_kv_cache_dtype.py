@@ -15,6 +15,7 @@ from cache.kv_formats import parse_kv_cache_dtype
 from cache.kv_pool import KVPool
 from cache.packed_sequence import PackedSequence
 from engine import Engine, SamplingParams
+from model.looped import SlotMap
 from tests.paged_cases import make_case, run
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,7 +149,7 @@ def test_backends_refuse_an_fp8_pool_without_scales_and_scales_without_fp8():
 
 
 def test_kv_pool_scales_are_checked_and_loop_uniform_where_k_v_moves_between_loops():
-    pool = KVPool(2, 3, 4, 4, 2, 8, fp8.FP8_DTYPE, torch.device("cpu"), loop_uniform_scales=True)
+    pool = KVPool(SlotMap(2, 3), 4, 4, 2, 8, fp8.FP8_DTYPE, torch.device("cpu"), loop_uniform_scales=True)
     assert pool.kv_scales.shape == (6, 2, 2) and bool((pool.kv_scales == 1).all())
     assert pool.slot_token_bytes == 2 * 2 * 8
     layer_scales = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]).repeat(2, 1)
@@ -160,18 +161,18 @@ def test_kv_pool_scales_are_checked_and_loop_uniform_where_k_v_moves_between_loo
         pool.set_kv_scales(torch.ones(6), layer_scales)
     with pytest.raises(ValueError, match="value_scales must be finite and positive"):
         pool.set_kv_scales(layer_scales, -layer_scales)
-    dense = KVPool(2, 3, 4, 4, 2, 8, torch.float32, torch.device("cpu"))
+    dense = KVPool(SlotMap(2, 3), 4, 4, 2, 8, torch.float32, torch.device("cpu"))
     assert dense.kv_scales is None
     with pytest.raises(ValueError, match="fp8_e4m3 pool"):
         dense.set_kv_scales(layer_scales, layer_scales)
 
 
 def test_copy_forward_moves_fp8_bytes_on_cpu():
-    pool = KVPool(3, 2, 2, 4, 2, 8, fp8.FP8_DTYPE, torch.device("cpu"))
+    pool = KVPool(SlotMap(3, 2), 2, 4, 2, 8, fp8.FP8_DTYPE, torch.device("cpu"))
     pool.key_cache.copy_(fp8.quantize(torch.randn(pool.key_cache.shape), 1.0))
     pool.value_cache.copy_(fp8.quantize(torch.randn(pool.value_cache.shape), 1.0))
     before = pool.key_cache.view(torch.uint8).clone()
-    copy_forward(pool.key_cache, pool.value_cache, 3, torch.tensor([5]), 0)
+    copy_forward(pool.key_cache, pool.value_cache, pool.slot_map, torch.tensor([5]), 0)
     planes = pool.key_cache.view(torch.uint8).view(3, 2, 8, 2, 8)
     assert torch.equal(planes[1:, :, 5], before.view(3, 2, 8, 2, 8)[:1, :, 5].expand(2, -1, -1, -1))
     assert torch.equal(planes[:, :, 4], before.view(3, 2, 8, 2, 8)[:, :, 4])
@@ -451,19 +452,19 @@ def test_kvarn_k4v2_with_a_small_window_holds_its_multiple_of_bf16_in_the_same_b
     from model.tiny import PRESETS, hf_config
 
     config = OuroConfig.from_dict(hf_config(PRESETS["ouro-1.4b"]))
-    shape = (config.total_ut_steps, config.num_hidden_layers)
+    slot_map = SlotMap(config.total_ut_steps, config.num_hidden_layers)
     heads = (config.num_key_value_heads, config.head_dim)
     budget, meta = 64 * 2**30, torch.device("meta")
-    bf16_block = KVPool(*shape, 1, 16, *heads, torch.bfloat16, meta).bytes_per_block
-    bf16 = make_layout("none", *shape, 16).max_concurrent_sequences(
+    bf16_block = KVPool(slot_map, 1, 16, *heads, torch.bfloat16, meta).bytes_per_block
+    bf16 = make_layout("none", slot_map, 16).max_concurrent_sequences(
         KVPool.blocks_for_budget(bf16_block, budget) - 1, 512, 3584)
     assert bf16 == 21
     sequences = math.ceil(ratio * bf16)
     side = SideRows(sequences, 64, 64, 64, generated_apart=kv_sharing == "last")
-    probe = KVarNPool(parse_kv_cache_dtype("kvarn_k4v2_g64"), *shape, 1, *heads, torch.bfloat16, meta)
+    probe = KVarNPool(parse_kv_cache_dtype("kvarn_k4v2_g64"), slot_map, 1, *heads, torch.bfloat16, meta)
     reserved = probe.side_bytes_for(side.capacity + 1, side.generated_capacity)  # + the scratch side block
     blocks = KVPool.blocks_for_budget(probe.bytes_per_block, budget - reserved) - 1
-    layout = make_layout(kv_sharing, *shape, 64)
+    layout = make_layout(kv_sharing, slot_map, 64)
     reported = layout.max_concurrent_sequences(blocks, 512, 3584, side)
     assert reported >= sequences, (reported, blocks, reserved / 2**30)
     assert admit_at_full_length(BlockManager(blocks, 64, False, layout, side), 512, 3584) == reported

@@ -10,6 +10,7 @@ from cache.kv_format import check_tile_dims, high_precision_rows
 from cache.kv_formats import parse_kv_cache_dtype
 from cache.kvarn_format import KVARN_PRESETS
 from cache.packed_sequence import PackedSequence
+from model.looped import SlotMap
 
 
 def tiles(*shape, seed=0, outliers=True):
@@ -251,7 +252,7 @@ def test_a_short_tile_takes_a_full_records_place_and_is_read_as_its_rows_alone()
     from cache.kvarn_pool import KVarNPool
 
     fmt = parse_kv_cache_dtype("kvarn_k4v2_g64")
-    pool = KVarNPool(fmt, 1, 1, 2, 2, 32, torch.float32, torch.device("cpu"))
+    pool = KVarNPool(fmt, SlotMap(1, 1), 2, 2, 32, torch.float32, torch.device("cpu"))
     k, v = tiles(40, 2, 32, seed=3), tiles(40, 2, 32, seed=4)
     table = torch.tensor([1, 0], dtype=torch.int32)
     pool.pack_filled(0, [], table, 0, k, v)  # without prompt_len the tile is filling: nothing packed
@@ -345,7 +346,7 @@ def test_a_batch_invariant_torch_backend_refuses_a_pool_that_is_not():
     from attention.registry import select
     from cache.kvarn_pool import KVarNPool
 
-    pool = KVarNPool(parse_kv_cache_dtype("kvarn_k4v2_g64"), 1, 1, 2, 2, 32, torch.float32,
+    pool = KVarNPool(parse_kv_cache_dtype("kvarn_k4v2_g64"), SlotMap(1, 1), 2, 2, 32, torch.float32,
                      torch.device("cpu"))
     backend = select("torch", torch.device("cpu"), {"batch_invariant": True})
     with pytest.raises(ValueError, match="a KVarN pool made with batch_invariant=False cannot serve a torch "

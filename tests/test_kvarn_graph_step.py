@@ -14,6 +14,7 @@ from cache import kvarn
 from cache.kvarn_format import KVarNFormat
 from cache.kvarn_pack_kernel import pack_tiles, rotate
 from cache.kvarn_pool import KVarNPool
+from model.looped import SlotMap
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FMT = KVarNFormat("kvarn_k4v2_g16", 4, 2, 16)  # a 16-token tile, to stay small
@@ -113,8 +114,8 @@ def test_a_captured_decode_plan_stores_packs_and_attends_as_the_eager_plan():
     tail rows; the device plan (block tables wider than any row, as a graph's) against the host plan, on two
     copies of one pool: the same pool bits after the step and the same output bits."""
     lengths, sink, tail = [16, 37, 48, 5], 4, 20
-    pools = [KVarNPool(FMT, 1, 1, 12, KV_HEADS, HEAD_DIM, torch.float32, torch.device(DEVICE), sink, tail, 12)
-             for _ in range(2)]
+    pools = [KVarNPool(FMT, SlotMap(1, 1), 12, KV_HEADS, HEAD_DIM, torch.float32, torch.device(DEVICE), sink,
+                       tail, 12) for _ in range(2)]
     for pool in pools:  # the same bits in both before the step (the pool's tensors start uninitialized)
         for tensor in (pool.key_codes, pool.value_codes, pool.key_scales, pool.value_scales):
             tensor.zero_()

@@ -20,6 +20,7 @@ from cache.kvarn_format import KVARN_PRESETS, KVarNFormat
 from cache.kvarn_pool import KVarNPool
 from cache.kvarn_pack_kernel import pack_tiles, plane_widths, rotate
 from cache.packed_sequence import PackedSequence
+from model.looped import SlotMap
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 POISON_SCALE = float("nan")  # what unused pool blocks hold: any read of one shows in the output
@@ -420,8 +421,8 @@ def prefill_case(fmt, heads, kv_heads, head_dim, sink, tail, first, new, dtype, 
     read_before = [bool(hp[:, t * g:min(first, (t + 1) * g)].any()) for t in range(tiles)]
     side_table = [side_ids[t] if t * g < first < (t + 1) * g or read_before[t] else -1 for t in range(tiles)]
     table = (1 + torch.randperm(tiles, generator=gen)).to(torch.int32).to(DEVICE)
-    pool = KVarNPool(fmt, 1, 1, tiles + 1, kv_heads, head_dim, dtype, torch.device(DEVICE), sink, tail,
-                     tiles + 1)
+    pool = KVarNPool(fmt, SlotMap(1, 1), tiles + 1, kv_heads, head_dim, dtype, torch.device(DEVICE), sink,
+                     tail, tiles + 1)
     for poisoned in (pool.key_scales, pool.value_scales, pool.side_keys, pool.side_values):
         poisoned.fill_(float("nan"))
     scale = head_dim ** -0.5

@@ -20,6 +20,7 @@ from engine import Engine, SamplingParams
 from exit_policy import (ExitPolicy, constant_gate_bias, exit_pdf, force_exit_loop, parse_exit_policy,
                          stack_traces)
 from model.config import OuroConfig
+from model.looped import SlotMap
 from model.tiny import PRESETS, hf_config
 from request import Request
 from tests.conftest import ROOT
@@ -289,13 +290,14 @@ def test_kv_sharing_accounting_stores_generated_tokens_in_a_quarter():
     config = OuroConfig.from_dict(hf_config(PRESETS["ouro-1.4b"]))
     loops, layers = config.total_ut_steps, config.num_hidden_layers
     slot_bytes = slot_token_bytes(config.num_key_value_heads, config.head_dim, torch.bfloat16)
-    shared, paged = SharedLastLayout(loops, layers, 16), PagedLayout(loops, layers, 16)
+    slot_map = SlotMap(loops, layers)
+    shared, paged = SharedLastLayout(slot_map, 16), PagedLayout(slot_map, 16)
     assert shared.token_bytes(slot_bytes, generated=False) == 768 * 1024  # docs/ouro.md §5
     assert shared.token_bytes(slot_bytes, generated=True) == 192 * 1024
     assert paged.token_bytes(slot_bytes, generated=True) == 768 * 1024
     assert paged.blocks_per_sequence(1024, 3072) == 256
     assert shared.blocks_per_sequence(1024, 3072) == 64 + 48
-    manager = BlockManager(num_blocks=10, block_size=4, layout=SharedLastLayout(4, 2, 4))
+    manager = BlockManager(num_blocks=10, block_size=4, layout=SharedLastLayout(SlotMap(4, 2), 4))
     request = Request("r", list(range(10)), SamplingParams())
     manager.append_slots(request, 10)
     assert len(request.block_table) == 3 and not request.generated_block_table

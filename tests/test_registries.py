@@ -31,8 +31,8 @@ class Float16Format(KVFormat):
 
     def make_pool(self, shape: PoolShape, num_blocks: int, side_rows: SideRows | None,
                   device: torch.device) -> KVPool:
-        return KVPool(shape.loops, shape.num_layers, num_blocks, shape.block_size, shape.kv_heads,
-                      shape.head_dim, torch.float16, device)
+        return KVPool(shape.slot_map, num_blocks, shape.block_size, shape.kv_heads, shape.head_dim,
+                      torch.float16, device)
 
     def bind(self, backend: AttentionBackend, pool: KVPool, scale: float) -> None:
         backend.bind(pool.key_cache, pool.value_cache, scale)
@@ -75,14 +75,14 @@ def with_float16_format(monkeypatch):
 @pytest.fixture
 def with_sdpa_backend(monkeypatch):
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # forgotten again after the test
-    monkeypatch.setitem(registry.BACKENDS, "sdpa", f"{__name__}:SDPABackend")  # its line in BACKENDS
+    monkeypatch.setitem(registry.BUILTIN, "sdpa", (__name__, "SDPABackend"))  # its line in BUILTIN
 
 
 def test_the_registries_name_every_format_and_backend():
     assert list(FORMATS) == ["auto", "bf16", "fp8_e4m3", "kvarn_k4v2_g64", "kvarn_k4v2_g128",
                              "kvarn_k4v4_g64", "kvarn_k4v4_g128", "kvarn_k5v5_g64"]
     assert all(parse_kv_cache_dtype(name) is fmt and fmt.name == name for name, fmt in FORMATS.items())
-    assert set(registry.available()) <= set(registry.BACKENDS) and "torch" in registry.available()
+    assert set(registry.available()) <= set(registry.BUILTIN) and "torch" in registry.available()
 
 
 def test_a_new_kv_format_serves_the_engine(tiny_checkpoint, with_float16_format):

@@ -5,10 +5,11 @@ Programmatic Dependent Launch where the GPU has it, and 64-bit offsets."""
 import pytest
 import torch
 
-from attention.launch import DIRECT_LAUNCH
-from attention.pdl import pdl_supported
-from attention.workspace import Workspace, current_stream
 from tests.paged_cases import assert_matches, bound, make_case, reference, run
+from triton_runtime.launch import DIRECT_LAUNCH
+from triton_runtime.pdl import pdl_supported
+from triton_runtime.stream import current_stream
+from triton_runtime.workspace import Workspace
 
 pytestmark = pytest.mark.gpu
 

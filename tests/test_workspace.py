@@ -4,8 +4,9 @@ first, and safe when it crosses torch.inference_mode boundaries."""
 import pytest
 import torch
 
-from attention.workspace import MAX_ENTRIES, Workspace, current_stream
 from tests.paged_cases import assert_matches, bound, make_case, reference, run
+from triton_runtime.stream import current_stream
+from triton_runtime.workspace import MAX_ENTRIES, Workspace
 
 CPU = torch.device("cpu")
 

@@ -21,7 +21,7 @@ output, and the raw fp8 keys and values widen to fp16 for the dots (FP16_DOT; th
 values are loaded as 32-bit words and widened by `_widen_e4m3`, so the fp16 tile, not an 8-bit one, is
 transposed).
 
-With PDL (attention/pdl.py) a program reads the step's metadata (context lengths, block tables, row map:
+With PDL (triton_runtime/pdl.py) a program reads the step's metadata (context lengths, block tables, row map:
 inputs copied before the step's first kernel) and asks L2 for its first key tile's past K/V before it waits
 for the previous kernel; q, the new k/v, the cache store, the partials and the ticket all come after the wait.
 """
@@ -32,7 +32,7 @@ import triton.language as tl
 
 from attention.kernels.kv_store import encode_kv
 from attention.kernels.prefill import _dot
-from attention.pdl import launch_dependents, wait_for_previous
+from triton_runtime.pdl import launch_dependents, wait_for_previous
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # SM count assumed off CUDA (the interpreter), an H100/H200's.

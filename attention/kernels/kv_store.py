@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from attention.pdl import launch_dependents, wait_for_previous
+from triton_runtime.pdl import launch_dependents, wait_for_previous
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -45,7 +45,7 @@ def kv_store_kernel(
     contiguous, so `slot * kv_heads * D` addresses the token; it is 64-bit because a large pool exceeds
     2^31 elements. A slot of -1 (a generated token under kv_sharing="last", in no per-loop plane) is
     skipped: the decode kernel stores it. With QUANTIZED, scales_ptr holds the slot's fp8 key scales then
-    value scales, one per kv head. With PDL (attention/pdl.py) the slot mapping and the scales, which no
+    value scales, one per kv head. With PDL (triton_runtime/pdl.py) the slot mapping and the scales, which no
     kernel of the step writes, are read before the wait for the previous kernel; k and v after it."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)

@@ -230,13 +230,6 @@ def _plane_values(columns, tops, weighted, magic, WIDTH: tl.constexpr, SLOTS: tl
 
 
 @triton.jit
-def high_byte_offset(rows, columns, G: tl.constexpr, D: tl.constexpr):
-    """Where kvarn.record_codes puts the high byte of row `rows`' 40-bit column `columns` of 5-bit codes in a
-    record of G rows: after every row's 4-byte words, by 8-row groups, column-major within a group."""
-    return G * (D // 2) + (rows // 8) * D + columns * 8 + rows % 8
-
-
-@triton.jit
 def _high_bytes(tile_ptr, rows, columns_at, G: tl.constexpr, D: tl.constexpr):
     """The high bytes of 5-bit codes' 40-bit columns (kvarn.record_codes: by 8-row groups, column-major in
     a group) of a thread's 8 rows, one 8-byte load: 8 tensors of uint32 [SLOTS, HALVES, COLS]."""

@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.kvarn_decode import (MAGIC, PLANE_WIDTHS, _column, _lane_code, _top_part,
-                                            high_byte_offset, lane_shift)
+from attention.kernels.kvarn_decode import MAGIC, PLANE_WIDTHS, _column, _lane_code, _top_part, lane_shift
 from attention.kernels.prefill import chunk_of_work_item
+from triton_runtime.kvarn_record import high_byte_offset
 
 LOG2E = tl.constexpr(1.4426950408889634)
 

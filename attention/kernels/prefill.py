@@ -9,32 +9,24 @@ With QUANTIZED (an fp8 pool, attention/fp8.py) the paged kernel widens the store
 every e4m3 value is a bf16 and an fp16 value), folds the slot's key scale into the score scale and applies
 the value scale to the output.
 
-With PDL (attention/pdl.py) a program reads its work item and the step's metadata (copied before the step's
-first kernel) before it waits for the previous kernel, and everything else after: the chunk's K/V, stored by
-the kv_store kernel just before, and q.
+With PDL (triton_runtime/pdl.py) a program reads its work item and the step's metadata (copied before the
+step's first kernel) before it waits for the previous kernel, and everything else after: the chunk's K/V,
+stored by the kv_store kernel just before, and q.
 """
 
 import triton
 import triton.language as tl
 
-from attention.launch import INTERPRETED
-from attention.pdl import launch_dependents, wait_for_previous
+from triton_runtime.launch import INTERPRETED
+from triton_runtime.pdl import launch_dependents, wait_for_previous
+from triton_runtime.rounding import mul_rn
 
 LOG2E = tl.constexpr(1.4426950408889634)
-# The interpreter has no inline PTX, and never contracts a multiply into an add.
+# Scores are scaled through mul_rn (PTX mul.rn), so the exp2(s - max) that follows never contracts the
+# multiply into an FMA. Without it the unmasked loop's scores contract and the masked loop's (a select
+# between) do not, so a query's bits would depend on which loop a key tile falls in, that is on how its
+# prompt was chunked. The interpreter has no inline PTX, and never contracts a multiply into an add.
 _MUL_RN = tl.constexpr(not INTERPRETED)
-
-
-@triton.jit
-def _scaled(s, scale):
-    """s * scale rounded by itself (PTX mul.rn): the exp2(s - max) that follows never contracts it into an
-    FMA. Without it the unmasked loop's scores contract and the masked loop's (a select between) do not, so
-    a query's bits would depend on which loop a key tile falls in, that is on how its prompt was chunked."""
-    if _MUL_RN:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [s, scale], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    else:
-        return s * scale
 
 
 @triton.jit
@@ -141,7 +133,7 @@ def prefill_paged_kernel(
                               KV_HEADS, HEAD_DIM, BLOCK_SIZE, False)
         if QUANTIZED:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        s = _scaled(_dot(q.to(k.dtype), tl.trans(k), DOT_FP32), qk_scale)
+        s = mul_rn(_dot(q.to(k.dtype), tl.trans(k), DOT_FP32), qk_scale, _MUL_RN)
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32)
     for n0 in range(visible_end, key_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -152,7 +144,7 @@ def prefill_paged_kernel(
             k, v = k.to(q.dtype), v.to(q.dtype)
         s = _dot(q.to(k.dtype), tl.trans(k), DOT_FP32)
         visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
-        s = tl.where(visible, _scaled(s, qk_scale), float("-inf"))
+        s = tl.where(visible, mul_rn(s, qk_scale, _MUL_RN), float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -1,15 +1,15 @@
 """Fused elementwise kernels for the Ouro layer, with one-launch host wrappers, and the elementwise math they
 share with the skinny GEMM's epilogues (model/kernels/gemv_epilogues.py).
 
-Each kernel computes in fp32 and rounds to the model dtype exactly where model/ouro.py's torch code
-rounds (after every torch op). No multiply-add contracts into an FMA that the torch ops would round twice:
-these kernels launch with fp fusion off, and the shared math multiplies through `mul_rn`, which stays
-uncontracted in the GEMM kernels, whose main loops keep fp fusion on. Elementwise results (RoPE, SiLU-mul)
-are then bitwise equal to torch on CUDA. The RMSNorm family sums squares in another order than torch's
-reduction, so the fp32 inverse rms may differ in its last bit; bf16/fp16 outputs then differ by one ulp on
-rare elements.
+Each kernel computes in fp32 and rounds to the model dtype exactly where model/ouro.py's torch code rounds
+(after every torch op). No multiply-add contracts into an FMA that the torch ops would round twice: these
+kernels launch with fp fusion off, and the shared math multiplies through `mul_rn`
+(triton_runtime/rounding.py), which stays uncontracted in the GEMM kernels, whose main loops keep fp fusion
+on. Elementwise results (RoPE, SiLU-mul) are then bitwise equal to torch on CUDA. The RMSNorm family sums
+squares in another order than torch's reduction, so the fp32 inverse rms may differ in its last bit; bf16/fp16
+outputs then differ by one ulp on rare elements.
 
-With PDL (model/kernels/pdl.py) a kernel loads its norm weights, then waits for the previous kernel;
+With PDL (triton_runtime/pdl.py) a kernel loads its norm weights, then waits for the previous kernel;
 every activation read and every store comes after the wait.
 
 Tensors are [rows, features] with a contiguous last dimension (any row stride), weights in the
@@ -23,26 +23,15 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from attention.pdl import launch_dependents, wait_for_previous
-from model.kernels.pdl import PdlLaunchCache
+from triton_runtime.pdl import launch_dependents, wait_for_previous
+from triton_runtime.pdl_launch import PdlLaunchCache
+from triton_runtime.rounding import mul_rn
 
 
 @triton.jit
 def round_to(x, dtype: tl.constexpr):
     """x rounded to dtype, as a torch op in dtype rounds its result; kept in fp32 for the next op."""
     return x.to(dtype).to(tl.float32)
-
-
-@triton.jit
-def mul_rn(a, b, PRECISE: tl.constexpr):
-    """a * b in fp32, rounded by itself: an add that follows never contracts it into an FMA, whatever the
-    launch's fp fusion (PTX mul.rn; not libdevice's __fmul_rn, which Triton builds flushing denormals).
-    The interpreter never contracts."""
-    if PRECISE:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    else:
-        return a * b
 
 
 @triton.jit
@@ -197,7 +186,7 @@ def _norm_warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-# Each launches its compiled variant directly after the first call of a shape (attention/launch.py).
+# Each launches its compiled variant directly after the first call of a shape (triton_runtime/launch.py).
 _NORM = PdlLaunchCache(rmsnorm_kernel, enable_fp_fusion=False)
 _SILU_MUL = PdlLaunchCache(silu_mul_kernel, enable_fp_fusion=False)
 _ROPE_QKV = PdlLaunchCache(rope_qkv_kernel, enable_fp_fusion=False)

@@ -16,10 +16,10 @@ Design, per program (pid_n, pid_k):
 Accumulation is fp32; y is rounded once to x's dtype. The main loop and the split-K sum are jit helpers
 (tile_product, split_k_total) that model/kernels/gemv_epilogues.py's variants share.
 
-PDL (attention/pdl.py), where pdl_supported(device): a program asks L2 for its split's first NUM_STAGES weight
-tiles, waits for the previous kernel, lets the next one launch, and only then reads x and writes anything.
-With `preload` (one row, the FMA path) it instead loads its whole weight slice into registers before the
-wait: a program launched early, while the kernel before it runs, then has its bytes in hand when that
+PDL (triton_runtime/pdl.py), where pdl_supported(device): a program asks L2 for its split's first NUM_STAGES
+weight tiles, waits for the previous kernel, lets the next one launch, and only then reads x and writes
+anything. With `preload` (one row, the FMA path) it instead loads its whole weight slice into registers before
+the wait: a program launched early, while the kernel before it runs, then has its bytes in hand when that
 kernel ends.
 
 Batch invariance within an M bucket: the config depends on (bucket(M), N, K, dtype) only, buckets
@@ -44,10 +44,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from attention.launch import INTERPRETED, CompiledLaunch
-from attention.pdl import launch_dependents, wait_for_previous
-from attention.workspace import current_stream
-from attention.pdl import pdl_supported
+from triton_runtime.launch import INTERPRETED, CompiledLaunch
+from triton_runtime.pdl import launch_dependents, pdl_supported, wait_for_previous
+from triton_runtime.stream import current_stream
 
 # Rows up to which `linear` uses the skinny kernel on CUDA (a power of two: a graph bucket boundary).
 MAX_SKINNY_M = 64

@@ -30,18 +30,18 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.workspace import current_stream
 from model.kernels.fused import PRECISE, rms_normalize, rotate_half, round_to, silu_times
 from model.kernels.gemv import (ROW_TICKET, GemvConfig, Plan, build_plan, check_operands, prefetch_l2,
                                 skinny_ok, split_k_total, tile_product)
+from triton_runtime.stream import current_stream
 
 # The rows the epilogue variants take (a graph bucket boundary).
 MAX_EPILOGUE_M = 16
 # The rows the norm epilogue takes. Its tail is one program's work over all M rows, while the norm kernel
 # spreads rows over SMs: on the H200 (benchmarks/epilogue_rows.py, in graph chains with PDL) the GEMM then the
 # norm kernel took 6.4-6.6 µs (o) and 9.8-10.2 µs (down) at 2-16 rows against 7.9-17.8 and 11.9-22.7 for the
-# epilogue; at one row 5.6 against 5.9 and 9.2 against 9.8. Layers (model/ouro.py) launch the norm kernel
-# past this many rows; at one row the saved launches keep a layer application at 5 kernels.
+# epilogue; at one row 5.6 against 5.9 and 9.2 against 9.8. Layers (model/ouro_fused.py) launch the norm
+# kernel past this many rows; at one row the saved launches keep a layer application at 5 kernels.
 MAX_NORM_EPILOGUE_M = 1
 _ROW_TICKET = tl.constexpr(ROW_TICKET)
 
@@ -244,7 +244,7 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _pointer_key(tensor: torch.Tensor) -> tuple:
     """What Triton specializes on of a pointer operand: dtype, device, 16-byte alignment (as
-    attention/launch.py's specialization reads them)."""
+    triton_runtime/launch.py's specialization reads them)."""
     return (tensor.dtype, tensor.device, tensor.data_ptr() & 15)
 
 

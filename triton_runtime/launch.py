@@ -21,7 +21,7 @@ class CompiledLaunch:
     """One kernel at one grid. The caller rebuilds it whenever the argument layouts change. Options beyond
     num_warps and num_stages (enable_fp_fusion, say) go to the first, compiling call."""
 
-    __slots__ = ("c_launch", "compiled", "direct", "fn", "grid", "options", "pointers")
+    __slots__ = ("compiled", "direct", "fn", "grid", "options", "pointers")
 
     def __init__(self, fn, grid: tuple[int, int, int], num_warps: int, num_stages: int,
                  direct: bool = True, **options) -> None:
@@ -31,7 +31,6 @@ class CompiledLaunch:
         self.direct = direct and DIRECT_LAUNCH
         self.compiled = None
         self.pointers = ()  # the positions of the tensor arguments, found at the first call
-        self.c_launch = None  # c_launcher's, after the first call
 
     def __call__(self, stream: int, args: tuple) -> None:
         compiled = self.compiled
@@ -40,7 +39,6 @@ class CompiledLaunch:
             if self.direct:
                 self.compiled = compiled.result() if hasattr(compiled, "result") else compiled
                 self.pointers = tuple(i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor))
-                self.c_launch = c_launcher(self.compiled, self.grid)
             return
         grid = self.grid
         runtime = triton.knobs.runtime
@@ -55,62 +53,10 @@ class CompiledLaunch:
                 args = list(args)
                 for i in self.pointers:
                     args[i] = args[i].data_ptr()
-            if self.c_launch is not None:
-                self.c_launch(stream, args)
-                return
         else:  # the hooks get the tensors, and the metadata, which exists for them alone
             metadata = compiled.launch_metadata(grid, stream, *args)
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata,
                      enter, leave, *args)
-
-
-# The Triton versions whose Python launcher frame (CudaLauncher.__call__) c_launcher stands in for, each
-# checked by tests/test_launch.py against that frame's own call. 3.6 also ran on the H200; 3.8 (one generic C
-# launcher, another argument layout) has run on CPU stand-ins only: no GPU here has had it.
-C_LAUNCH_VERSIONS = ((3, 6), (3, 8))
-
-
-def triton_version() -> tuple[int, ...] | None:
-    """Triton's (major, minor), or None where its version string does not read as one."""
-    try:
-        return tuple(int(part) for part in triton.__version__.split(".")[:2])
-    except ValueError:
-        return None
-
-
-def c_launcher(compiled, grid: tuple[int, int, int]):
-    """Triton's C launch function for `compiled` at `grid`, called as (stream, kernel arguments) without its
-    Python launcher's frame, on C_LAUNCH_VERSIONS and where that frame does nothing but pass fixed values: no
-    scratch memory. Otherwise None (launch through compiled.run). The frame builds closures and asks for
-    scratch memory at every launch: 1.2-2.7 µs of host time a launch on the H200's host, of 6.3-6.7 without
-    it (benchmarks/launch_cost.py)."""
-    run = compiled.run
-    version = triton_version()
-    if (version not in C_LAUNCH_VERSIONS or getattr(run, "global_scratch_size", 1) != 0
-            or getattr(run, "profile_scratch_size", 1) != 0 or getattr(run, "gsan_enabled", False)):
-        return None
-    launch, function, metadata = run.launch, compiled.function, compiled.packed_metadata
-    cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
-    grid_x, grid_y, grid_z = grid
-    if version == (3, 6):
-        # A C module per kernel signature; its launch takes the grid, stream, function, cooperative and PDL
-        # flags, the two scratch pointers, the packed metadata, the launch metadata and the two hooks (None:
-        # CompiledLaunch comes here only without hooks), then the kernel's arguments.
-        def c_launch(stream: int, args) -> None:
-            launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, None, None, metadata, None,
-                   None, None, *args)
-    else:
-        # 3.8: one C launcher for every kernel, told the kernel's arguments by their annotations and packed
-        # signature; after the flags come the packed metadata, the launch metadata, the two hooks, the two
-        # scratch pointers, then the arguments as one sequence (any sequence: it reads them with
-        # PySequence_Fast).
-        annotations, signature = run.arg_annotations, run.kernel_signature
-
-        def c_launch(stream: int, args) -> None:
-            launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, metadata, None, None, None,
-                   None, None, annotations, signature, args)
-
-    return c_launch
 
 
 def _registered(hook):

@@ -1,5 +1,6 @@
 """The eager decode workspace: per (device, stream), one fp32 buffer of split partial state and the
-int32 split tickets. Graph-captured decode never uses it; its buffers belong to the backend instance.
+int32 split tickets. Graph-captured decode never uses it; its buffers belong to the backend instance. The
+stream is triton_runtime/stream.py's raw handle.
 
 A hit is one dict lookup. Growth and eviction (oldest entry first, at most 16) happen only on a miss.
 Tickets are zeroed once, at allocation; the decode kernel puts each back to 0 after its merge, so no
@@ -10,7 +11,6 @@ torch op ever writes a cached tensor (such an op would fail on an inference tens
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 
@@ -21,29 +21,6 @@ MAX_ENTRIES = 16
 class WorkspaceEntry:
     partials: torch.Tensor  # fp32: split maxima, sums and accumulators
     tickets: torch.Tensor  # int32, one per (row, head); 0 between launches
-
-
-def _stream_reader() -> Callable[[int], int]:
-    """Triton's launcher reads the raw stream through its driver; torch's public API is the fallback."""
-    try:
-        import triton
-
-        return triton.runtime.driver.active.get_current_stream
-    except (ImportError, AttributeError, RuntimeError):  # no usable Triton driver: torch's public API
-        return lambda index: torch.cuda.current_stream(index).cuda_stream
-
-
-_read_stream: Callable[[int], int] | None = None
-
-
-def current_stream(device: torch.device) -> int:
-    """The raw handle of `device`'s current stream, as Triton launches on it; 0 off CUDA."""
-    global _read_stream
-    if device.type != "cuda":
-        return 0
-    if _read_stream is None:
-        _read_stream = _stream_reader()
-    return _read_stream(device.index)
 
 
 class Workspace:

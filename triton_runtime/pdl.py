@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.launch import INTERPRETED
+from triton_runtime.launch import INTERPRETED
 
 
 @functools.cache

@@ -1,0 +1,174 @@
+"""The looped-model interface: what the runner, the loop driver, the CUDA graphs, the KV pool and layouts and
+the speculative path use of a model, and nothing else. A family (model/ouro.py) implements `LoopedModel`; its
+`SlotMap` says where each of a token's layer applications keeps its K/V.
+
+A step runs embed -> (prelude) -> loop 0 .. loop T-1 -> (coda) -> head: the loop driver
+(runner/loop_driver.py) calls the pieces, and the model never sees the KV cache, only an `Attention` callable
+it hands q, k, v and a slot. Huginn-0125 (docs/huginn.md) maps onto the same pieces: its prelude, its core
+recurrence with the prelude's output injected, no exit gate, and a coda with attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Protocol
+
+import torch
+
+# attention(q [N, heads, D], k [N, kv_heads, D], v [N, kv_heads, D], slot) -> [N, heads, D]: stores k and v in
+# `slot` and attends over each token's context there.
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SlotMap:
+    """A token's KV slots, in the order its layers run: the prelude's layers first (slots 0..P-1), then each
+    loop's (loop t, loop layer l: slot P + t * C + l), then the coda's (P + T * C + c). A slot is one plane of
+    the KV pool: a block id names the same token range in every slot. C is the layers one loop runs; the
+    physical layers (the checkpoint's blocks) are numbered prelude 0..P-1, loop P..P+C-1, coda P+C..P+C+D-1.
+
+    Ouro: SlotMap(loops=T, loop_layers=L), slot = t * L + l (docs/ouro.md §5). Huginn-0125:
+    SlotMap(loops=r, loop_layers=4, prelude_layers=2, coda_layers=2) (docs/huginn.md §4)."""
+
+    loops: int  # T: the loops the map holds slots for
+    loop_layers: int  # C
+    prelude_layers: int = 0  # P
+    coda_layers: int = 0  # D
+
+    def __post_init__(self) -> None:
+        for name, least in (("loops", 1), ("loop_layers", 1), ("prelude_layers", 0), ("coda_layers", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"SlotMap {name} must be an integer >= {least}, got {value!r}")
+
+    @property
+    def num_slots(self) -> int:
+        return self.prelude_layers + self.loops * self.loop_layers + self.coda_layers
+
+    @property
+    def loops_only(self) -> bool:
+        """True when every slot belongs to a loop (no prelude or coda slots), as Ouro's."""
+        return self.prelude_layers == 0 and self.coda_layers == 0
+
+    def slot(self, loop: int, layer: int) -> int:
+        """Loop `loop`'s layer `layer` (both from 0)."""
+        return self.prelude_layers + loop * self.loop_layers + layer
+
+    def loop_slots(self, loop: int) -> range:
+        """The slots loop `loop` writes, one per loop layer, in the order it runs them."""
+        first = self.slot(loop, 0)
+        return range(first, first + self.loop_layers)
+
+    def deeper_slots(self, loop: int, layer: int) -> range:
+        """Copy-forward: a token that stopped after loop `loop` leaves slot(loop, layer)'s K/V in these slots,
+        the same loop layer's in loops loop+1..T-1, where later tokens' deeper loops read it."""
+        return range(self.slot(loop + 1, layer), self.slot(self.loops, layer), self.loop_layers)
+
+    def physical_layer(self, slot: int) -> int:
+        """The checkpoint layer that slot `slot` runs."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is outside 0..{self.num_slots - 1}")
+        prelude, core = self.prelude_layers, self.loops * self.loop_layers
+        if slot < prelude:
+            return slot
+        if slot < prelude + core:
+            return prelude + (slot - prelude) % self.loop_layers
+        return prelude + self.loop_layers + slot - prelude - core
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the engine reads of a checkpoint's shapes, whatever its family's config calls them."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    loops: int  # T: the loops a token runs at most (the checkpoint's, or the Engine's override)
+
+
+@dataclasses.dataclass(slots=True)
+class StepContext:
+    """What every loop of a step reads besides the loop state, per token: the RoPE tables of the tokens'
+    positions and, for a family that injects its input into every loop, that input (Huginn's prelude output;
+    None for Ouro)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    injection: torch.Tensor | None = None
+
+    def select(self, tokens: torch.Tensor) -> StepContext:
+        """The context of these tokens only (indices [n] int64), for the rows that keep looping."""
+        injection = None if self.injection is None else self.injection[tokens]
+        return StepContext(self.cos[tokens], self.sin[tokens], injection)
+
+
+@dataclasses.dataclass(slots=True)
+class LoopStates:
+    """Per-loop readout states of the rows that produce logits: hidden [T, R, H] (each loop's output) and the
+    exit gate's logits [T, R] (None for a model without a gate, or where the caller did not ask for them)."""
+
+    hidden: torch.Tensor
+    gate_logits: torch.Tensor | None
+
+
+class LoopedConfig(Protocol):
+    """What the engine reads of a family's config (model/config.py: OuroConfig is one)."""
+
+    torch_dtype: str  # the checkpoint's dtype: "float32", "float16" or "bfloat16"
+    max_position_embeddings: int
+    early_exit_threshold: float | None  # the exit gate's Q for the `hf` readout policy (None: none)
+
+    @property
+    def shape(self) -> ModelShape: ...
+
+    def with_overrides(self, loops: int | None = None,
+                       exit_threshold: float | None = None) -> LoopedConfig:
+        """The loop count and exit threshold overridden (None: as the checkpoint says), the rest unchanged."""
+
+
+class LoopedModel(Protocol):
+    """A looped network, run one piece at a time over a step's flattened new tokens ([N] ids, [N, H] states).
+
+    The loop driver calls, in order: embed(ids) -> the first state; step_context(positions, dtype); then, once
+    the attention backend holds the step's metadata, prelude (if any); loop(state, context, t, attention) for
+    each loop t, each output the next loop's input and loop t's readout state (exit_gate reads it); coda (if
+    any) for every token of the step after its last loop; compute_logits only for the tokens that read out.
+    Loop t's layers call attention with exactly slot_map.loop_slots(t), in order; the prelude and coda with
+    their own slots. A loop reads nothing but its input state, the context and its own slots' K/V, so running
+    loops 0..d-1 and then d..T-1 from loop d-1's output is the full run, bit for bit."""
+
+    slot_map: SlotMap
+    # Triton kernels around the GEMMs (CUDA); the runner then reserves their workspace before any capture.
+    fused_kernels: bool
+    # prelude(embedded [N, H], context, attention) -> (loop 0's state, the context with the injection):
+    # layers before the loops that run once per token, on slots 0..P-1. None: no prelude (Ouro).
+    prelude: Callable[[torch.Tensor, StepContext, Attention], tuple[torch.Tensor, StepContext]] | None
+    # coda(state, context, attention) -> the hidden compute_logits reads, run for every token of the step
+    # (its layers store the coda slots' K/V that later tokens read), on the coda's slots. None: a loop's
+    # output is its readout state (Ouro: the final norm closes every loop).
+    coda: Callable[[torch.Tensor, StepContext, Attention], torch.Tensor] | None
+
+    @property
+    def shape(self) -> ModelShape: ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the states the loops pass on."""
+
+    @property
+    def exit_gate(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The exit gate: a loop's readout states [..., H] -> gate logits [...]. None: the family has none."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[N] int64 -> [N, H]: the tokens' embeddings, loop 0's state (or the prelude's input)."""
+
+    def step_context(self, positions: torch.Tensor, dtype: torch.dtype) -> StepContext:
+        """The RoPE tables of the tokens' positions [N], for states of `dtype`."""
+
+    def loop(self, state: torch.Tensor, context: StepContext, t: int, attention: Attention) -> torch.Tensor:
+        """Loop t over the tokens of `state` [n, H] (and of context): the next state [n, H]."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head: readout states [..., H] -> logits [..., vocab]."""
