@@ -146,7 +146,7 @@ def test_run_loops_and_every_path_through_it_give_the_written_out_loops_bitwise(
         chained = piecewise.run_model(11, dense_causal_attention)
         composed = model(ids, positions, dense_causal_attention)
     assert torch.equal(driven.hidden, hidden) and torch.equal(driven.gate_logits, gates)
-    assert torch.equal(chained, hidden)
+    assert torch.equal(chained.hidden, hidden)
     assert torch.equal(composed.hidden, hidden) and torch.equal(composed.gate_logits, gates)
 
 
