@@ -277,8 +277,8 @@ class Engine:
             if refusal is not None and params.exit_policy is not None:
                 raise ValueError(refusal)
             if params.loop_trace:
-                raise ValueError("SamplingParams.loop_trace traces the exit gate's per-loop probabilities, and "
-                                 "this model has no exit gate")
+                raise ValueError("SamplingParams.loop_trace traces the exit gate's per-loop probabilities, "
+                                 "and this model has no exit gate")
         speculative = self.engine_config.speculative
         if speculative is not None:
             for name, off in (("min_tokens", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),

@@ -133,8 +133,9 @@ class EngineConfig:
                                      "token's loops from its embedding; it has no initial state to set")
         if self.continuous_compute is not None and self.async_scheduling:
             raise ValueError(f"async_scheduling=True cannot be combined with continuous_compute="
-                             f"{self.continuous_compute!r}: each token starts from the state the step before "
-                             "computed, so the next step waits for it; leave async_scheduling at None or False")
+                             f"{self.continuous_compute!r}: each token starts from the state the step "
+                             "before computed, so the next step waits for it; leave async_scheduling at None "
+                             "or False")
 
     @property
     def initial_state_scale(self) -> float | None:

@@ -103,7 +103,8 @@ class HuginnConfig:
             raise ValueError(f"config field 'torch_dtype' must be float32, float16 or bfloat16, "
                              f"got {self.torch_dtype!r}")
         if not _is_number(self.init_scale) or not 0 <= self.init_scale < math.inf:
-            raise ValueError(f"config field 'init_scale' must be a finite number >= 0, got {self.init_scale!r}")
+            raise ValueError(f"config field 'init_scale' must be a finite number >= 0, "
+                             f"got {self.init_scale!r}")
 
     # -- what the engine reads of a looped config (model/looped.py: LoopedConfig) --------------------------
 
@@ -395,7 +396,8 @@ class HuginnForCausalLM(nn.Module):
         """The next token's initial state from a token's last-loop state [n, H] (continuous_compute):
         "normalized" ln_f of it (the official generate_minimal), "raw" as is (the official adaptive path)."""
         if warm_start not in WARM_STARTS:
-            raise ValueError(f"continuous_compute must be one of {', '.join(WARM_STARTS)}, got {warm_start!r}")
+            raise ValueError(f"continuous_compute must be one of {', '.join(WARM_STARTS)}, "
+                             f"got {warm_start!r}")
         return self.ln_f(final) if warm_start == "normalized" else final
 
     # -- the step-wise network -------------------------------------------------------------------------

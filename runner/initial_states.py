@@ -70,7 +70,8 @@ class InitialStates:
         for part, on_device in ((drawn, False), (warm, True)):
             if part:
                 states = torch.stack([state for _, state in part])
-                hidden[[i for i, _ in part]] = states.to(dtype) if on_device else states.to(self.device, dtype)
+                states = states.to(dtype) if on_device else states.to(self.device, dtype)
+                hidden[[i for i, _ in part]] = states
         return hidden
 
     def _drawn(self, request: Request, position: int) -> torch.Tensor:
@@ -79,7 +80,8 @@ class InitialStates:
         if self.init_scale == 0:
             return like.zero_()[0]
         if request.state_seed is None:
-            raise ValueError(f"request {request.request_id} has no state seed to draw its initial states from")
+            raise ValueError(f"request {request.request_id} has no state seed to draw its initial states "
+                             "from")
         generator = torch.Generator().manual_seed(token_seed(request.state_seed, position))
         return self.model.initial_state(like, self.init_scale, generator)[0]
 
@@ -95,7 +97,8 @@ class InitialStates:
         """The rows whose last token's state the step keeps: those whose next token is a generated one."""
         if self.warm_start is None:
             return []
-        return [row for row, (request, end) in enumerate(zip(requests, ends)) if end >= request.num_prompt_tokens]
+        return [row for row, (request, end) in enumerate(zip(requests, ends))
+                if end >= request.num_prompt_tokens]
 
     def warm_states(self, final: torch.Tensor) -> torch.Tensor:
         """The warm starts [W, H] the kept rows' last-loop states [W, H] give."""
