@@ -160,6 +160,13 @@ def add_engine_flags(engine: argparse._ArgumentGroup) -> None:
                              "device's default")
     engine.add_argument("--max-num-seqs", type=int, default=256,
                         help="sequences that run at once (default 256)")
+    engine.add_argument("--init-scale", type=float, default=None,
+                        help="a model with an initial state (Huginn): the scale of each token's drawn state, "
+                             "seeded by the request's --seed and the token's position; 0: the zero state "
+                             "(default: the checkpoint's, else 1.0)")
+    engine.add_argument("--continuous-compute", choices=["normalized", "raw"], default=None,
+                        help="a model with an initial state (Huginn): warm-start each generated token from "
+                             "the previous token's last state, after the final norm or raw (docs/huginn.md)")
     engine.add_argument("--no-check-finite-weights", action="store_true",
                         help="skip the check that every weight is finite (no NaN or inf) as it loads: on a "
                              "CPU it takes about 7%% of the load")
@@ -249,7 +256,8 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
                   async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
                   piecewise_graph_tokens=args.piecewise_graph_tokens, max_num_seqs=args.max_num_seqs,
                   deterministic={"auto": None, "on": True, "off": False}[args.deterministic],
-                  check_finite_weights=not args.no_check_finite_weights)
+                  check_finite_weights=not args.no_check_finite_weights, init_scale=args.init_scale,
+                  continuous_compute=args.continuous_compute)
 
 
 def cli_serve(args: argparse.Namespace) -> int:

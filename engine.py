@@ -29,7 +29,7 @@ from cache.pool_sizing import PoolSizer
 from cache.side_rows import SideRows
 from engine_config import EngineConfig
 from exit_policy import ExitPolicy, request_policy
-from model.registry import load_model
+from model.registry import load_model, policy_refusal
 from model.tokenizer import Tokenizer
 from outputs import Inbox, OutputBook, SequenceGroup, TokenProgress, sequence_ids, sequence_params, take_all
 from request import Request, RequestOutput, SamplingParams, SpeculativeStats
@@ -75,7 +75,8 @@ class Engine:
                  kv_cache_dtype: str = "auto", kv_sink_tokens: int = 0, kv_tail_tokens: int = 0,
                  kv_rotation: bool = True, async_scheduling: bool | None = None,
                  piecewise_graph_tokens: int = 512, deterministic: bool | None = None,
-                 check_finite_weights: bool = True,
+                 check_finite_weights: bool = True, init_scale: float | None = None,
+                 continuous_compute: str | None = None,
                  verbose: bool = True) -> None:
         if not isinstance(verbose, bool):
             raise ValueError(f"verbose must be True or False, got {verbose!r}")
@@ -90,7 +91,8 @@ class Engine:
             kv_cache_dtype=kv_cache_dtype, kv_sink_tokens=kv_sink_tokens, kv_tail_tokens=kv_tail_tokens,
             kv_rotation=kv_rotation, async_scheduling=async_scheduling,
             piecewise_graph_tokens=piecewise_graph_tokens, deterministic=deterministic,
-            check_finite_weights=check_finite_weights)
+            check_finite_weights=check_finite_weights, init_scale=init_scale,
+            continuous_compute=continuous_compute)
         model_dir = config.model_dir
         self.config = config.model  # the checkpoint's config, of its family's class (model/registry.py)
         self.tokenizer = Tokenizer(model_dir)
@@ -269,7 +271,14 @@ class Engine:
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params) if params is not None else SamplingParams()
-        request_policy(params.exit_policy, self.exit_policy, self.engine_config.loops)
+        policy = request_policy(params.exit_policy, self.exit_policy, self.engine_config.loops)
+        if self.model.exit_gate is None:
+            refusal = policy_refusal(policy, "SamplingParams.exit_policy")
+            if refusal is not None and params.exit_policy is not None:
+                raise ValueError(refusal)
+            if params.loop_trace:
+                raise ValueError("SamplingParams.loop_trace traces the exit gate's per-loop probabilities, "
+                                 "and this model has no exit gate")
         speculative = self.engine_config.speculative
         if speculative is not None:
             for name, off in (("min_tokens", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
@@ -292,11 +301,22 @@ class Engine:
             if bad else None
         group = self.outputs.open_group(request_id, inbox)
         for index, sequence_id in enumerate(sequence_ids(request_id, params.n)):
-            request = Request(sequence_id, token_ids, sequence_params(params, index),
-                              eos_token_ids=self.tokenizer.stop_token_ids, prompt=text)
+            own = sequence_params(params, index)
+            request = Request(sequence_id, token_ids, own, eos_token_ids=self.tokenizer.stop_token_ids,
+                              prompt=text, state_seed=self._state_seed(own))
             self.outputs.track(group, request)
             self.scheduler.add(request, error)
         return group
+
+    def _state_seed(self, params: SamplingParams) -> int | None:
+        """The seed of a sequence's drawn initial states (runner/initial_states.py), where the model draws
+        them: its SamplingParams.seed, else a random one drawn now from torch's global RNG (as vLLM samples
+        an unseeded request), so its states stay the same through preemption and recompute."""
+        if not self.engine_config.draws_initial_states:
+            return None
+        if params.seed is not None:
+            return params.seed
+        return int(torch.randint(0, 2**63 - 1, ()))
 
     def abort(self, request_id: str) -> None:
         """Finish a request (every one of its n sequences) with finish_reason "abort"; its last output

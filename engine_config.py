@@ -27,12 +27,13 @@ from cache.kv_formats import parse_kv_cache_dtype
 from exit_policy import ExitPolicy, parse_exit_policy
 from model.loader import resolve_model_dir
 from model.looped import LoopedConfig
-from model.registry import read_config
+from model.registry import check_engine_options, read_config
 from request import ADMISSION
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 KV_SHARING = ("none", "last")
+CONTINUOUS_COMPUTE = ("normalized", "raw")  # the warm starts (EngineConfig.continuous_compute)
 # deterministic=None, per device type: on where its measured cost is small (docs/deterministic.md).
 DETERMINISTIC_BY_DEFAULT = {"cpu": False, "cuda": False}
 
@@ -84,6 +85,14 @@ class EngineConfig:
     # Refuse a checkpoint whose weights hold a NaN or an infinity, naming the tensor (model/loader.py); False
     # skips the check (about 7% of a CPU load, a small part of a GPU one)
     check_finite_weights: bool = True
+    # A model whose loop 0 starts from a state of its own (Huginn): the scale of the drawn initial states
+    # (the official init_scale; 0: the zero state, deterministic). None: the checkpoint's (config.json's
+    # init_scale, else 1.0 as the official code).
+    init_scale: float | None = None
+    # Such a model's warm start (the official continuous_compute): a generated token starts from the previous
+    # token's last state, "normalized" (after the final norm, the official generate_minimal) or "raw" (as the
+    # last loop left it, the official adaptive path). None: every token from its drawn (or zero) state.
+    continuous_compute: str | None = None
 
     def __post_init__(self) -> None:
         options = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -105,12 +114,38 @@ class EngineConfig:
         refusal = self.deterministic_refusal() if self.deterministic else None
         if refusal:
             raise ValueError(f"deterministic=True {refusal}")
+        self._check_initial_state_options()
+        check_engine_options(self.model, options)
         if self.speculative is not None:
             draft_loops(self.speculative, self.loops)  # d against this engine's loop count
             if self.exit_policy.can_exit:
                 raise ValueError(f"speculative={self.speculative!r} cannot be combined with exit_policy="
                                  f"{str(self.exit_policy)!r} yet: a draft runs a fixed number of loops, "
                                  f"early:Q stops each token where its gate says; use a readout policy")
+
+    def _check_initial_state_options(self) -> None:
+        """init_scale and continuous_compute only for a model with an initial state; a warm start reads the
+        previous token's state on the host's side of a step, so never with async scheduling."""
+        if self.model.init_scale is None:
+            for name in ("init_scale", "continuous_compute"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)!r}: this checkpoint's model starts each "
+                                     "token's loops from its embedding; it has no initial state to set")
+        if self.continuous_compute is not None and self.async_scheduling:
+            raise ValueError(f"async_scheduling=True cannot be combined with continuous_compute="
+                             f"{self.continuous_compute!r}: each token starts from the state the step "
+                             "before computed, so the next step waits for it; leave async_scheduling at None "
+                             "or False")
+
+    @property
+    def initial_state_scale(self) -> float | None:
+        """The drawn initial states' scale (init_scale resolved; None: the model has no initial state)."""
+        return self.init_scale if self.init_scale is not None else self.model.init_scale
+
+    @property
+    def draws_initial_states(self) -> bool:
+        """Does each token start from a random state, drawn from its request's state seed?"""
+        return bool(self.initial_state_scale)
 
     def deterministic_refusal(self) -> str | None:
         """Why deterministic mode cannot run with these options (None: it can): it runs the Triton kernels on
@@ -164,7 +199,8 @@ class EngineConfig:
         """Does the engine schedule the next step while this one runs? (async_scheduling resolved.)"""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return self.device.type == "cuda" and self.speculative is None and not self.exit_policy.can_exit
+        return (self.device.type == "cuda" and self.speculative is None and not self.exit_policy.can_exit
+                and self.continuous_compute is None)
 
     @property
     def loops(self) -> int:
@@ -172,9 +208,11 @@ class EngineConfig:
 
     @property
     def generated_kv_exact(self) -> bool:
-        """Does every generated token keep the K/V the model computes for it at every loop? Not under
-        early:Q, whose exited tokens leave copies in their deeper slots."""
-        return not self.exit_policy.can_exit
+        """Does every generated token keep the K/V the model computes for it at every loop, the K/V a prompt
+        token would have? Not under early:Q, whose exited tokens leave copies in their deeper slots, nor
+        under a warm start, which starts a generated token from the previous one's state (so a recompute
+        replays generated tokens one per step, each after the state it starts from)."""
+        return not self.exit_policy.can_exit and self.continuous_compute is None
 
     @classmethod
     def resolve(cls, model: str | os.PathLike, device: str | torch.device | None = None,
@@ -225,6 +263,13 @@ def check_options(**values: Any) -> None:
     for name in ("async_scheduling", "deterministic"):
         if values.get(name) is not None and not isinstance(values[name], bool):
             raise ValueError(f"{name} must be True, False or None (the default), got {values[name]!r}")
+    init_scale = values.get("init_scale")
+    if init_scale is not None and (not _is_number(init_scale) or not 0 <= init_scale < math.inf):
+        raise ValueError(f"init_scale must be a finite number >= 0 (0: the zero state), got {init_scale!r}")
+    warm = values.get("continuous_compute")
+    if warm is not None and warm not in CONTINUOUS_COMPUTE:
+        raise ValueError(f"continuous_compute must be None, {' or '.join(map(repr, CONTINUOUS_COMPUTE))}, "
+                         f"got {warm!r}")
     if "gpu_memory_utilization" in values:
         utilization = values["gpu_memory_utilization"]
         if not _is_number(utilization) or not 0.0 < utilization <= 1.0:

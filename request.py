@@ -193,6 +193,10 @@ class Request:
     # ahead of it, as the synchronous path would have before the next step
     pending: bool = False
     retired: bool = False
+    # The seed of its tokens' drawn initial states, for a model that draws them (runner/initial_states.py):
+    # SamplingParams.seed, else one drawn when it is added. It salts the prefix cache's block hashes, since
+    # its K/V depends on it. None: the model draws none.
+    state_seed: int | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -35,6 +35,12 @@ def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
     return h.digest()
 
 
+def _root_hash(request: Request) -> bytes | None:
+    """The first block's parent: the request's state seed where its K/V depends on one (drawn initial
+    states), so that only requests with the same seed share cached blocks."""
+    return None if request.state_seed is None else request.state_seed.to_bytes(8, "little")
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
                  layout: KVLayout | None = None, side_rows: SideRows | None = None) -> None:
@@ -73,7 +79,7 @@ class BlockManager:
         if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return 0  # as vLLM: prompt logprobs need the logits of every prompt token, so none is cached
         token_ids = request.token_ids
-        parent, hit = None, []
+        parent, hit = _root_hash(request), []
         for i in range(self._cacheable_tokens(request, len(token_ids) - 1) // self.block_size):
             chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = block_hash(parent, chunk)
@@ -144,7 +150,7 @@ class BlockManager:
             first -= 1
         if first == num_full:
             return
-        parent = self.blocks[table[first - 1]].hash if first > 0 else None
+        parent = self.blocks[table[first - 1]].hash if first > 0 else _root_hash(request)
         token_ids = request.token_ids
         for i in range(first, num_full):
             block = self.blocks[table[i]]

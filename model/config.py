@@ -83,6 +83,10 @@ class OuroConfig:
                           self.vocab_size, self.total_ut_steps)
 
     @property
+    def init_scale(self) -> None:
+        return None  # loop 0 starts from the embedding: no initial state to draw
+
+    @property
     def num_slots(self) -> int:
         """KV planes: one per (loop, layer), slot = loop * num_hidden_layers + layer."""
         return self.total_ut_steps * self.num_hidden_layers

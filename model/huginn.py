@@ -1,6 +1,7 @@
 """Huginn-0125 (docs/huginn.md): its config, read from the HF config.json and validated once, and the network,
 embed -> prelude -> r x (adapter on [state, prelude output], core blocks) -> final norm -> coda -> final
-norm -> tied head, as step-wise methods a loop driver calls one recurrence at a time.
+norm -> tied head, as step-wise methods a loop driver calls one recurrence at a time. HuginnForCausalLM
+implements the looped-model interface (model/looped.py) with them.
 
 Like model/ouro.py, the network never sees the KV cache: it calls `attention(q, k, v, slot)` once per
 (slot, layer application), and whatever stands behind that callable owns K/V. Slots are numbered per token:
@@ -14,15 +15,18 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.looped import Attention, ModelShape, SlotMap, StepContext
 from model.ouro import RMSNorm
 
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# The two warm starts (continuous_compute) of the official code: the previous token's final state after the
+# final norm (generate_minimal's latent_states) or as the last recurrence left it (the adaptive path's).
+WARM_STARTS = ("normalized", "raw")
 
 # What config.json must say where it says anything: Huginn-0125's architecture, as the official
 # RavenConfig names it. The training-only fields (sampling_scheme, mean_backprop_depth, init_strategy, ...)
@@ -59,6 +63,9 @@ class HuginnConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # The initial state's scale (the official forward's init_scale argument, 1.0 there): config.json may
+    # say otherwise; 0 gives the zero state.
+    init_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("n_embd", "n_heads", "n_layers_in_recurrent_block", "mean_recurrence",
@@ -95,6 +102,37 @@ class HuginnConfig:
         if self.torch_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"config field 'torch_dtype' must be float32, float16 or bfloat16, "
                              f"got {self.torch_dtype!r}")
+        if not _is_number(self.init_scale) or not 0 <= self.init_scale < math.inf:
+            raise ValueError(f"config field 'init_scale' must be a finite number >= 0, "
+                             f"got {self.init_scale!r}")
+
+    # -- what the engine reads of a looped config (model/looped.py: LoopedConfig) --------------------------
+
+    @property
+    def shape(self) -> ModelShape:
+        """loops: mean_recurrence, the recurrences every token runs (the official num_steps default)."""
+        return ModelShape(self.n_embd, self.n_heads, self.n_heads, self.head_dim, self.vocab_size,
+                          self.mean_recurrence)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.block_size  # the official RoPE table's rows
+
+    @property
+    def early_exit_threshold(self) -> None:
+        return None  # no exit gate
+
+    def with_overrides(self, loops: int | None = None, exit_threshold: float | None = None) -> HuginnConfig:
+        """The recurrences (loops, the official num_steps) overridden; an exit threshold is refused: Huginn
+        has no exit gate."""
+        if exit_threshold is not None:
+            raise ValueError(f"exit_threshold={exit_threshold!r}: Huginn-0125 has no exit gate to threshold; "
+                             "it exits by a criterion on successive recurrences (docs/huginn.md)")
+        if loops is None:
+            return self
+        if not _is_int(loops) or loops < 1:
+            raise ValueError(f"loops must be an integer >= 1, got {loops!r}")
+        return dataclasses.replace(self, mean_recurrence=loops)
 
     @property
     def head_dim(self) -> int:
@@ -187,7 +225,7 @@ def _fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
         tie_embeddings=raw.get("tie_embeddings", True), init_std=init_values["std"],
         embed_scale=init_values["embed_scale"],
         torch_dtype=raw.get("torch_dtype", raw.get("dtype", "bfloat16")),
-        eos_token_ids=eos_ids, bos_token_id=raw.get("bos_token_id"))
+        eos_token_ids=eos_ids, bos_token_id=raw.get("bos_token_id"), init_scale=raw.get("init_scale", 1.0))
 
 
 def _check_int(name: str, value: Any, least: int) -> None:
@@ -290,12 +328,23 @@ class SandwichBlock(nn.Module):
 
 
 class HuginnForCausalLM(nn.Module):
-    """Inference only. Every method takes the flattened new tokens of a step ([N] ids, [N, n_embd] states)
-    and the RoPE tables of their positions (rotary)."""
+    """Inference only. Every method takes the flattened new tokens of a step ([N] ids, [N, n_embd] states).
+
+    As a looped model (model/looped.py: LoopedModel): embed scales the embedding; the prelude's output is the
+    injection every loop reads (StepContext.injection), and loop 0 starts from the zero state unless the
+    runner gives the tokens their own (initial_state, warm_state); a loop is the adapter on [state,
+    injection] and the core blocks; the coda (final norm, coda blocks, final norm) runs on the last loop's
+    state; the head is tied. There is no exit gate. The step-wise methods (run_prelude, core_step,
+    run_coda, logits) take the RoPE tables and the coda's slot explicitly, for tests at any depth."""
+
+    exit_gate = None
+    fused_kernels = False
 
     def __init__(self, config: HuginnConfig) -> None:
         super().__init__()
         self.config = config
+        self.slot_map = SlotMap(config.mean_recurrence, config.n_layers_in_recurrent_block,
+                                config.n_layers_in_prelude, config.n_layers_in_coda)
         hidden = config.n_embd
         self.wte = nn.Embedding(config.padded_vocab_size, hidden)
         self.prelude_blocks = nn.ModuleList(SandwichBlock(config) for _ in range(config.n_layers_in_prelude))
@@ -308,11 +357,59 @@ class HuginnForCausalLM(nn.Module):
                                                                     bias=False)
         self.rotary = Rotary(config.head_dim, config.rope_base)
 
-    def prelude(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: Attention) -> torch.Tensor:
+    # -- the looped-model interface --------------------------------------------------------------------
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.config.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.wte.weight.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding times embed_scale, in the model dtype, as the official code scales it."""
+        return self.wte(input_ids) * self.config.embed_scale
+
+    def step_context(self, positions: torch.Tensor, dtype: torch.dtype) -> StepContext:
+        """The fp32 RoPE tables (apply_rope rotates in fp32 whatever the states' dtype)."""
+        return StepContext(*self.rotary(positions))
+
+    def prelude(self, embedded: torch.Tensor, context: StepContext,
+                attention: Attention) -> tuple[torch.Tensor, StepContext]:
+        """The prelude blocks (slots 0..P-1) once per token: loop 0's state (zero; the runner replaces it
+        by the tokens' drawn or warm states) and the context with the prelude's output as the injection."""
+        e = self._prelude_blocks(embedded, context.cos, context.sin, attention)
+        return torch.zeros_like(e), StepContext(context.cos, context.sin, e)
+
+    def loop(self, state: torch.Tensor, context: StepContext, t: int, attention: Attention) -> torch.Tensor:
+        return self.core_step(state, context.injection, context.cos, context.sin, attention, t)
+
+    def coda(self, state: torch.Tensor, context: StepContext, attention: Attention) -> torch.Tensor:
+        """The readout hidden of the last loop's state, on the slot map's coda slots."""
+        return self.run_coda(state, context.cos, context.sin, attention, self.slot_map.loops)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden)
+
+    def warm_state(self, final: torch.Tensor, warm_start: str) -> torch.Tensor:
+        """The next token's initial state from a token's last-loop state [n, H] (continuous_compute):
+        "normalized" ln_f of it (the official generate_minimal), "raw" as is (the official adaptive path)."""
+        if warm_start not in WARM_STARTS:
+            raise ValueError(f"continuous_compute must be one of {', '.join(WARM_STARTS)}, "
+                             f"got {warm_start!r}")
+        return self.ln_f(final) if warm_start == "normalized" else final
+
+    # -- the step-wise network -------------------------------------------------------------------------
+
+    def run_prelude(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    attention: Attention) -> torch.Tensor:
         """The injection e: the embedding times embed_scale (in the model dtype), then the prelude blocks
         (slots 0..P-1). Computed once per token; every recurrence reads it."""
-        x = self.wte(input_ids) * self.config.embed_scale
+        return self._prelude_blocks(self.embed(input_ids), cos, sin, attention)
+
+    def _prelude_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        attention: Attention) -> torch.Tensor:
         for j, block in enumerate(self.prelude_blocks):
             x = block(x, cos, sin, attention, j)
         return x
@@ -341,8 +438,8 @@ class HuginnForCausalLM(nn.Module):
             x = block(x, cos, sin, attention, self.config.core_slot(recurrence, layer))
         return x
 
-    def coda(self, state: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention,
-             recurrences: int) -> torch.Tensor:
+    def run_coda(self, state: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention,
+                 recurrences: int) -> torch.Tensor:
         """ln_f, the coda blocks (slots coda_slot(0..D-1, recurrences), after all core slots of a map that
         holds `recurrences` recurrences), then ln_f again (the same weights): the hidden logits() reads."""
         x = self.ln_f(state)
@@ -363,8 +460,8 @@ class HuginnForCausalLM(nn.Module):
         if not _is_int(num_steps) or num_steps < 0:
             raise ValueError(f"num_steps must be an integer >= 0, got {num_steps!r}")
         cos, sin = self.rotary(positions)
-        e = self.prelude(input_ids, cos, sin, attention)
+        e = self.run_prelude(input_ids, cos, sin, attention)
         state = self.initial_state(e, init_scale, generator)
         for recurrence in range(num_steps):
             state = self.core_step(state, e, cos, sin, attention, recurrence)
-        return self.logits(self.coda(state, cos, sin, attention, num_steps))
+        return self.logits(self.run_coda(state, cos, sin, attention, num_steps))

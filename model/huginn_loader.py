@@ -108,11 +108,12 @@ def module_state(config: HuginnConfig, tensors: dict[str, torch.Tensor]) -> dict
 
 
 def load_huginn(model_dir: str | Path, config: HuginnConfig, device: torch.device | str,
-                dtype: torch.dtype) -> HuginnForCausalLM:
-    """The checkpoint's weights in `dtype` on `device`; the RoPE tables stay fp32."""
+                dtype: torch.dtype, check_finite: bool = True) -> HuginnForCausalLM:
+    """The checkpoint's weights in `dtype` on `device`; the RoPE tables stay fp32. check_finite refuses NaN
+    and infinite weights, naming the tensor (model/loader.py: read_tensors)."""
     files = checkpoint_files(Path(model_dir))
     check_tensors(config, files)
-    tensors = read_tensors(files, list(expected_tensors(config)), torch.device(device), dtype)
+    tensors = read_tensors(files, list(expected_tensors(config)), torch.device(device), dtype, check_finite)
     with torch.device("meta"):
         model = HuginnForCausalLM(config)
     model.load_state_dict(module_state(config, tensors), strict=True, assign=True)

@@ -107,10 +107,15 @@ class StepContext:
 @dataclasses.dataclass(slots=True)
 class LoopStates:
     """Per-loop readout states of the rows that produce logits: hidden [T, R, H] (each loop's output) and the
-    exit gate's logits [T, R] (None for a model without a gate, or where the caller did not ask for them)."""
+    exit gate's logits [T, R] (None for a model without a gate, or where the caller did not ask for them).
+    For a model with a coda, readout [R, H]: the coda's output of the last loop's state, what compute_logits
+    reads (None: no coda, or the run stopped before the last loop). final [W, H]: the last loop's output of
+    the tokens StepInputs.keep_final names (a warm start's source), else None."""
 
     hidden: torch.Tensor
     gate_logits: torch.Tensor | None
+    readout: torch.Tensor | None = None
+    final: torch.Tensor | None = None
 
 
 class LoopedConfig(Protocol):
@@ -119,6 +124,9 @@ class LoopedConfig(Protocol):
     torch_dtype: str  # the checkpoint's dtype: "float32", "float16" or "bfloat16"
     max_position_embeddings: int
     early_exit_threshold: float | None  # the exit gate's Q for the `hf` readout policy (None: none)
+    # The scale of the state loop 0 starts from, drawn per token (Huginn's init_scale); None: the family's
+    # loop 0 starts from the embedding, with no state of its own to draw
+    init_scale: float | None
 
     @property
     def shape(self) -> ModelShape: ...
@@ -149,6 +157,12 @@ class LoopedModel(Protocol):
     # (its layers store the coda slots' K/V that later tokens read), on the coda's slots. None: a loop's
     # output is its readout state (Ouro: the final norm closes every loop).
     coda: Callable[[torch.Tensor, StepContext, Attention], torch.Tensor] | None
+    # initial_state(like [n, H], init_scale, generator) -> loop 0's state drawn like `like` (Huginn's
+    # truncated normal; init_scale 0: zeros), and warm_state(final [n, H], how) -> the next token's initial
+    # state from a token's last-loop state (continuous_compute: "normalized" or "raw"). None: loop 0 starts
+    # from the prelude's (or the embedding's) output and there is nothing to draw or warm-start (Ouro).
+    initial_state: Callable[[torch.Tensor, float, torch.Generator | None], torch.Tensor] | None
+    warm_state: Callable[[torch.Tensor, str], torch.Tensor] | None
 
     @property
     def shape(self) -> ModelShape: ...

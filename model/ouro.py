@@ -99,6 +99,8 @@ class OuroForCausalLM(nn.Module):
 
     prelude = None
     coda = None
+    initial_state = None
+    warm_state = None
 
     def __init__(self, config: OuroConfig, fused_kernels: bool = False,
                  batch_invariant: bool = False) -> None:

@@ -2,6 +2,9 @@
 
     python -m model.tiny --out DIR --preset tiny|ouro-1.4b|ouro-2.6b|huginn-tiny|huginn-0125 [--seed N]
 
+The embedded model/checkpoints/tiny-huginn is `--preset huginn-tiny --heads 2` (head_dim 32, the Triton
+kernels' smallest).
+
 The output (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json) loads exactly as a downloaded checkpoint does. The ouro-* presets have the
 real shapes of docs/ouro.md §1 and huginn-0125 those of docs/huginn.md §1; their weights are random, so
@@ -88,13 +91,17 @@ def random_weights(config: dict, seed: int, dtype: torch.dtype, std: float) -> d
 
 
 def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, dtype: str | None = None,
-                     loops: int | None = None, std: float | None = None, layers: int | None = None) -> Path:
+                     loops: int | None = None, std: float | None = None, layers: int | None = None,
+                     heads: int | None = None) -> Path:
     """loops: Ouro's total_ut_steps (default 4) or Huginn's mean_recurrence (default the preset's). layers
-    (Ouro): fewer layers than the preset's (a short model of its shapes)."""
+    (Ouro): fewer layers than the preset's (a short model of its shapes). heads (Huginn): another head count
+    than the preset's, at its width."""
     if preset in HUGINN_PRESETS:
         if layers is not None:
             raise ValueError(f"layers applies to the Ouro presets, not {preset!r}")
-        return write_huginn_checkpoint(out, preset, seed, dtype, loops, std)
+        return write_huginn_checkpoint(out, preset, seed, dtype, loops, std, heads)
+    if heads is not None:
+        raise ValueError(f"heads applies to the Huginn presets, not {preset!r}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join([*PRESETS, *HUGINN_PRESETS])}")
     loops = 4 if loops is None else loops
@@ -191,7 +198,7 @@ def huginn_random_weights(config: dict, seed: int, dtype: torch.dtype, std: floa
 
 def write_huginn_checkpoint(out: str | Path, preset: str = "huginn-tiny", seed: int = 0,
                             dtype: str | None = None, mean_recurrence: int | None = None,
-                            std: float | None = None) -> Path:
+                            std: float | None = None, heads: int | None = None) -> Path:
     """A Huginn preset in the HF layout: huginn-tiny (fp32, a few hundred thousand parameters, its tokenizer's
     vocabulary) or huginn-0125 (the real shape, bf16, about 3.6B parameters: a 7 GB file)."""
     if preset not in HUGINN_PRESETS:
@@ -202,6 +209,8 @@ def write_huginn_checkpoint(out: str | Path, preset: str = "huginn-tiny", seed: 
     shape = dict(HUGINN_PRESETS[preset])
     if mean_recurrence is not None:
         shape["mean_recurrence"] = mean_recurrence
+    if heads is not None:
+        shape["n_heads"] = heads
     dtype = dtype or ("float32" if tiny else "bfloat16")
     tokenizer = train_tokenizer(shape["vocab_size"] if tiny else 4096, special_tokens=HUGINN_SPECIAL_TOKENS)
     if tiny:
@@ -233,8 +242,10 @@ def main() -> None:
     parser.add_argument("--loops", type=int, default=None,
                         help="total_ut_steps (Ouro, default 4) or mean_recurrence (Huginn, default the "
                              "preset's) written into config.json")
+    parser.add_argument("--heads", type=int, default=None,
+                        help="Huginn: n_heads (default the preset's), at the preset's width")
     args = parser.parse_args()
-    path = write_checkpoint(args.out, args.preset, args.seed, args.dtype, args.loops)
+    path = write_checkpoint(args.out, args.preset, args.seed, args.dtype, args.loops, heads=args.heads)
     print(f"wrote {args.preset} checkpoint to {path}")
 
 

@@ -1,5 +1,5 @@
 """The CUDA-graph capture wrapper, and the captured decode graphs: per batch bucket, the whole T-loop step,
-or each loop alone.
+or each loop alone (with the model's prelude and coda, where it has them, as graphs of their own).
 
 Every capture is preceded by gc.collect() (PyTorch 2.9+ no longer does this; a garbage cycle that
 holds a CUDA graph or tensors of an earlier engine, collected mid-capture, frees device memory
@@ -16,8 +16,11 @@ from typing import Callable
 import torch
 
 from attention.base import AttentionBackend, AttentionMetadata, SharedKVMetadata
-from model.looped import LoopedModel, LoopStates
+from model.looped import LoopedModel, LoopStates, StepContext
 from runner.loop_driver import EagerLoops, LoopOutput, StepInputs, advance_exit_cdf, run_loops
+
+# DecodeGraphs.graphs keys besides loops: the whole step (mode "step"), a loop-mode prelude and coda
+WHOLE_STEP, PRELUDE, CODA = -1, -2, -3
 
 # A padding row's prompt length under kv_sharing="last": longer than any context, so it has no generated
 # tokens and reads only the scratch block.
@@ -90,6 +93,10 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(n, model.shape.hidden_size, dtype=dtype, device=device)
+        # loop mode, a model with a prelude: what every loop's graph reads besides the state (the prelude
+        # graph writes it); with a coda: the coda graph's output
+        self.injection = torch.zeros_like(self.hidden) if model.prelude is not None else None
+        self.coda_out = torch.zeros_like(self.hidden) if model.coda is not None else None
         self.slot_mapping = torch.full((n,), scratch_block * block_size, dtype=torch.int64, device=device)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int32,
@@ -110,7 +117,8 @@ class DecodeGraphs:
         self.survival = torch.ones(n, dtype=torch.float64, device=device)
         self.may_exit = torch.zeros(n, dtype=torch.bool, device=device)  # rows of generated tokens
         self.reached = torch.zeros(n, dtype=torch.bool, device=device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, loop; -1: whole step)
+        # (bucket, loop; WHOLE_STEP, PRELUDE or CODA)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, LoopStates] = {}  # mode "step": each bucket's graph-owned states
         self.pool = None
         self.rows = self.bucket = 0
@@ -128,8 +136,34 @@ class DecodeGraphs:
                                  self.block_size, shared, side_tables=side_tables)
 
     def _inputs(self, bs: int) -> StepInputs:
-        """A whole step's inputs: every row reads out (the runner picks the sampling rows afterwards)."""
-        return StepInputs(self.input_ids[:bs], self.positions[:bs], self._meta(bs), None, list(range(bs)))
+        """A whole step's inputs: every row reads out (the runner picks the sampling rows afterwards). A
+        model that starts loop 0 from a state of its own reads it from the static hidden buffer."""
+        hidden = self.hidden[:bs] if self.model.initial_state is not None else None
+        return StepInputs(self.input_ids[:bs], self.positions[:bs], self._meta(bs), None, list(range(bs)),
+                          hidden=hidden)
+
+    def _context(self, bs: int, dtype: torch.dtype) -> StepContext:
+        context = self.model.step_context(self.positions[:bs], dtype)
+        if self.injection is not None:
+            context.injection = self.injection[:bs]
+        return context
+
+    def _prelude(self, bs: int) -> None:
+        """The prelude graph's body: the tokens' embeddings through the prelude, its loop-0 state into the
+        hidden buffer and its injection into the injection buffer."""
+        model = self.model
+        x = model.embed(self.input_ids[:bs])
+        self.backend.prepare(self._meta(bs))
+        state, context = model.prelude(x, model.step_context(self.positions[:bs], x.dtype),
+                                       self.backend.forward)
+        self.hidden[:bs].copy_(state)
+        self.injection[:bs].copy_(context.injection)
+
+    def _coda(self, bs: int) -> None:
+        """The coda graph's body: the coda of the hidden buffer's states into coda_out."""
+        h = self.hidden[:bs]
+        self.backend.prepare(self._meta(bs))
+        self.coda_out[:bs].copy_(self.model.coda(h, self._context(bs, h.dtype), self.backend.forward))
 
     def _step(self, bs: int) -> LoopStates:
         executor = EagerLoops(self.model, self.backend)
@@ -141,14 +175,17 @@ class DecodeGraphs:
         model = self.model
         h = self.hidden[:bs]
         if t == 0:
-            h.copy_(model.embed(self.input_ids[:bs]))
+            if model.prelude is None:  # else the prelude graph (or the caller) has filled h
+                h.copy_(model.embed(self.input_ids[:bs]))
             if self.exit_threshold is not None:  # a new step's exit CDF, reset on the device
                 self.cdf[:bs].zero_()
                 self.survival[:bs].fill_(1.0)
-        context = model.step_context(self.positions[:bs], h.dtype)
+        context = self._context(bs, h.dtype)
         self.backend.prepare(self._meta(bs))
         out = model.loop(h, context, t, self.backend.forward)
         h.copy_(out)
+        if model.exit_gate is None:
+            return
         gate = model.exit_gate(out)
         self.gate_logits[:bs].copy_(gate)
         if self.exit_threshold is not None and t < self.loops - 1:
@@ -161,8 +198,12 @@ class DecodeGraphs:
     def capture_all(self, collect: Callable[[], None] = collect_garbage) -> None:
         stream = torch.cuda.Stream()
         for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
-            work = [(-1, lambda bs=bs: self._step(bs))] if self.mode == "step" else \
+            work = [(WHOLE_STEP, lambda bs=bs: self._step(bs))] if self.mode == "step" else \
                 [(t, lambda bs=bs, t=t: self._loop(bs, t)) for t in range(self.loops)]
+            if self.mode == "loop" and self.injection is not None:
+                work.insert(0, (PRELUDE, lambda bs=bs: self._prelude(bs)))
+            if self.mode == "loop" and self.coda_out is not None:
+                work.append((CODA, lambda bs=bs: self._coda(bs)))
             for t, run in work:
                 graph = torch.cuda.CUDAGraph()
                 self.backend.capture_begin(bs)
@@ -170,7 +211,7 @@ class DecodeGraphs:
                     result = capture(graph, run, self.pool, stream, collect)
                 finally:
                     self.backend.capture_end()
-                if t < 0:
+                if t == WHOLE_STEP:
                     self.outputs[bs] = result
                 self.graphs[bs, t] = graph
                 if self.pool is None:
@@ -186,20 +227,44 @@ class DecodeGraphs:
     def replay_step(self, inputs: StepInputs) -> LoopStates:
         """Mode "step": one decode step of every row through the smallest bucket that holds them."""
         self.begin(inputs)
-        self.graphs[self.bucket, -1].replay()
+        self.graphs[self.bucket, WHOLE_STEP].replay()
         states = self.outputs[self.bucket]
-        return LoopStates(states.hidden[:, :self.rows], states.gate_logits[:, :self.rows])
+        rows = self.rows
+        return LoopStates(states.hidden[:, :rows],
+                          None if states.gate_logits is None else states.gate_logits[:, :rows],
+                          None if states.readout is None else states.readout[:rows])
 
     # -- the loop driver's executor (mode "loop") ------------------------------------------------------
 
     def begin(self, inputs: StepInputs) -> None:
         meta = inputs.meta
         n = meta.num_rows
-        if inputs.hidden is not None:  # a run that starts at a later loop: its graphs read self.hidden
-            if self.mode == "step":
-                raise ValueError("a whole-step graph starts from the embeddings; run later loops in "
-                                 "loop mode")
+        own_state = self.model.initial_state is not None
+        if inputs.hidden is not None and self.mode == "step" and not own_state:
+            raise ValueError("a whole-step graph starts from the embeddings; run later loops in loop mode")
+        self.inputs = inputs
+        self._load(inputs)
+        if self.injection is not None and self.mode == "loop":
+            self.graphs[self.bucket, PRELUDE].replay()
+        if inputs.hidden is not None:  # the tokens' own initial states, or a later loop's input
             self.hidden[:n].copy_(inputs.hidden)
+        elif own_state and self.mode == "step":
+            self.hidden[:n].zero_()
+        if self.exit_threshold is not None:
+            if len(inputs.generated_rows) == n:  # the usual decode step: one launch, no host-to-device copy
+                self.may_exit[:n].fill_(True)
+            else:
+                may_exit = torch.zeros(n, dtype=torch.bool)
+                may_exit[inputs.generated_rows] = True
+                self.may_exit[:n].copy_(may_exit, non_blocking=True)
+            if inputs.hidden is not None:  # loop 0's graph, which resets the CDF, does not run
+                self.cdf[:n].zero_()
+                self.survival[:n].fill_(1.0)
+
+    def _load(self, inputs: StepInputs) -> None:
+        """The step's tokens and metadata into the static buffers, and the bucket's padding rows."""
+        meta = inputs.meta
+        n = meta.num_rows
         self.input_ids[:n].copy_(inputs.input_ids)
         self.positions[:n].copy_(inputs.positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
@@ -211,16 +276,6 @@ class DecodeGraphs:
             tables = meta.shared_kv.generated_block_tables
             self.prompt_lens[:n].copy_(meta.shared_kv.prompt_lens)
             self.generated_block_tables[:n, :tables.shape[1]].copy_(tables)
-        if self.exit_threshold is not None:
-            if len(inputs.generated_rows) == n:  # the usual decode step: one launch, no host-to-device copy
-                self.may_exit[:n].fill_(True)
-            else:
-                may_exit = torch.zeros(n, dtype=torch.bool)
-                may_exit[inputs.generated_rows] = True
-                self.may_exit[:n].copy_(may_exit, non_blocking=True)
-            if inputs.hidden is not None:  # loop 0's graph, which resets the CDF, does not run
-                self.cdf[:n].zero_()
-                self.survival[:n].fill_(1.0)
         self._pad(n)
 
     def run_loop(self, t: int) -> LoopOutput:
@@ -228,6 +283,14 @@ class DecodeGraphs:
         h, gate_logits, reached = self.views
         return LoopOutput(h, gate_logits, reached if self.exit_threshold is not None and t < self.loops - 1
                           else None)
+
+    def run_coda(self, state: torch.Tensor) -> torch.Tensor:
+        n = self.inputs.meta.num_rows
+        if self.rows != n:  # rows stopped and were compacted: every token's buffers again
+            self._load(self.inputs)
+        self.hidden[:n].copy_(state)
+        self.graphs[self.bucket, CODA].replay()
+        return self.coda_out[:n]
 
     def keep(self, rows: list[int]) -> None:
         index = torch.tensor(rows, dtype=torch.int64).to(self.hidden.device, non_blocking=True)
@@ -237,6 +300,8 @@ class DecodeGraphs:
             buffers += [self.prompt_lens, self.generated_block_tables]
         if self.side_tables is not None:
             buffers.append(self.side_tables)
+        if self.injection is not None:
+            buffers.append(self.injection)
         for buffer in buffers:
             buffer[:len(rows)] = buffer[index]
         self._pad(len(rows))

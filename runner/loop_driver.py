@@ -40,9 +40,13 @@ class StepInputs:
     readout: torch.Tensor | None
     generated_rows: list[int]  # rows whose one new token is a generated token: those a hook may stop
     reads_out_every_token: bool = False  # readout is 0..N-1, in order
-    # [N, H]: the state the first loop starts from (a later loop's input, e.g. to verify a draft of the first
-    # loops); None: the tokens' embeddings.
+    # [N, H]: the state the first loop starts from (the tokens' drawn or warm initial states, or a later
+    # loop's input, e.g. to verify a draft of the first loops); None: the prelude's output, or the tokens'
+    # embeddings for a model without a prelude. A model's prelude runs either way (it makes the injection).
     hidden: torch.Tensor | None = None
+    # [W] int64: tokens whose last-loop output the step hands back (LoopStates.final), the source of the next
+    # token's warm start; None: none
+    keep_final: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +78,10 @@ class LoopExecutor(Protocol):
     def keep(self, rows: list[int]) -> None:
         """From the next loop on, run only these of the live rows (indices into the live rows, in order)."""
 
+    def run_coda(self, state: torch.Tensor) -> torch.Tensor:
+        """The model's coda over every token of the step (live or not), from `state`, every token's last-loop
+        output [N, H]: the readout hidden [N, H]."""
+
 
 class LoopHook(Protocol):
     def begin(self, inputs: StepInputs) -> None:
@@ -102,15 +110,22 @@ class EagerLoops:
         self.attention = attention
 
     def begin(self, inputs: StepInputs) -> None:
-        self.state = inputs.hidden if inputs.hidden is not None else self.model.embed(inputs.input_ids)
-        self.context = self.model.step_context(inputs.positions, self.state.dtype)
-        self.meta = inputs.meta
+        model = self.model
+        state = model.embed(inputs.input_ids)
+        self.context = model.step_context(inputs.positions, state.dtype)
+        self.meta = self.step_meta = inputs.meta
         if self.backend is not None:
             self.backend.prepare(self.meta)
+        if model.prelude is not None:
+            state, self.context = model.prelude(state, self.context, self._attention())
+        self.state = inputs.hidden if inputs.hidden is not None else state
+        self.step_context = self.context
+
+    def _attention(self) -> Attention:
+        return self.attention if self.backend is None else self.backend.forward
 
     def run_loop(self, t: int) -> LoopOutput:
-        attention = self.attention if self.backend is None else self.backend.forward
-        self.state = self.model.loop(self.state, self.context, t, attention)
+        self.state = self.model.loop(self.state, self.context, t, self._attention())
         return LoopOutput(self.state)
 
     def keep(self, rows: list[int]) -> None:
@@ -119,13 +134,21 @@ class EagerLoops:
         self.context = self.context.select(tokens)
         self.backend.prepare(self.meta)
 
+    def run_coda(self, state: torch.Tensor) -> torch.Tensor:
+        if self.meta is not self.step_meta:  # rows stopped: the coda runs on every token again
+            self.meta, self.context = self.step_meta, self.step_context
+            self.backend.prepare(self.meta)
+        return self.model.coda(state, self.context, self._attention())
+
 
 def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, loops: range,
               hook: LoopHook | None = None, read_gates: bool = True) -> LoopStates:
     """Per-loop states of the readout tokens: hidden [len(loops), R, H] and gate logits [len(loops), R] (None
     where the model has no exit gate, or read_gates is False: a piecewise chain's capture, whose replays
     compute them on their readout rows). A row a hook stopped repeats its last loop's hidden state in later
-    loops, with NaN gate logits there."""
+    loops, with NaN gate logits there. Where `loops` ends at the model's last loop, a model's coda runs on
+    every token's last state (a stopped row's: the loop it stopped at), and LoopStates.readout holds the
+    readout tokens' coda outputs; LoopStates.final the last-loop states of inputs.keep_final."""
     executor.begin(inputs)
     gate_of = model.exit_gate if read_gates else None
 
@@ -138,14 +161,25 @@ def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, lo
             return x[inputs.readout]
         return x.clone() if reused else x
 
+    def coda_and_final(states: LoopStates, last: torch.Tensor) -> LoopStates:
+        """The coda over every token's last state `last` [N, H] where the run reaches the model's last loop,
+        read at the readout tokens; the last states of inputs.keep_final."""
+        if inputs.keep_final is not None:
+            states.final = last[inputs.keep_final]
+        if model.coda is not None and loops.stop == model.slot_map.loops:
+            states.readout = read(executor.run_coda(last), executor.reuses_outputs)
+        return states
+
     hidden, gates = [], []
     if hook is None:
+        last = None
         for t in loops:
-            out = read(executor.run_loop(t).h, executor.reuses_outputs)
+            last = executor.run_loop(t).h
+            out = read(last, executor.reuses_outputs)
             hidden.append(out)
             if gate_of is not None:
                 gates.append(gate_of(out))
-        return LoopStates(torch.stack(hidden), torch.stack(gates) if gates else None)
+        return coda_and_final(LoopStates(torch.stack(hidden), torch.stack(gates) if gates else None), last)
     hook.begin(inputs)
     rows = _LiveRows(inputs.meta.query_starts_cpu, inputs.input_ids.device)
     state = gate_state = None  # every token's latest loop output and gate, once some row has stopped
@@ -169,10 +203,11 @@ def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, lo
             if not kept:
                 break
             executor.keep(kept)
+    last = h if rows.all_live else state
     for _ in range(len(loops) - len(hidden)):  # every row stopped early
         hidden.append(hidden[-1])
         gates.append(torch.full_like(gates[-1], math.nan))
-    return LoopStates(torch.stack(hidden), torch.stack(gates))
+    return coda_and_final(LoopStates(torch.stack(hidden), torch.stack(gates)), last)
 
 
 class _LiveRows:

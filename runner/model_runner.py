@@ -32,6 +32,7 @@ from request import Logprob, Request, ScheduledBatch, SpeculativeStats
 from runner.block_tables import BlockTables
 from runner.cuda_graph import DecodeGraphs
 from runner.host_to_device import upload
+from runner.initial_states import InitialStates
 from runner.loop_driver import EagerLoops, EarlyExit, LoopStats, StepInputs, run_loops
 from runner.piecewise_graphs import PiecewiseGraphs
 from runner.sampler import logprob_dicts, logprobs_topn, process_logits, sample
@@ -51,6 +52,9 @@ class StepResult:
     logprobs: dict[int, list[dict[int, Logprob]]] = dataclasses.field(default_factory=dict)
     prompt_logprobs: dict[int, list[dict[int, Logprob]]] = dataclasses.field(default_factory=dict)
     drafts: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # Under a warm start (runner/initial_states.py): row -> (the position of its last token, the warm start of
+    # the token after it), kept for its request once the step is applied
+    warm: dict[int, tuple[int, torch.Tensor]] = dataclasses.field(default_factory=dict)
     # A launched step's sampled tokens while they are still on the device: (batch rows, their tokens [rows])
     device_tokens: list[tuple[list[int], torch.Tensor]] = dataclasses.field(default_factory=list)
 
@@ -109,6 +113,8 @@ class ModelRunner:
         self.hook = (EarlyExit(float(config.exit_policy.value), self.loops, layout, pool, self.loop_stats)
                      if config.exit_policy.can_exit else None)
         self.eager = EagerLoops(model, backend)
+        self.initial_states = InitialStates(model, config.initial_state_scale, config.continuous_compute,
+                                            self.device) if model.initial_state is not None else None
         self.speculation = SelfSpeculation(self, config.draft_loops) if config.draft_loops else None
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
@@ -182,9 +188,18 @@ class ModelRunner:
                 pending[0].append(query_start[-1] - 1)
                 pending[1].append(previous.index[request.request_id])
         readout += prompt_readout
-        return self._inputs(batch.requests, input_ids, positions, slot_mapping, query_start, context_lens,
-                            list(batch.num_new_tokens), readout, generated_rows,
-                            (*pending, previous.tokens) if pending[0] else None)
+        inputs = self._inputs(batch.requests, input_ids, positions, slot_mapping, query_start, context_lens,
+                              list(batch.num_new_tokens), readout, generated_rows,
+                              (*pending, previous.tokens) if pending[0] else None)
+        initial = self.initial_states
+        if initial is not None and initial.needed:
+            starts = [r.num_computed_tokens for r in batch.requests]
+            inputs.hidden = initial.for_step(batch.requests, starts, context_lens)
+            kept = initial.keep_rows(batch.requests, context_lens)
+            if kept:
+                inputs.keep_final = torch.tensor([query_start[row + 1] - 1 for row in kept],
+                                                 dtype=torch.int64).to(self.device, non_blocking=True)
+        return inputs
 
     def decode_inputs(self, requests: list[Request], tokens: list[int] | torch.Tensor, positions: list[int],
                       hidden: torch.Tensor | None = None) -> StepInputs:
@@ -261,20 +276,29 @@ class ModelRunner:
         if self.config.batch_invariant:  # a one-token prompt chunk takes the prompt path (decode_rows)
             decode = decode and len(inputs.generated_rows) == rows
         if graphs is not None and graphs.mode == "step" and decode and graphs.bucket_for(rows):
-            states = graphs.replay_step(inputs)
-            if inputs.reads_out_every_token:
-                return states
-            return LoopStates(states.hidden[:, inputs.readout], states.gate_logits[:, inputs.readout])
+            return self._read(graphs.replay_step(inputs), inputs)
         piecewise = self.piecewise
-        if (not decode and piecewise is not None and inputs.hidden is None
+        if (not decode and piecewise is not None and (inputs.hidden is None or piecewise.initial is not None)
                 and piecewise.bucket_for(inputs.num_tokens)):
             self.backend.prepare(inputs.meta)
-            hidden = piecewise.run(inputs.input_ids, inputs.positions)[:, inputs.readout]
+            states = self._read(piecewise.run(inputs.input_ids, inputs.positions, inputs.hidden), inputs)
             # each loop's gate on its own, as the eager loop driver computes it
             gate_of = self.model.exit_gate
-            return LoopStates(hidden, None if gate_of is None else torch.stack([gate_of(h) for h in hidden]))
+            if gate_of is not None:
+                states.gate_logits = torch.stack([gate_of(h) for h in states.hidden])
+            return states
         executor = self.executor_for(rows) if decode else self.eager
         return run_loops(executor, self.model, inputs, range(self.loops), self.hook)
+
+    @staticmethod
+    def _read(states: LoopStates, inputs: StepInputs) -> LoopStates:
+        """A graph's states of every token of the step: those of its readout tokens, and the last-loop states
+        of inputs.keep_final."""
+        final = None if inputs.keep_final is None else states.hidden[-1][inputs.keep_final]
+        if inputs.reads_out_every_token:
+            states.final = final
+            return states
+        return dataclasses.replace(_rows(states, inputs.readout), final=final)
 
     def executor_for(self, num_rows: int):
         """The loop driver's executor for a decode batch of num_rows one-token rows: the per-loop graphs
@@ -316,16 +340,26 @@ class ModelRunner:
         inputs = self.prepare(batch, previous)
         states = self.forward(inputs)
         result = StepResult([None] * batch.num_seqs)
+        if states.final is not None:
+            self._warm_starts(batch, states.final, result)
         sampling = [row for row, samples in enumerate(batch.sample) if samples]
         if len(inputs.readout) > len(sampling):  # the readout's first rows sample; prompt tokens follow
-            self._isolated(batch, result, self._prompt_logprobs, "prompt logprobs", LoopStates(
-                states.hidden[:, len(sampling):], states.gate_logits[:, len(sampling):]),
-                list(range(batch.num_seqs)))
+            self._isolated(batch, result, self._prompt_logprobs, "prompt logprobs",
+                           _rows(states, slice(len(sampling), None)), list(range(batch.num_seqs)))
         rows = [row for row in sampling if row not in result.errors]
         if rows:
             stage = self._sample_rows_on_device if on_device else self._sample_rows
             self._isolated(batch, result, stage, "sampling", states, rows)
         return result
+
+    def _warm_starts(self, batch: ScheduledBatch, final: torch.Tensor, result: StepResult) -> None:
+        """The warm starts of the tokens after the kept rows' last tokens (InitialStates.keep_rows, in its
+        order), into result.warm."""
+        initial = self.initial_states
+        ends = [r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens)]
+        warm = initial.warm_states(final)
+        for i, row in enumerate(initial.keep_rows(batch.requests, ends)):
+            result.warm[row] = (ends[row] - 1, warm[i])
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
@@ -390,6 +424,9 @@ class ModelRunner:
         if staged is None or staged.committed:
             return
         staged.committed = True
+        for row, (position, warm) in result.warm.items():
+            if advances[row]:
+                self.initial_states.keep(staged.batch.requests[row].request_id, position, warm)
         for row, request in enumerate(staged.batch.requests):
             added = appended[row]
             if added > 0:
@@ -461,10 +498,8 @@ class ModelRunner:
         sampling = [row for row, samples in enumerate(batch.sample) if samples]
         index = slice(0, len(rows)) if len(rows) == len(sampling) else [sampling.index(row) for row in rows]
         requests = [batch.requests[row] for row in rows]
-        logits, traces = readout_logits(self.model.compute_logits, states.hidden[:, index],
-                                        states.gate_logits[:, index], self._readout_policies(batch, rows),
-                                        [traced and r.params.loop_trace for r in requests],
-                                        self.config.model.early_exit_threshold)
+        logits, traces = self._readout(_rows(states, index), self._readout_policies(batch, rows),
+                                       [traced and r.params.loop_trace for r in requests])
         sampled = sample(process_logits(logits, requests), [r.params for r in requests],
                          [self.generator_of(r) for r in requests])
         return requests, logits, traces, sampled
@@ -508,15 +543,22 @@ class ModelRunner:
         engine_policy = self.config.exit_policy
         policies = [request_policy(r.params.exit_policy, engine_policy, self.loops) for r in requests]
         tokens = [i for _, i in owners]
-        logits, _ = readout_logits(self.model.compute_logits, states.hidden[:, tokens],
-                                   states.gate_logits[:, tokens], policies, [False] * len(requests),
-                                   self.config.model.early_exit_threshold)
+        logits, _ = self._readout(_rows(states, tokens), policies, [False] * len(requests))
         counts = [r.params.prompt_logprobs for r in requests]
         top = logprobs_topn(logits, torch.tensor(next_tokens, device=logits.device), max(counts))
         entries: dict[int, list[dict[int, Logprob]]] = {}
         for (row, _), entry in zip(owners, logprob_dicts(top, counts, self.token_text)):
             entries.setdefault(row, []).append(entry)
         result.prompt_logprobs.update(entries)
+
+    def _readout(self, states: LoopStates, policies: list[ExitPolicy],
+                 traced: list[bool]) -> tuple[torch.Tensor, list[LoopTrace | None]]:
+        """Logits [R, V] (fp32) of the states' rows under their policies, and their traces. A model with a
+        coda reads out its coda's output (after the last loop: every policy it serves reads that loop)."""
+        if states.readout is not None:
+            return self.model.compute_logits(states.readout).float(), [None] * len(policies)
+        return readout_logits(self.model.compute_logits, states.hidden, states.gate_logits, policies, traced,
+                              self.config.model.early_exit_threshold)
 
     def policies_of(self, requests: list[Request]) -> list[ExitPolicy]:
         """Each request's readout policy (its own override, else the engine's)."""
@@ -547,11 +589,20 @@ class ModelRunner:
         return self.generators[request.request_id]
 
     def release(self, request: Request) -> None:
-        """The request finished: forget its generator and its block-table rows."""
+        """The request finished: forget its generator, its last state and its block-table rows."""
         self.generators.pop(request.request_id, None)
+        if self.initial_states is not None:
+            self.initial_states.release(request.request_id)
         self.block_tables.release(request)
         if self.generated_tables is not None:
             self.generated_tables.release(request)
+
+
+def _rows(states: LoopStates, index: slice | list[int] | torch.Tensor) -> LoopStates:
+    """These readout rows of the states (the final states are the step's, not a readout row's: dropped)."""
+    return LoopStates(states.hidden[:, index],
+                      None if states.gate_logits is None else states.gate_logits[:, index],
+                      None if states.readout is None else states.readout[index])
 
 
 def prompt_logprob_positions(request: Request, start: int, end: int) -> range:

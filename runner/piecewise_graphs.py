@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from attention.base import AttentionBackend
-from model.looped import Attention, LoopedModel
+from model.looped import Attention, LoopedModel, LoopStates
 from runner.cuda_graph import collect_garbage
 from runner.loop_driver import EagerLoops, StepInputs, run_loops
 
@@ -54,7 +54,8 @@ def token_buckets(max_tokens: int) -> list[int]:
 class PiecewiseGraphs:
     """Per token bucket, a chain of captured pieces; `run` replays the chain of the smallest bucket that
     holds a step, with eager attention between the pieces, and returns every loop's output of the step's
-    tokens, [T, tokens, H] (a view of graph-owned memory that the next run overwrites)."""
+    tokens, [T, tokens, H], and the coda's output [tokens, H] where the model has one (views of graph-owned
+    memory that the next run overwrites)."""
 
     def __init__(self, model: LoopedModel, backend: AttentionBackend, max_tokens: int,
                  device: torch.device) -> None:
@@ -72,9 +73,11 @@ class PiecewiseGraphs:
         self.k = torch.zeros(n, kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.attention_out = torch.zeros_like(self.q)
+        self.initial = torch.zeros(n, shape.hidden_size, dtype=dtype, device=device) \
+            if model.initial_state is not None else None
         self.chains: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.slots: list[int] = []  # the KV slot of the attention call after each piece but the last
-        self.outputs: dict[int, torch.Tensor] = {}  # each bucket's [T, bucket, H], graph-owned
+        self.outputs: dict[int, LoopStates] = {}  # each bucket's loop (and coda) outputs, graph-owned
         self.pool = None
 
     def bucket_for(self, num_tokens: int) -> int | None:
@@ -85,13 +88,14 @@ class PiecewiseGraphs:
 
     # -- capture -------------------------------------------------------------------------------------
 
-    def run_model(self, n: int, attention: Attention) -> torch.Tensor:
+    def run_model(self, n: int, attention: Attention) -> LoopStates:
         """The model's loops over the first n static tokens, through the loop driver with `attention` as is
-        (a capture's splitting callable): [T, n, H], every loop's output (the gates are the replay's)."""
-        inputs = StepInputs(self.input_ids[:n], self.positions[:n], None, None, [])
-        states = run_loops(EagerLoops(self.model, None, attention), self.model, inputs, range(self.loops),
-                           read_gates=False)
-        return states.hidden
+        (a capture's splitting callable): every loop's output [T, n, H] and the coda's (the gates are the
+        replay's)."""
+        initial = None if self.initial is None else self.initial[:n]
+        inputs = StepInputs(self.input_ids[:n], self.positions[:n], None, None, [], hidden=initial)
+        return run_loops(EagerLoops(self.model, None, attention), self.model, inputs, range(self.loops),
+                         read_gates=False)
 
     def _stash(self, n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """A piece's last kernels: q, k, v into the static buffers eager attention reads. Returns the static
@@ -141,20 +145,30 @@ class PiecewiseGraphs:
 
     # -- replay --------------------------------------------------------------------------------------
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Every loop's output of the step's tokens, [T, n, H]. The attention backend must be prepared
-        with the step's metadata."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            initial: torch.Tensor | None = None) -> LoopStates:
+        """Every loop's output of the step's tokens [T, n, H] and the coda's [n, H] (None: no coda), no
+        gates. initial [n, H]: the tokens' initial states, for a model that has them (None: zeros). The
+        attention backend must be prepared with the step's metadata."""
         n = input_ids.shape[0]
         bucket = self.bucket_for(n)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
+        if self.initial is not None:
+            if initial is None:
+                self.initial[:n].zero_()
+            else:
+                self.initial[:n].copy_(initial)
         if n < bucket:  # padding: token 0 at position 0 (the buffers may hold a larger step's tokens)
             self.input_ids[n:bucket].zero_()
             self.positions[n:bucket].zero_()
+            if self.initial is not None:
+                self.initial[n:bucket].zero_()
         q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.attention_out[:n]
         chain, forward = self.chains[bucket], self.backend.forward
         for piece, slot in zip(chain, self.slots):
             piece.replay()
             out.copy_(forward(q, k, v, slot))
         chain[-1].replay()
-        return self.outputs[bucket][:, :n]
+        states = self.outputs[bucket]
+        return LoopStates(states.hidden[:, :n], None, None if states.readout is None else states.readout[:n])

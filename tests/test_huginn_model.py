@@ -103,7 +103,7 @@ def drive(model: HuginnForCausalLM, prompt: list[int], max_new_tokens: int, num_
             store.positions = torch.arange(start, start + len(ids))
             generated = start >= len(prompt)
             cos, sin = model.rotary(store.positions)
-            e = model.prelude(torch.tensor(ids), cos, sin, store)
+            e = model.run_prelude(torch.tensor(ids), cos, sin, store)
             state = model.initial_state(e)
             if generated and warm_start is not None:
                 state = model.ln_f(warm) if warm_start == "normalized" else warm
@@ -117,7 +117,7 @@ def drive(model: HuginnForCausalLM, prompt: list[int], max_new_tokens: int, num_
                     exit_loop = i
                     break
                 if adaptive is not None and adaptive.is_checked(i):
-                    observed = model.logits(model.coda(state, cos, sin, store, num_steps)) \
+                    observed = model.logits(model.run_coda(state, cos, sin, store, num_steps)) \
                         if adaptive.reads_logits else state
                     exits, _, memory = adaptive.check(memory, observed)
                     if bool(exits[0]):
@@ -128,7 +128,7 @@ def drive(model: HuginnForCausalLM, prompt: list[int], max_new_tokens: int, num_
             if generated:
                 store.exited(start, len(states))
             readout = states[exit_loop] if states else state
-            logits = model.logits(model.coda(readout, cos, sin, store, num_steps))
+            logits = model.logits(model.run_coda(readout, cos, sin, store, num_steps))
             tokens.append(int(logits[-1].argmax()))
             steps.append(len(states))
             warm = state[-1:]
@@ -146,11 +146,11 @@ def test_step_wise_methods_compose_to_forward_bitwise(model, init_scale):
         whole = model(ids, positions, dense_causal_attention, steps, init_scale,
                       torch.Generator().manual_seed(1))
         cos, sin = model.rotary(positions)
-        e = model.prelude(ids, cos, sin, dense_causal_attention)
+        e = model.run_prelude(ids, cos, sin, dense_causal_attention)
         state = model.initial_state(e, init_scale, torch.Generator().manual_seed(1))
         for i in range(steps):
             state = model.core_step(state, e, cos, sin, dense_causal_attention, i)
-        stepped = model.logits(model.coda(state, cos, sin, dense_causal_attention, steps))
+        stepped = model.logits(model.run_coda(state, cos, sin, dense_causal_attention, steps))
     assert whole.dtype == torch.float32 and whole.shape == (len(PROMPTS[0]), model.config.padded_vocab_size)
     assert torch.equal(whole, stepped)
 

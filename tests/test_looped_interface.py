@@ -146,7 +146,7 @@ def test_run_loops_and_every_path_through_it_give_the_written_out_loops_bitwise(
         chained = piecewise.run_model(11, dense_causal_attention)
         composed = model(ids, positions, dense_causal_attention)
     assert torch.equal(driven.hidden, hidden) and torch.equal(driven.gate_logits, gates)
-    assert torch.equal(chained, hidden)
+    assert torch.equal(chained.hidden, hidden)
     assert torch.equal(composed.hidden, hidden) and torch.equal(composed.gate_logits, gates)
 
 
@@ -239,11 +239,12 @@ def test_runner_cache_and_engine_name_no_model_family():
             assert {m for m in modules if m.split(".")[0] == "model"} <= {"model.looped"}, name
 
 
-def test_a_huginn_checkpoint_is_refused_by_name_until_its_runner_exists(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(huginn_hf_config(HUGINN_PRESETS["huginn-tiny"])))
-    with pytest.raises(ValueError, match="model_type 'huginn_raven' is Huginn-0125, which the engine cannot "
-                                         "serve yet: .*runner wiring"):
-        Engine(tmp_path, device="cpu", verbose=False)
+def test_a_huginn_checkpoint_is_served_with_its_prelude_and_coda_slots():
+    with Engine(ROOT / "model" / "checkpoints" / "tiny-huginn", device="cpu", verbose=False) as engine:
+        slot_map = engine.model.slot_map
+        assert engine.model.prelude is not None and engine.model.coda is not None
+        assert engine.kv_pool.slot_map is slot_map and not slot_map.loops_only
+        assert slot_map.num_slots == 1 + engine.engine_config.loops * 2 + 1
 
 
 def test_an_unknown_model_type_is_refused_naming_the_families(tiny_checkpoint, tmp_path):
