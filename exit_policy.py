@@ -312,15 +312,10 @@ def hf_exit_loops(gate_logits: torch.Tensor, q: float | None) -> torch.Tensor:
 
 
 def exit_loops(policy: ExitPolicy, pdf: torch.Tensor) -> torch.Tensor:
-    """[R] int64 readout loop of each row under a policy other than weighted and hf. Under a criterion the
-    rows are generated tokens: one that stopped (NaN pdf in the loops it skipped) reads out where it stopped,
-    one that ran every loop at the criterion's readout_loop."""
+    """[R] int64 readout loop of each row under a policy other than weighted, hf and the criteria."""
     loops, rows = pdf.shape
     if policy.kind in ("threshold", "early"):
         return threshold_exit_loops(pdf, float(policy.value))
-    if policy.is_criterion:
-        ran = (~pdf.isnan()).sum(dim=0)
-        return torch.clamp(ran - 1, max=policy.readout_loop(loops))
     loop = policy.value if policy.kind == "step" else loops - 1
     return torch.full((rows,), loop, dtype=torch.int64, device=pdf.device)
 
@@ -345,6 +340,8 @@ def readout_logits(lm_head, hidden: torch.Tensor, gate_logits: torch.Tensor, pol
         if policy.kind == "hf":
             q = config_threshold if policy.value is None else float(policy.value)
             loop_of[chosen] = hf_exit_loops(gate_logits[:, chosen], q).to(hidden.device)
+        elif policy.is_criterion:
+            loop_of[chosen] = criterion_exit_loops(policy, gate_logits[:, chosen]).to(hidden.device)
         elif policy.kind != "weighted":
             loop_of[chosen] = exit_loops(policy, pdf[:, chosen]).to(hidden.device)
     logits = lm_head(hidden[loop_of, torch.arange(rows, device=hidden.device)]).float()
@@ -359,6 +356,14 @@ def readout_logits(lm_head, hidden: torch.Tensor, gate_logits: torch.Tensor, pol
                                                  pdf[:, chosen], exit_loop)):
             traces[r] = trace
     return logits, traces
+
+
+def criterion_exit_loops(policy: ExitPolicy, gate_logits: torch.Tensor) -> torch.Tensor:
+    """[T, R] gate logits of generated tokens under a criterion -> [R] int64 readout loops: where a row
+    stopped (the last loop whose gate is not NaN), or the criterion's readout_loop for a row that ran every
+    loop."""
+    ran = (~gate_logits.isnan()).sum(dim=0)
+    return torch.clamp(ran - 1, max=policy.readout_loop(gate_logits.shape[0]))
 
 
 def expected_logits(lm_head, hidden: torch.Tensor, pdf: torch.Tensor) -> torch.Tensor:
