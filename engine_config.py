@@ -110,7 +110,8 @@ class EngineConfig:
             if self.exit_policy.can_exit:
                 raise ValueError(f"speculative={self.speculative!r} cannot be combined with exit_policy="
                                  f"{str(self.exit_policy)!r} yet: a draft runs a fixed number of loops, "
-                                 f"early:Q stops each token where its gate says; use a readout policy")
+                                 f"{self.exit_policy.kind} stops each token where it decides; use a readout "
+                                 "policy")
 
     def deterministic_refusal(self) -> str | None:
         """Why deterministic mode cannot run with these options (None: it can): it runs the Triton kernels on
@@ -173,7 +174,7 @@ class EngineConfig:
     @property
     def generated_kv_exact(self) -> bool:
         """Does every generated token keep the K/V the model computes for it at every loop? Not under
-        early:Q, whose exited tokens leave copies in their deeper slots."""
+        early:Q or an exit criterion, whose exited tokens leave copies in their deeper slots."""
         return not self.exit_policy.can_exit
 
     @classmethod
