@@ -272,3 +272,24 @@ def test_per_loop_graphs_give_the_eager_exit_loops_and_tokens(tiny_checkpoint, s
                                [len(t.exit_pdf) for t in o.outputs[0].traces]) for o in outputs]
             assert engine.loop_stats.loops_per_token < LOOPS
     assert results[False] == results[True]
+
+
+def test_preempted_requests_replay_their_exits_and_match_the_reference(tiny_checkpoint):
+    """A pool too small for all four prompts: preempted requests recompute their generated tokens one per
+    step (a token's K/V depends on where the one before it stopped), stop where they stopped the first time,
+    and give the reference's tokens."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, loop_trace=True)
+    with Engine(tiny_checkpoint, device="cpu", dtype="float32", loops=3, exit_policy="kl:0.5",
+                num_kv_blocks=16, block_size=4, enable_prefix_caching=False, admission="greedy",
+                max_num_batched_tokens=6, verbose=False) as engine:
+        outputs = [o.outputs[0] for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+        prompt_ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+        assert engine.scheduler.num_preemptions > 0
+    adaptive = AdaptiveReference(ReferenceOuro(tiny_checkpoint, loops=3))
+    ran = []
+    for ids, completion in zip(prompt_ids, outputs):
+        tokens, readout_loops, loops_run, _ = adaptive.decode(ids, 24, parse_exit_policy("kl:0.5"))
+        assert completion.token_ids == tokens
+        assert [trace.exit_loop for trace in completion.traces] == readout_loops
+        ran += loops_run[1:]
+    assert min(ran) < 3 and max(ran) == 3
