@@ -124,8 +124,10 @@ def add_engine_flags(engine: argparse._ArgumentGroup) -> None:
                              "and the memory available)")
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, even on CUDA")
     engine.add_argument("--exit-policy", default=None,
-                        help="full (default), threshold:Q, step:K (0-based), weighted, or early:Q (stops "
-                             "looping a generated token once its exit CDF reaches Q)")
+                        help="full (default), threshold:Q, step:K (0-based), weighted, early:Q (stops "
+                             "looping a generated token once its exit CDF reaches Q), or an exit criterion "
+                             "C[:T][,min=M][,every=N] with C kl, minp-kl, entropy-diff, argmax-stability, "
+                             "latent-diff or cosine (stops it once its checked loops settle; T default auto)")
     engine.add_argument("--kv-cache-dtype", default="auto", choices=list(FORMATS),
                         help="how K/V is stored: the model dtype (auto), bf16, fp8_e4m3 with one scale per "
                         "(slot, kv head), or a KVarN preset (with --block-size of its tile) (default auto)")

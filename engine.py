@@ -190,7 +190,8 @@ class Engine:
 
     @property
     def loop_stats(self) -> LoopStats:
-        """Decode tokens and the loops they ran (fewer than loops x tokens under early:Q)."""
+        """Decode tokens and the loops they ran (fewer than loops x tokens under early:Q and the exit
+        criteria)."""
         return self.runner.loop_stats
 
     @property

@@ -121,7 +121,8 @@ class EngineConfig:
             if self.exit_policy.can_exit:
                 raise ValueError(f"speculative={self.speculative!r} cannot be combined with exit_policy="
                                  f"{str(self.exit_policy)!r} yet: a draft runs a fixed number of loops, "
-                                 f"early:Q stops each token where its gate says; use a readout policy")
+                                 f"{self.exit_policy.kind} stops each token where it decides; use a readout "
+                                 "policy")
 
     def _check_initial_state_options(self) -> None:
         """init_scale and continuous_compute only for a model with an initial state; a warm start reads the
@@ -209,9 +210,9 @@ class EngineConfig:
     @property
     def generated_kv_exact(self) -> bool:
         """Does every generated token keep the K/V the model computes for it at every loop, the K/V a prompt
-        token would have? Not under early:Q, whose exited tokens leave copies in their deeper slots, nor
-        under a warm start, which starts a generated token from the previous one's state (so a recompute
-        replays generated tokens one per step, each after the state it starts from)."""
+        token would have? Not under early:Q or an exit criterion, whose exited tokens leave copies in their
+        deeper slots, nor under a warm start, which starts a generated token from the previous one's state
+        (so a recompute replays generated tokens one per step, each after the state it starts from)."""
         return not self.exit_policy.can_exit and self.continuous_compute is None
 
     @classmethod

@@ -1,6 +1,7 @@
-"""Exit policies (docs/ouro.md §4): which loop's state a token reads out, and (early:Q only) when a generated
-token stops looping. The policy strings and their parsing, which policy a request reads out under, the exit
-gate's pdf, the per-row readout that turns per-loop states into logits, and per-token loop traces, in one
+"""Exit policies (docs/ouro.md §4, docs/looped_controls.md): which loop's state a token reads out, and
+(early:Q and the exit criteria) when a generated token stops looping. The policy strings and their parsing,
+the exit criteria's names, "auto" thresholds and check schedule, which policy a request reads out under, the
+exit gate's pdf, the per-row readout that turns per-loop states into logits, and per-token loop traces, in one
 module. It reads per-loop states; it never runs the network or decides which loops run (runner/loop_driver.py
 does). It imports nothing of the engine, so every layer, request.py's SamplingParams included, may use it.
 
@@ -16,10 +17,23 @@ import math
 
 import torch
 
-EXIT_POLICY_KINDS = ("full", "threshold", "step", "weighted", "early", "hf")
+# The exit criteria (model/exit_criteria.py holds their math): each compares a generated token's successive
+# checked loops. "auto" thresholds: those of the official Huginn code (seal-rg/recurrent-pretraining,
+# recpre/raven_modeling_minimal.py, its exit evaluator classes) at c1fbabc (Jul 2025), unchanged at 59e0b69
+# (Oct 2025); the Feb-Jun 2025 revisions and the model card used kl 5e-4 and minp-kl 1e-6. argmax-stability's
+# is a count of checks.
+AUTO_THRESHOLDS: dict[str, float] = {"kl": 1e-3, "minp-kl": 1e-5, "entropy-diff": 1e-3, "latent-diff": 0.03,
+                                     "argmax-stability": 5, "cosine": 1e-3}
+READS_LOGITS = ("kl", "minp-kl", "entropy-diff", "argmax-stability")
+READS_STATE = ("latent-diff", "cosine")
+CRITERIA = READS_LOGITS + READS_STATE
+EXIT_POLICY_KINDS = ("full", "threshold", "step", "weighted", "early", "hf") + CRITERIA
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ExitPolicy:
-    """Which loop's state a token reads out, and (early:Q only) when a generated token stops looping.
+    """Which loop's state a token reads out, and (early:Q and the criteria) when a generated token stops
+    looping.
 
         full          every loop, read out after the last (the default; what vLLM does)
         threshold:Q   HF's Q-exit: the first loop whose exit CDF reaches Q; Q >= 1 means the last loop
@@ -30,24 +44,60 @@ class ExitPolicy:
                       the config's early_exit_threshold (hf) or given (hf:Q); in bf16 the CDF can round to 1
                       before the last loop, so even Q = 1 may read out an earlier loop
 
+        C[:T][,min=M][,every=N]
+                      an exit criterion C (kl, minp-kl, entropy-diff, argmax-stability, latent-diff, cosine):
+                      a generated token stops at the first checked loop where C's value against the previous
+                      checked loop is below T (argmax-stability: its argmax has held for T checks), and reads
+                      out there (engine-wide). T: a number or "auto" (the default, AUTO_THRESHOLDS). Loop t
+                      (0-based) is checked when t >= M and (t - M) % N == 0 (the official min_steps and
+                      check_criterion_every_n_steps; defaults 0 and 1)
+
     threshold:Q computes the CDF in float64, where Q = 1 is never reached early; hf keeps HF's rounding.
     """
 
     kind: str
     value: float | int | None = None
+    min_loops: int = 0  # a criterion's first checked loop (0-based): the official min_steps
+    check_every: int = 1  # a criterion checks every check_every-th loop from min_loops on
 
     @property
     def readout_only(self) -> bool:
-        """True when the policy only picks what to read out; early:Q also changes what is computed."""
-        return self.kind != "early"
+        """True when the policy only picks what to read out; early:Q and the criteria also change what is
+        computed."""
+        return self.kind != "early" and not self.is_criterion
+
+    @property
+    def is_criterion(self) -> bool:
+        """True for an exit criterion (kl, entropy-diff, ...), which compares a token's checked loops."""
+        return self.kind in CRITERIA
 
     @property
     def can_exit(self) -> bool:
-        """True when a generated token may stop looping before the last loop (early:Q with Q < 1)."""
-        return self.kind == "early" and float(self.value) < 1.0
+        """True when a generated token may stop looping before the last loop (early:Q with Q < 1, a
+        criterion)."""
+        return self.is_criterion or (self.kind == "early" and float(self.value) < 1.0)
+
+    def is_checked(self, loop: int) -> bool:
+        """Does a criterion check loop `loop` (0-based)?"""
+        return loop >= self.min_loops and (loop - self.min_loops) % self.check_every == 0
+
+    def readout_loop(self, loops: int) -> int:
+        """The loop a criterion's generated token that never exits reads out, of `loops`: the last one, except
+        for a criterion that reads logits when the last loop is not checked: then the last checked loop,
+        whose readout the check made (the official code keeps it rather than reading out again)."""
+        last = loops - 1
+        if self.kind not in READS_LOGITS or self.is_checked(last):
+            return last
+        checked = [t for t in range(last) if self.is_checked(t)]
+        return checked[-1] if checked else last
 
     def __str__(self) -> str:
-        return self.kind if self.value is None else f"{self.kind}:{self.value}"
+        text = self.kind if self.value is None else f"{self.kind}:{self.value}"
+        if self.min_loops:
+            text += f",min={self.min_loops}"
+        if self.check_every != 1:
+            text += f",every={self.check_every}"
+        return text
 
 
 FULL = ExitPolicy("full")
@@ -56,16 +106,24 @@ FULL = ExitPolicy("full")
 @functools.lru_cache(maxsize=256)
 def parse_exit_policy(spec: str | ExitPolicy, loops: int | None = None,
                       name: str = "exit_policy") -> ExitPolicy:
-    """'full' | 'threshold:Q' | 'step:K' | 'weighted' | 'early:Q' | 'hf' | 'hf:Q'. With `loops`, step:K is
-    range-checked. Raises ValueError naming `name`."""
+    """'full' | 'threshold:Q' | 'step:K' | 'weighted' | 'early:Q' | 'hf' | 'hf:Q' | a criterion
+    'C[:T][,min=M][,every=N]'. With `loops`, step:K and min=M are range-checked. Raises ValueError naming
+    `name`."""
     if isinstance(spec, ExitPolicy):
         spec = str(spec)
-    usage = "use 'full', 'threshold:Q', 'step:K', 'weighted', 'early:Q', 'hf' or 'hf:Q'"
+    usage = ("use 'full', 'threshold:Q', 'step:K', 'weighted', 'early:Q', 'hf', 'hf:Q' or an exit criterion "
+             f"'C[:T][,min=M][,every=N]' with C one of {', '.join(CRITERIA)}")
     if not isinstance(spec, str):
         raise ValueError(f"{name} must be a string ({usage}), got {spec!r}")
-    kind, colon, arg = spec.strip().partition(":")
+    head, *options = spec.strip().split(",")
+    kind, colon, arg = head.strip().partition(":")
     if kind not in EXIT_POLICY_KINDS:
         raise ValueError(f"{name} {spec!r} is not an exit policy; {usage}")
+    if kind in CRITERIA:
+        return parse_criterion(spec, kind, arg if colon else "auto", options, loops, name)
+    if options:
+        raise ValueError(f"{name} {spec!r}: {kind!r} takes no ',' options (min= and every= are an exit "
+                         "criterion's)")
     if kind == "hf" and not colon:
         return ExitPolicy("hf")  # Q: the config's early_exit_threshold, read at readout
     if kind in ("full", "weighted"):
@@ -91,14 +149,50 @@ def parse_exit_policy(spec: str | ExitPolicy, loops: int | None = None,
     return ExitPolicy(kind, q)
 
 
+def parse_criterion(spec: str, kind: str, threshold: str, options: list[str], loops: int | None,
+                    name: str) -> ExitPolicy:
+    """An exit criterion's policy from its parts: the threshold text after ':' and the ',' options."""
+    if threshold.strip() == "auto":
+        value = AUTO_THRESHOLDS[kind]
+    else:
+        try:
+            value = float(threshold)
+        except ValueError:
+            raise ValueError(f"{name} {spec!r}: {kind}:T needs a threshold T, a number or 'auto'") from None
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} {spec!r}: {kind}'s threshold must be a finite number > 0")
+    if kind == "argmax-stability":
+        if value != int(value):
+            raise ValueError(f"{name} {spec!r}: argmax-stability counts checks, its threshold must be a "
+                             "whole number")
+        value = int(value)
+    schedule = {"min": 0, "every": 1}
+    for option in options:
+        key, equals, text = option.strip().partition("=")
+        if key not in schedule or not equals:
+            raise ValueError(f"{name} {spec!r}: unknown option {option.strip()!r}; a criterion takes min=M "
+                             "(its first checked loop, 0-based) and every=N (check every N-th loop)")
+        try:
+            schedule[key] = int(text)
+        except ValueError:
+            raise ValueError(f"{name} {spec!r}: {key}= needs an integer, got {text!r}") from None
+    if schedule["min"] < 0 or schedule["every"] < 1:
+        raise ValueError(f"{name} {spec!r}: need min >= 0 and every >= 1")
+    if loops is not None and schedule["min"] >= loops:
+        raise ValueError(f"{name} {spec!r}: min={schedule['min']} must be < loops ({loops}), else no loop is "
+                         "checked")
+    return ExitPolicy(kind, value, schedule["min"], schedule["every"])
+
+
 def request_policy(spec: str | None, engine_policy: ExitPolicy, loops: int) -> ExitPolicy:
     """The policy one request reads out under: its own readout-only override, else the engine's."""
     if spec is None:
         return engine_policy
     policy = parse_exit_policy(spec, loops, "SamplingParams.exit_policy")
     if not policy.readout_only:
-        raise ValueError(f"SamplingParams.exit_policy {spec!r}: early:Q changes the K/V every later token "
-                         "reads, so it is engine-wide; pass it as Engine(exit_policy=...)")
+        raise ValueError(f"SamplingParams.exit_policy {spec!r}: {policy.kind} stops tokens early, which "
+                         "changes the K/V every later token reads, so it is engine-wide; pass it as "
+                         "Engine(exit_policy=...)")
     if not engine_policy.readout_only:
         raise ValueError(f"SamplingParams.exit_policy {spec!r}: this engine runs {engine_policy}, whose "
                          "readout is fixed; per-request policies need a readout-only engine policy")
@@ -218,7 +312,7 @@ def hf_exit_loops(gate_logits: torch.Tensor, q: float | None) -> torch.Tensor:
 
 
 def exit_loops(policy: ExitPolicy, pdf: torch.Tensor) -> torch.Tensor:
-    """[R] int64 readout loop of each row under a policy other than weighted and hf."""
+    """[R] int64 readout loop of each row under a policy other than weighted, hf and the criteria."""
     loops, rows = pdf.shape
     if policy.kind in ("threshold", "early"):
         return threshold_exit_loops(pdf, float(policy.value))
@@ -246,6 +340,8 @@ def readout_logits(lm_head, hidden: torch.Tensor, gate_logits: torch.Tensor, pol
         if policy.kind == "hf":
             q = config_threshold if policy.value is None else float(policy.value)
             loop_of[chosen] = hf_exit_loops(gate_logits[:, chosen], q).to(hidden.device)
+        elif policy.is_criterion:
+            loop_of[chosen] = criterion_exit_loops(policy, gate_logits[:, chosen]).to(hidden.device)
         elif policy.kind != "weighted":
             loop_of[chosen] = exit_loops(policy, pdf[:, chosen]).to(hidden.device)
     logits = lm_head(hidden[loop_of, torch.arange(rows, device=hidden.device)]).float()
@@ -260,6 +356,14 @@ def readout_logits(lm_head, hidden: torch.Tensor, gate_logits: torch.Tensor, pol
                                                  pdf[:, chosen], exit_loop)):
             traces[r] = trace
     return logits, traces
+
+
+def criterion_exit_loops(policy: ExitPolicy, gate_logits: torch.Tensor) -> torch.Tensor:
+    """[T, R] gate logits of generated tokens under a criterion -> [R] int64 readout loops: where a row
+    stopped (the last loop whose gate is not NaN), or the criterion's readout_loop for a row that ran every
+    loop."""
+    ran = (~gate_logits.isnan()).sum(dim=0)
+    return torch.clamp(ran - 1, max=policy.readout_loop(gate_logits.shape[0]))
 
 
 def expected_logits(lm_head, hidden: torch.Tensor, pdf: torch.Tensor) -> torch.Tensor:

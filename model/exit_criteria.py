@@ -1,7 +1,8 @@
 """Per-token exit criteria that compare a token's successive checked loops (docs/huginn.md §5): the official
 Huginn code's kl, minp-kl, entropy-diff, argmax-stability, latent-diff and cosine, with its "auto"
 thresholds, min_steps and check-every-n. They read only next-token logits or the loop state, which every
-looped model has, so they are not Huginn's alone (model/exit_policy.py reads Ouro's exit gate instead).
+looped model has, so they are not Huginn's alone (early:Q reads Ouro's exit gate instead). Their names,
+"auto" thresholds and check schedule are exit_policy.py's, where the engine's policy strings name them.
 
 Everything here is a pure function over rows: an engine keeps one ExitMemory per criterion for its rows,
 calls `check` at a checked loop with the rows' logits or states, and reads which rows exit. Nothing syncs
@@ -16,14 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-# "auto" thresholds of seal-rg/recurrent-pretraining recpre/raven_modeling_minimal.py, its exit evaluator
-# classes as of c1fbabc (Jul 2025) and unchanged at HEAD 59e0b69 (Oct 2025). Earlier revisions (Feb-Jun
-# 2025) and the model card used kl 5e-4 and minp-kl 1e-6. argmax-stability's is a count of checks.
-AUTO_THRESHOLDS: dict[str, float] = {"kl": 1e-3, "minp-kl": 1e-5, "entropy-diff": 1e-3, "latent-diff": 0.03,
-                                     "argmax-stability": 5, "cosine": 1e-3}
-READS_LOGITS = ("kl", "minp-kl", "entropy-diff", "argmax-stability")
-READS_STATE = ("latent-diff", "cosine")
-CRITERIA = READS_LOGITS + READS_STATE
+from exit_policy import AUTO_THRESHOLDS, CRITERIA, READS_LOGITS, READS_STATE, ExitPolicy  # noqa: F401
 INITIAL_ENTROPY = 100.0  # the official evaluator's entropy before the first check
 MINP_RATIO = 0.1  # minp-kl: probabilities below this fraction of the top one become 1/V
 
@@ -128,24 +122,27 @@ class ExitCriterion:
         kind, _, text = spec.partition(":")
         return cls(kind, parse_threshold(kind, text or "auto"), min_steps, check_every)
 
+    @classmethod
+    def from_policy(cls, policy: ExitPolicy) -> ExitCriterion:
+        """The criterion of an exit policy string's (exit_policy.py: 'kl:5e-4,min=4,every=2')."""
+        return cls(policy.kind, float(policy.value), policy.min_loops, policy.check_every)
+
+    @property
+    def policy(self) -> ExitPolicy:
+        return ExitPolicy(self.kind, self.threshold, self.min_steps, self.check_every)
+
     @property
     def reads_logits(self) -> bool:
         """True: a check needs the token's next-token logits at that loop (a readout through the coda)."""
         return self.kind in READS_LOGITS
 
     def is_checked(self, loop: int) -> bool:
-        return loop >= self.min_steps and (loop - self.min_steps) % self.check_every == 0
+        return self.policy.is_checked(loop)
 
     def readout_loop(self, loops: int) -> int:
-        """The loop whose readout a token that never exits takes, of `loops`: the last one, except for a
-        criterion that reads logits when the last loop is not checked: then the last checked loop, whose
-        readout the check already made (the official code keeps it rather than reading out again; its
-        continuous-compute state is still the last loop's)."""
-        last = loops - 1
-        if not self.reads_logits or self.is_checked(last):
-            return last
-        checked = [t for t in range(last) if self.is_checked(t)]
-        return checked[-1] if checked else last
+        """The loop whose readout a token that never exits takes, of `loops` (exit_policy.py: ExitPolicy.
+        readout_loop; its continuous-compute state is still the last loop's)."""
+        return self.policy.readout_loop(loops)
 
     def start(self, state: torch.Tensor, vocab_size: int) -> ExitMemory:
         """The memory before a token's first check; `state` [R, H] is its initial state s0."""

@@ -17,7 +17,8 @@ import torch
 
 from attention.base import AttentionBackend, AttentionMetadata, SharedKVMetadata
 from model.looped import LoopedModel, LoopStates, StepContext
-from runner.loop_driver import EagerLoops, LoopOutput, StepInputs, advance_exit_cdf, run_loops
+from runner.exit_rules import ExitRule, compact
+from runner.loop_driver import EagerLoops, LoopOutput, StepInputs, run_loops
 
 # DecodeGraphs.graphs keys besides loops: the whole step (mode "step"), a loop-mode prelude and coda
 WHOLE_STEP, PRELUDE, CODA = -1, -2, -3
@@ -66,17 +67,19 @@ class DecodeGraphs:
     tokens; over a KVarN pool, their one token is a row of a scratch side block)."""
 
     reuses_outputs = True  # a loop's hidden and gate outputs are static buffers that the next replay rewrites
+    initial_state = None  # loop 0's graph embeds the tokens, and the graphs decide exits themselves
 
     def __init__(self, model: LoopedModel, backend: AttentionBackend, mode: str, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, scratch_block: int, device: torch.device,
-                 shared_kv: tuple[int, int, int] | None = None, exit_threshold: float | None = None,
+                 shared_kv: tuple[int, int, int] | None = None, exit_rule: ExitRule | None = None,
                  copy_forward: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None,
                  scratch_side_block: int | None = None) -> None:
         """shared_kv: (loops, num_layers, max generated pages per sequence) under kv_sharing="last".
-        exit_threshold: early:Q's Q, for mode "loop": each loop's graph then also advances the rows' exit
-        CDF and marks the generated rows that reached Q, so that the host reads one small flag vector.
+        exit_rule (mode "loop"; runner/exit_rules.py): early:Q's exit CDF or an exit criterion's memory,
+        with buffers for max_num_seqs rows; each loop's graph where the rule decides then also marks the
+        generated rows that stop, so that the host reads one small flag vector.
         copy_forward(slots, mask, loop): the KV layout's copy-forward of the rows where mask; each loop's
-        graph then copies the K/V of the rows that reached Q forward itself, masked on the device.
+        graph then copies the K/V of the rows that stop forward itself, masked on the device.
         scratch_side_block: a KVarN pool's side block that no request holds; the rows then carry side tables
         (AttentionMetadata.side_tables), and a padding row's side table points at this block."""
         if mode not in ("step", "loop"):
@@ -110,11 +113,9 @@ class DecodeGraphs:
         self.scratch_side_block = scratch_side_block
         self.side_tables = None if scratch_side_block is None else torch.full(
             (n, max_blocks_per_seq), scratch_side_block, dtype=torch.int32, device=device)
-        self.exit_threshold = exit_threshold
+        self.exit_rule = exit_rule
         self.copy_forward = copy_forward
         self.gate_logits = torch.zeros(n, dtype=dtype, device=device)
-        self.cdf = torch.zeros(n, dtype=torch.float64, device=device)
-        self.survival = torch.ones(n, dtype=torch.float64, device=device)
         self.may_exit = torch.zeros(n, dtype=torch.bool, device=device)  # rows of generated tokens
         self.reached = torch.zeros(n, dtype=torch.bool, device=device)
         # (bucket, loop; WHOLE_STEP, PRELUDE or CODA)
@@ -172,25 +173,23 @@ class DecodeGraphs:
     def _loop(self, bs: int, t: int) -> None:
         """The body of loop t's graph: loop 0's embeds the step's tokens; each reads the state of the
         static buffer and leaves its output there (the next loop's input)."""
-        model = self.model
+        model, rule = self.model, self.exit_rule
         h = self.hidden[:bs]
         if t == 0:
             if model.prelude is None:  # else the prelude graph (or the caller) has filled h
                 h.copy_(model.embed(self.input_ids[:bs]))
-            if self.exit_threshold is not None:  # a new step's exit CDF, reset on the device
-                self.cdf[:bs].zero_()
-                self.survival[:bs].fill_(1.0)
+            if rule is not None:  # a new step's exit CDF or criterion memory, reset on the device
+                rule.reset(bs, h)
         context = self._context(bs, h.dtype)
         self.backend.prepare(self._meta(bs))
         out = model.loop(h, context, t, self.backend.forward)
         h.copy_(out)
-        if model.exit_gate is None:
-            return
-        gate = model.exit_gate(out)
-        self.gate_logits[:bs].copy_(gate)
-        if self.exit_threshold is not None and t < self.loops - 1:
-            hit = advance_exit_cdf(self.cdf[:bs], self.survival[:bs], gate, self.exit_threshold)
-            torch.logical_and(hit, self.may_exit[:bs], out=self.reached[:bs])
+        gate = None
+        if model.exit_gate is not None:
+            gate = model.exit_gate(out)
+            self.gate_logits[:bs].copy_(gate)
+        if rule is not None and rule.decides(t):
+            torch.logical_and(rule.decide(t, bs, out, gate), self.may_exit[:bs], out=self.reached[:bs])
             if self.copy_forward is not None:
                 self.copy_forward(self.slot_mapping[:bs], self.reached[:bs], t)
 
@@ -276,12 +275,21 @@ class DecodeGraphs:
             tables = meta.shared_kv.generated_block_tables
             self.prompt_lens[:n].copy_(meta.shared_kv.prompt_lens)
             self.generated_block_tables[:n, :tables.shape[1]].copy_(tables)
+        if self.exit_rule is not None:
+            if len(inputs.generated_rows) == n:  # the usual decode step: one launch, no host-to-device copy
+                self.may_exit[:n].fill_(True)
+            else:
+                may_exit = torch.zeros(n, dtype=torch.bool)
+                may_exit[inputs.generated_rows] = True
+                self.may_exit[:n].copy_(may_exit, non_blocking=True)
+            if inputs.hidden is not None:  # loop 0's graph, which resets the rule, does not run
+                self.exit_rule.reset(n, self.hidden[:n])
         self._pad(n)
 
     def run_loop(self, t: int) -> LoopOutput:
         self.graphs[self.bucket, t].replay()
         h, gate_logits, reached = self.views
-        return LoopOutput(h, gate_logits, reached if self.exit_threshold is not None and t < self.loops - 1
+        return LoopOutput(h, gate_logits, reached if self.exit_rule is not None and self.exit_rule.decides(t)
                           else None)
 
     def run_coda(self, state: torch.Tensor) -> torch.Tensor:
@@ -295,15 +303,16 @@ class DecodeGraphs:
     def keep(self, rows: list[int]) -> None:
         index = torch.tensor(rows, dtype=torch.int64).to(self.hidden.device, non_blocking=True)
         buffers = [self.hidden, self.positions, self.slot_mapping, self.context_lens, self.block_tables,
-                   self.cdf, self.survival, self.may_exit]
+                   self.may_exit]
+        if self.exit_rule is not None:
+            buffers += self.exit_rule.buffers
         if self.shared_kv is not None:
             buffers += [self.prompt_lens, self.generated_block_tables]
         if self.side_tables is not None:
             buffers.append(self.side_tables)
         if self.injection is not None:
             buffers.append(self.injection)
-        for buffer in buffers:
-            buffer[:len(rows)] = buffer[index]
+        compact(buffers, index)
         self._pad(len(rows))
 
     def _pad(self, n: int) -> None:

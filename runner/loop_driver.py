@@ -4,8 +4,10 @@
 `run_loops(executor, model, inputs, loops, hook)` runs loops `loops` (a range) through an executor, which
 either runs each loop eagerly through the model's interface (EagerLoops; model/looped.py: LoopedModel) or
 replays a captured graph of it (runner/cuda_graph.py), and keeps every sampling row's per-loop readout state
-and gate logit. After each loop an optional hook sees the gate logits and may stop rows: early:Q (EarlyExit)
-stops the generated tokens whose exit CDF reached Q and copies their K/V forward through the KV layout.
+and gate logit. After each loop an optional hook sees the gate logits and the loop's output and may stop
+rows: early:Q (EarlyExit) stops the generated tokens whose exit CDF reached Q, an exit criterion
+(runner/exit_rules.py: CriterionExit) those whose checked loops have settled, and each copies their K/V
+forward through the KV layout.
 Without a hook every row runs every loop, with no host sync, so the whole call can itself be captured: into
 one graph (a whole decode step), or into a chain of pieces split at each attention call (a step with prompt
 tokens, runner/piecewise_graphs.py). Running loops 0..d-1, then loops d..T-1 from loop d-1's output
@@ -68,6 +70,9 @@ class LoopOutput:
 class LoopExecutor(Protocol):
     # True where run_loop's tensors are buffers that the next loop overwrites (a captured graph's outputs)
     reuses_outputs: bool
+    # [N, H] once begin ran: the state loop 0 starts from (a hook's criterion may compare with it); None where
+    # a captured loop makes it on the device, and decides the exits there too
+    initial_state: torch.Tensor | None
 
     def begin(self, inputs: StepInputs) -> None:
         """Embed the step's tokens (or take inputs.hidden) and make the attention metadata current."""
@@ -84,14 +89,15 @@ class LoopExecutor(Protocol):
 
 
 class LoopHook(Protocol):
-    def begin(self, inputs: StepInputs) -> None:
-        """A new step starts."""
+    def begin(self, inputs: StepInputs, initial_state: torch.Tensor | None) -> None:
+        """A new step starts; initial_state: the executor's (LoopExecutor.initial_state)."""
 
     def after_loop(self, t: int, gate_logits: torch.Tensor, live: list[int],
-                   reached: torch.Tensor | None) -> list[int]:
+                   reached: torch.Tensor | None, state: torch.Tensor) -> list[int]:
         """gate_logits [N]: every token's loop-t gate logit (NaN for tokens of rows no longer live); live: the
-        batch rows that ran loop t; reached: the executor's own exit decisions for them, if it made them.
-        Returns the rows that stop now (their K/V already made whole)."""
+        batch rows that ran loop t; reached: the executor's own exit decisions for them, if it made them;
+        state: loop t's output, the live rows' tokens in order. Returns the rows that stop now (their K/V
+        already made whole)."""
 
 
 class EagerLoops:
@@ -111,14 +117,16 @@ class EagerLoops:
 
     def begin(self, inputs: StepInputs) -> None:
         model = self.model
-        state = model.embed(inputs.input_ids)
+        # the embeddings: loop 0's state, or the prelude's input (which a given loop-0 state does not replace)
+        state = inputs.hidden if inputs.hidden is not None and model.prelude is None else \
+            model.embed(inputs.input_ids)
         self.context = model.step_context(inputs.positions, state.dtype)
         self.meta = self.step_meta = inputs.meta
         if self.backend is not None:
             self.backend.prepare(self.meta)
         if model.prelude is not None:
             state, self.context = model.prelude(state, self.context, self._attention())
-        self.state = inputs.hidden if inputs.hidden is not None else state
+        self.state = self.initial_state = inputs.hidden if inputs.hidden is not None else state
         self.step_context = self.context
 
     def _attention(self) -> Attention:
@@ -180,13 +188,18 @@ def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, lo
             if gate_of is not None:
                 gates.append(gate_of(out))
         return coda_and_final(LoopStates(torch.stack(hidden), torch.stack(gates) if gates else None), last)
-    hook.begin(inputs)
+    hook.begin(inputs, executor.initial_state)
     rows = _LiveRows(inputs.meta.query_starts_cpu, inputs.input_ids.device)
     state = gate_state = None  # every token's latest loop output and gate, once some row has stopped
     for t in loops:
         out = executor.run_loop(t)
         h = out.h
-        gate = out.gate_logits if out.gate_logits is not None else gate_of(h)
+        if out.gate_logits is not None:
+            gate = out.gate_logits
+        elif gate_of is not None:
+            gate = gate_of(h)
+        else:  # a model without a gate: zeros, where stopped rows get NaN as a gate's logits would
+            gate = h.new_zeros(h.shape[0])
         if rows.all_live:
             hidden.append(read(h, executor.reuses_outputs))
             gates.append(read(gate, executor.reuses_outputs and out.gate_logits is not None))
@@ -195,7 +208,7 @@ def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, lo
             gate_state.fill_(math.nan).index_copy_(0, rows.token_index, gate)
             hidden.append(read(state, True))
             gates.append(read(gate_state, True))
-        leaving = hook.after_loop(t, gate if rows.all_live else gate_state, rows.live, out.reached)
+        leaving = hook.after_loop(t, gate if rows.all_live else gate_state, rows.live, out.reached, h)
         if leaving:
             if rows.all_live:  # before the executor compacts h: loop t's output of every token
                 state, gate_state = h.clone(), gate.clone()
@@ -258,7 +271,7 @@ class EarlyExit:
         self.pool = pool
         self.stats = stats
 
-    def begin(self, inputs: StepInputs) -> None:
+    def begin(self, inputs: StepInputs, initial_state: torch.Tensor | None) -> None:
         starts = inputs.meta.query_starts_cpu
         self.rows = inputs.generated_rows
         self.tokens = {row: starts[row] for row in self.rows}
@@ -268,7 +281,7 @@ class EarlyExit:
         self.cdf = None  # made at the first loop whose decisions the executor left to this hook
 
     def after_loop(self, t: int, gate_logits: torch.Tensor, live: list[int],
-                   reached: torch.Tensor | None) -> list[int]:
+                   reached: torch.Tensor | None, state: torch.Tensor) -> list[int]:
         self.stats.decode_loops += len(self.looping)
         if t >= self.loops - 1 or not self.looping:
             return []

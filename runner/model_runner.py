@@ -27,10 +27,12 @@ from cache.kvarn_pool import KVarNPool
 from cache.layout import KVLayout
 from engine_config import EngineConfig
 from exit_policy import FULL, ExitPolicy, LoopTrace, readout_logits, request_policy
+from model.exit_criteria import ExitCriterion
 from model.looped import LoopedModel, LoopStates
 from request import Logprob, Request, ScheduledBatch, SpeculativeStats
 from runner.block_tables import BlockTables
 from runner.cuda_graph import DecodeGraphs
+from runner.exit_rules import CriterionExit, CriterionRows, ExitRule, GateCDFRows, check_readout
 from runner.host_to_device import upload
 from runner.initial_states import InitialStates
 from runner.loop_driver import EagerLoops, EarlyExit, LoopStats, StepInputs, run_loops
@@ -110,8 +112,7 @@ class ModelRunner:
         self.max_pages = -(-config.max_model_len // (self.loops * bs))
         self.generated_tables = (BlockTables(self.max_pages, lambda r: r.generated_block_table)
                                  if layout.stores_generated_apart else None)
-        self.hook = (EarlyExit(float(config.exit_policy.value), self.loops, layout, pool, self.loop_stats)
-                     if config.exit_policy.can_exit else None)
+        self.hook = self._exit_hook(pool)
         self.eager = EagerLoops(model, backend)
         self.initial_states = InitialStates(model, config.initial_state_scale, config.continuous_compute,
                                             self.device) if model.initial_state is not None else None
@@ -126,6 +127,35 @@ class ModelRunner:
                 self.piecewise = PiecewiseGraphs(model, backend, tokens, self.device)
                 self.piecewise.capture_all()
 
+    def _exit_hook(self, pool: KVPool | KVarNPool) -> EarlyExit | CriterionExit | None:
+        """The loop driver's hook of an exit policy that stops generated tokens early (None: every token runs
+        every loop)."""
+        policy = self.config.exit_policy
+        if policy.is_criterion:
+            criterion = ExitCriterion.from_policy(policy)
+            self.check_readout = check_readout(self.model, criterion)  # refuses what the model cannot check
+            return CriterionExit(criterion, self._criterion_rows, self.loops, self.layout, pool,
+                                 self.loop_stats)
+        if policy.can_exit:
+            return EarlyExit(float(policy.value), self.loops, self.layout, pool, self.loop_stats)
+        return None
+
+    def _criterion_rows(self, capacity: int) -> CriterionRows:
+        """The exit criterion's memory for `capacity` rows. Its check reads out only the rows it is given: an
+        eager step's looping generated rows, a per-loop graph's live rows (compacted after every exit), so a
+        checked loop costs one head GEMM over the rows still looping (docs/looped_controls.md)."""
+        shape = self.model.shape
+        return CriterionRows(self.hook.criterion, self.check_readout, self.loops, capacity, shape.hidden_size,
+                             shape.vocab_size, self.device)
+
+    def _exit_rule(self, capacity: int) -> ExitRule | None:
+        """The per-loop graphs' on-device exit rule for `capacity` rows (None: no exits)."""
+        if isinstance(self.hook, CriterionExit):
+            return self._criterion_rows(capacity)
+        if isinstance(self.hook, EarlyExit):
+            return GateCDFRows(self.hook.threshold, self.loops, capacity, self.device)
+        return None
+
     def _capture(self, scratch_block: int) -> DecodeGraphs:
         """One graph per decode bucket for the whole step; one per (bucket, loop) when rows can stop early or
         a step may run some loops only (speculative decoding, whose verify pass has k rows per request)."""
@@ -137,16 +167,15 @@ class ModelRunner:
         shared = (self.loops, self.model.slot_map.loop_layers, self.max_pages) \
             if self.generated_tables is not None else None
         hook, layout = self.hook, self.layout
-        threshold = hook.threshold if hook is not None else None
+        rows = config.max_num_seqs * max(1, config.speculative_tokens)
         copy_forward = None
         if hook is not None and layout.copies_forward:
             def copy_forward(slots: torch.Tensor, mask: torch.Tensor, loop: int) -> None:
                 layout.copy_forward(hook.pool, slots, loop, mask)
         per_loop = hook is not None or self.speculation is not None
-        graphs = DecodeGraphs(self.model, self.backend, "loop" if per_loop else "step",
-                              config.max_num_seqs * max(1, config.speculative_tokens),
+        graphs = DecodeGraphs(self.model, self.backend, "loop" if per_loop else "step", rows,
                               self.block_tables.width, config.block_size, scratch_block, self.device, shared,
-                              threshold, copy_forward, self.scratch_side_block)
+                              self._exit_rule(rows), copy_forward, self.scratch_side_block)
         graphs.capture_all()
         return graphs
 
@@ -541,7 +570,9 @@ class ModelRunner:
         if not owners:
             return
         engine_policy = self.config.exit_policy
+        # prompt tokens never exit under a criterion: every loop, read out at the last
         policies = [request_policy(r.params.exit_policy, engine_policy, self.loops) for r in requests]
+        policies = [FULL if policy.is_criterion else policy for policy in policies]
         tokens = [i for _, i in owners]
         logits, _ = self._readout(_rows(states, tokens), policies, [False] * len(requests))
         counts = [r.params.prompt_logprobs for r in requests]
@@ -568,14 +599,20 @@ class ModelRunner:
     def _readout_policies(self, batch: ScheduledBatch, rows: list[int]) -> list[ExitPolicy]:
         """Each sampling row's readout policy. A generated row under early:Q stopped looping exactly where
         its CDF reached Q (or ran every loop), so its last state is its threshold readout: untraced, it reads
-        out as `full` does, with one lm_head call and no exit-pdf arithmetic."""
+        out as `full` does, with one lm_head call and no exit-pdf arithmetic. Under a criterion so does a
+        generated row whose readout loop is where it stopped or the last (exit_policy.py: exit_loops), and
+        every row of prompt tokens, which ran every loop."""
         engine_policy, policies = self.config.exit_policy, []
         for row in rows:
             request = batch.requests[row]
             policy = request_policy(request.params.exit_policy, engine_policy, self.loops)
             generated = (batch.num_new_tokens[row] == 1
                          and request.num_computed_tokens >= request.num_prompt_tokens)
-            if policy.kind == "early" and generated and not request.params.loop_trace:
+            untraced = not request.params.loop_trace
+            if policy.kind == "early" and generated and untraced:
+                policy = FULL
+            elif policy.is_criterion and (not generated or
+                                          (untraced and policy.readout_loop(self.loops) == self.loops - 1)):
                 policy = FULL
             policies.append(policy)
         return policies

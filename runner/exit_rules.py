@@ -1,0 +1,176 @@
+"""Exit decisions made on the device after a loop, per row, in buffers of their own: early:Q's exit CDF
+(GateCDFRows) and an exit criterion's memory of the row's last checked loop (CriterionRows); and
+CriterionExit, the loop driver's hook for the criteria (kl, entropy-diff, ...; docs/looped_controls.md).
+
+A per-loop CUDA graph (runner/cuda_graph.py: DecodeGraphs) runs a rule inside each loop's capture over its
+bucket's rows, so a step reads one flag vector per loop and no shape depends on the data; an eager step runs
+the same rule through the hook over its generated rows, reading the flags after each checked loop. Rows
+[:n] of a rule's buffers are the live rows, in order; when rows stop, the survivors are compacted to the
+front (`buffers`), as the graphs compact their static inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from cache.kv_pool import KVPool
+from cache.layout import KVLayout
+from model.exit_criteria import ExitCriterion, ExitMemory
+from model.looped import LoopedModel
+from runner.loop_driver import LoopStats, StepInputs, advance_exit_cdf
+
+
+class ExitRule(Protocol):
+    buffers: list[torch.Tensor]  # per-row state, [capacity, ...] each: compacted with the rows
+
+    def decides(self, t: int) -> bool:
+        """Does loop t decide exits? (Known on the host: a captured loop includes the decision or not.)"""
+
+    def reset(self, n: int, state: torch.Tensor) -> None:
+        """Rows [:n] start a step; state [n, H]: each row's initial state, loop 0's input."""
+
+    def decide(self, t: int, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None) -> torch.Tensor:
+        """After loop t (decides(t)): which of rows [:n] stop, [n] bool; state [n, H] is loop t's output."""
+
+
+class GateCDFRows:
+    """early:Q: each row's exit CDF, float64, advanced every loop but the last
+    (runner/loop_driver.py: advance_exit_cdf)."""
+
+    def __init__(self, threshold: float, loops: int, capacity: int, device: torch.device) -> None:
+        self.threshold, self.loops = threshold, loops
+        self.cdf = torch.zeros(capacity, dtype=torch.float64, device=device)
+        self.survival = torch.ones(capacity, dtype=torch.float64, device=device)
+        self.buffers = [self.cdf, self.survival]
+
+    def decides(self, t: int) -> bool:
+        return t < self.loops - 1
+
+    def reset(self, n: int, state: torch.Tensor) -> None:
+        self.cdf[:n].zero_()
+        self.survival[:n].fill_(1.0)
+
+    def decide(self, t: int, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None) -> torch.Tensor:
+        return advance_exit_cdf(self.cdf[:n], self.survival[:n], gate_logits, self.threshold)
+
+
+def check_readout(model: LoopedModel, criterion: ExitCriterion) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a criterion observes at a checked loop, from the loop's output state [n, H]: the state itself
+    (latent-diff, cosine), or the next-token logits [n, V] in fp32, the model's readout of that state: for a
+    model without a coda (Ouro) its head on the state. A model with a coda (Huginn) reads out through the
+    coda's layers, whose attention reads and writes the coda's KV slots at every checked loop (the official
+    code keeps the last check's): that readout has to run inside the loop driver's attention step, which
+    does not exist yet, so it is refused here, by name, at engine start."""
+    if not criterion.reads_logits:
+        return lambda state: state
+    if model.coda is not None:
+        raise ValueError(f"exit_policy {str(criterion.policy)!r}: {criterion.kind} reads the next-token "
+                         "distribution at every checked loop, which for a model with a coda means running "
+                         "the coda's attention mid-loop; that readout is not wired into the loop driver yet. "
+                         "Use latent-diff or cosine, which read the loop state")
+    return lambda state: model.compute_logits(state).float()
+
+
+class CriterionRows:
+    """An exit criterion's memory (model/exit_criteria.py: ExitMemory) for up to `capacity` rows: the last
+    checked loop's log-probs [capacity, V] (kl, minp-kl), entropy (entropy-diff), argmax and run length
+    (argmax-stability) or state [capacity, H] (latent-diff, cosine), updated in place at each checked loop.
+    `readout` (check_readout) turns a loop's output into what the criterion observes."""
+
+    def __init__(self, criterion: ExitCriterion, readout: Callable[[torch.Tensor], torch.Tensor], loops: int,
+                 capacity: int, hidden_size: int, vocab_size: int, device: torch.device) -> None:
+        self.criterion, self.readout, self.loops, self.vocab_size = criterion, readout, loops, vocab_size
+        kind = criterion.kind
+        width = (vocab_size,) if kind in ("kl", "minp-kl") else (hidden_size,) if not criterion.reads_logits \
+            else ()
+        dtype = torch.long if kind == "argmax-stability" else torch.float32
+        self.previous = torch.zeros(capacity, *width, dtype=dtype, device=device)
+        self.run = torch.zeros(capacity, dtype=torch.long, device=device) if kind == "argmax-stability" \
+            else None
+        self.buffers = [self.previous] + ([self.run] if self.run is not None else [])
+
+    def decides(self, t: int) -> bool:
+        return t < self.loops - 1 and self.criterion.is_checked(t)
+
+    def reset(self, n: int, state: torch.Tensor) -> None:
+        self._store(n, self.criterion.start(state, self.vocab_size))
+
+    def decide(self, t: int, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None) -> torch.Tensor:
+        memory = ExitMemory(self.previous[:n], None if self.run is None else self.run[:n])
+        exits, _, memory = self.criterion.check(memory, self.readout(state))
+        self._store(n, memory)
+        return exits
+
+    def _store(self, n: int, memory: ExitMemory) -> None:
+        self.previous[:n].copy_(memory.previous)
+        if self.run is not None:
+            self.run[:n].copy_(memory.run)
+
+
+def compact(buffers: list[torch.Tensor], index: torch.Tensor) -> None:
+    """Rows `index` [k] int64 of each buffer move to its first k rows, in order."""
+    for buffer in buffers:
+        buffer[:index.shape[0]] = buffer[index]
+
+
+class CriterionExit:
+    """An exit criterion as an after-loop hook (runner/loop_driver.py: LoopHook): a generated token stops at
+    the first checked loop t < T-1 where the criterion fires, and its deeper slots get what the KV layout says
+    (as early:Q's: docs/looped_controls.md). Prompt tokens run every loop and never exit. Under per-loop
+    graphs the executor decides on the device and copies K/V forward itself (LoopOutput.reached); eagerly,
+    a CriterionRows over the step's generated rows decides, with one device-to-host read per checked loop."""
+
+    def __init__(self, criterion: ExitCriterion, rows: Callable[[int], CriterionRows], loops: int,
+                 layout: KVLayout, pool: KVPool, stats: LoopStats) -> None:
+        """rows(capacity): a CriterionRows for that many rows (an eager step's generated rows)."""
+        self.criterion = criterion
+        self.rows_for = rows
+        self.loops = loops
+        self.layout = layout
+        self.pool = pool
+        self.stats = stats
+
+    def begin(self, inputs: StepInputs, initial_state: torch.Tensor | None) -> None:
+        starts = inputs.meta.query_starts_cpu
+        self.starts = starts
+        self.looping = list(inputs.generated_rows)
+        self.slot_mapping = inputs.meta.slot_mapping
+        self.device = inputs.input_ids.device
+        self.rules = None
+        if initial_state is not None and self.looping:  # eager: this step's rows, from their initial state
+            self.rules = self.rows_for(len(self.looping))
+            self.rules.reset(len(self.looping), initial_state[self._index([starts[r] for r in self.looping])])
+
+    def after_loop(self, t: int, gate_logits: torch.Tensor | None, live: list[int],
+                   reached: torch.Tensor | None, state: torch.Tensor) -> list[int]:
+        self.stats.decode_loops += len(self.looping)
+        if not self.looping or t >= self.loops - 1 or not self.criterion.is_checked(t):
+            return []
+        if reached is not None:  # decided on the device (generated rows only), which copied their K/V forward
+            leaving = [row for row, hit in zip(live, reached.tolist()) if hit]
+        else:
+            leaving = self._decide(t, live, state)
+        gone = set(leaving)
+        self.looping = [row for row in self.looping if row not in gone]
+        return leaving
+
+    def _decide(self, t: int, live: list[int], state: torch.Tensor) -> list[int]:
+        """Loop t's exits among the looping rows, from their tokens of `state` (the live rows' tokens, in
+        order), and their K/V copied forward."""
+        offset, at = 0, {}
+        for row in live:
+            at[row] = offset
+            offset += self.starts[row + 1] - self.starts[row]
+        looping = state[self._index([at[r] for r in self.looping])]
+        flags = self.rules.decide(t, len(self.looping), looping, None).tolist()
+        leaving = [row for row, hit in zip(self.looping, flags) if hit]
+        if leaving:
+            tokens = self._index([self.starts[r] for r in leaving]).to(self.slot_mapping.device)
+            self.layout.copy_forward(self.pool, self.slot_mapping[tokens], t)
+            compact(self.rules.buffers, self._index([i for i, hit in enumerate(flags) if not hit]))
+        return leaving
+
+    def _index(self, positions: list[int]) -> torch.Tensor:
+        return torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
