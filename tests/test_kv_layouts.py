@@ -68,7 +68,8 @@ def test_layout_capacity_in_bytes_per_token_matches_the_docs_for_ouro_and_huginn
     expected = {(ouro_map, ouro_slot, "full"): 786_432, (ouro_map, ouro_slot, "compress:48"): 393_216,
                 (ouro_map, ouro_slot, "compress:24"): 196_608,
                 (huginn_map, huginn_slot, "full"): 2_787_840,
-                (huginn_map, huginn_slot, "compress:16"): 422_400, (huginn_map, huginn_slot, "compress:4"): 168_960}
+                (huginn_map, huginn_slot, "compress:16"): 422_400,
+                (huginn_map, huginn_slot, "compress:4"): 168_960}
     got = {(m, b, name): make_layout(name, m, 16).token_bytes(b, generated=False) for m, b, name in expected}
     assert got == expected
 
