@@ -9,6 +9,7 @@ import torch
 
 from cache.layout import make_layout
 from cache.kv_pool import slot_token_bytes
+from cli import build_parser, engine_from_args
 from engine import Engine
 from model.config import OuroConfig
 from model.huginn import HuginnConfig
@@ -134,6 +135,27 @@ def test_latest_under_early_exit_reads_a_stopped_tokens_deepest_kv(tiny_checkpoi
     assert tokens == expected
     if ring is None:
         assert expected == [oracle.decode(p, NEW_TOKENS, "early:0.6")[0] for p in PROMPTS]
+
+
+def test_a_ring_in_bf16_and_fp8_keeps_its_storage_and_scales_per_ring_slot(tiny_checkpoint, oracle):
+    """bf16 storage of this model's K/V rounds to the fp32 ring reference's greedy tokens; fp8 keeps one scale
+    per (ring slot, kv head) and matches it on the first token of each prompt (its later tokens drift by the
+    8-bit rounding)."""
+    expected = [oracle.decode_in_calls(p, NEW_TOKENS, ring_loops=2) for p in PROMPTS]
+    assert run(tiny_checkpoint, kv_layout="compress:4", kv_cache_dtype="bf16") == expected
+    with Engine(tiny_checkpoint, device="cpu", dtype="float32", attention="torch", verbose=False,
+                kv_layout="compress:4", kv_cache_dtype="fp8_e4m3", enable_prefix_caching=False) as engine:
+        assert engine.kv_pool.kv_scales.shape == (2 * LAYERS, 2, 4)
+        outputs = engine.generate([list(p) for p in PROMPTS], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids[0] for o in outputs] == [tokens[0] for tokens in expected]
+
+
+def test_the_cli_flag_chooses_the_layout(tiny_checkpoint):
+    args = build_parser().parse_args(["generate", "--model", str(tiny_checkpoint), "--device", "cpu",
+                                      "--kv-layout", "latest-compress:4", "--exit-policy", "early:0.6",
+                                      "--threads", "1"])
+    with engine_from_args(args) as engine:
+        assert engine.layout.kv_layout == "latest-compress:4" and engine.model.slot_map.ring_loops == 2
 
 
 # -- capacity ---------------------------------------------------------------------------------------------
