@@ -53,8 +53,9 @@ class LayoutName:
     compress: int | None = None
 
     def __str__(self) -> str:
-        ring = "" if self.compress is None else f"compress:{self.compress}"
-        return ("latest" + ("-" if ring else "") if self.latest else "") + ring or "full"
+        if self.compress is None:
+            return "latest" if self.latest else "full"
+        return f"latest-compress:{self.compress}" if self.latest else f"compress:{self.compress}"
 
 
 def parse_kv_layout(name: object) -> LayoutName:

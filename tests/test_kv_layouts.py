@@ -54,6 +54,8 @@ def test_a_ring_of_loops_maps_loop_t_to_ring_loop_t_mod_k_on_the_same_physical_l
     assert [ring.physical_layer(s) for s in range(20)] == [0, 1] + [2, 3, 4, 5] * 4 + [6, 7]
     assert list(ring.deeper_slots(1, 3)) == [13, 17] and list(ring.deeper_slots(3, 0)) == []
     assert list(ring.deeper_slots(30, 0)) == []  # past the ring's last loop each ring loop holds its own
+    with pytest.raises(ValueError, match=r"SlotMap ring_loops must be None or an integer in 1..32"):
+        SlotMap(32, 4, ring_loops=33)
 
 
 def test_layout_capacity_in_bytes_per_token_matches_the_docs_for_ouro_and_huginn():
