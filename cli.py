@@ -142,6 +142,11 @@ def add_engine_flags(engine: argparse._ArgumentGroup) -> None:
     engine.add_argument("--kv-sharing", default="none", choices=["none", "last"],
                         help="last: generated tokens keep only their last loop's K/V "
                              "(arXiv 2510.25741 §5.4.2)")
+    engine.add_argument("--kv-layout", default=None, metavar="NAME",
+                        help="K/V across loops: full, latest (an early-exited token's deeper slots read its "
+                             "last computed loop), compress:k (a ring of k loop-layer slots, k a multiple of "
+                             "the layers per loop) or latest-compress:k (default: latest under early:Q, "
+                             "else full)")
     engine.add_argument("--speculative", default=None, metavar="loops:d",
                         help="self-speculative decoding: draft with the first d loops, verify with the rest "
                              "(lossless; docs/speculative.md)")
@@ -248,7 +253,7 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
         torch.set_num_threads(threads)
     return Engine(args.model, device=args.device, dtype=args.dtype, attention=args.attention,
                   loops=args.loops, enforce_eager=args.enforce_eager, exit_policy=args.exit_policy,
-                  kv_sharing=args.kv_sharing, max_model_len=args.max_model_len,
+                  kv_sharing=args.kv_sharing, kv_layout=args.kv_layout, max_model_len=args.max_model_len,
                   num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
                   speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                   admission=args.admission, kv_cache_dtype=args.kv_cache_dtype,

@@ -24,7 +24,7 @@ import torch
 from attention.registry import select
 from cache.blocks import BlockManager
 from cache.kv_format import PoolShape
-from cache.layout import KV_SHARING, make_layout
+from cache.layout import KV_SHARING, KVCapacity, make_layout
 from cache.pool_sizing import PoolSizer
 from cache.side_rows import SideRows
 from engine_config import EngineConfig
@@ -70,7 +70,8 @@ class Engine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  packed_prefill: bool = False, enforce_eager: bool = False,
-                 exit_policy: str | None = None, kv_sharing: str = "none", speculative: str | None = None,
+                 exit_policy: str | None = None, kv_sharing: str = "none", kv_layout: str | None = None,
+                 speculative: str | None = None,
                  num_speculative_tokens: int | None = None, admission: str = "reserve",
                  kv_cache_dtype: str = "auto", kv_sink_tokens: int = 0, kv_tail_tokens: int = 0,
                  kv_rotation: bool = True, async_scheduling: bool | None = None,
@@ -87,7 +88,8 @@ class Engine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             packed_prefill=packed_prefill, enforce_eager=enforce_eager, kv_sharing=kv_sharing,
-            speculative=speculative, num_speculative_tokens=num_speculative_tokens, admission=admission,
+            kv_layout=kv_layout, speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+            admission=admission,
             kv_cache_dtype=kv_cache_dtype, kv_sink_tokens=kv_sink_tokens, kv_tail_tokens=kv_tail_tokens,
             kv_rotation=kv_rotation, async_scheduling=async_scheduling,
             piecewise_graph_tokens=piecewise_graph_tokens, deterministic=deterministic,
@@ -99,24 +101,27 @@ class Engine:
         self.backend = select(config.attention, config.device, {"packed_prefill": config.packed_prefill,
                                                                 "batch_invariant": config.batch_invariant})
         self.backend.check(config.dtype, config.model.shape.head_dim, config.device)
-        layout_name = KV_SHARING[config.kv_sharing]
-        if layout_name not in self.backend.capabilities.kv_formats:
-            raise ValueError(f"kv_sharing={config.kv_sharing!r} needs the {layout_name!r} KV format, which "
+        layout_kind = KV_SHARING[config.kv_sharing]
+        if layout_kind not in self.backend.capabilities.kv_formats:
+            raise ValueError(f"kv_sharing={config.kv_sharing!r} needs the {layout_kind!r} KV format, which "
                              f"attention={self.backend.name!r} does not provide "
                              f"(it has {', '.join(self.backend.capabilities.kv_formats)})")
         self.model = load_model(model_dir, self.config, config.device, config.dtype, config.batch_invariant,
                                 check_finite=config.check_finite_weights)
+        # In deterministic mode a generated token's K/V stands for a prompt's (in the prefix cache, in a
+        # recompute) only where the backend gives a prompt token what decoding it gives.
+        exact = config.generated_kv_exact and (not config.batch_invariant
+                                               or self.backend.capabilities.prefill_matches_decode)
+        self.layout = make_layout(config.layout_name, self.model.slot_map, config.block_size, exact)
+        # The slots the layout keeps are those the model's attention calls use (a ring's, for compress:k).
+        self.model.slot_map = self.layout.slot_map
         kv_format, shape = config.kv_format, self._pool_shape()
         side_rows = kv_format.side_rows(shape)  # rows the pool keeps apart from its blocks (KVarN's), or None
         self.kv_pool, num_blocks = PoolSizer(kv_format, shape, config.device, config.num_kv_blocks,
                                              config.kv_cache_gib, config.gpu_memory_utilization,
                                              config.max_model_len).build(side_rows, self._profile_run)
         kv_format.bind(self.backend, self.kv_pool, shape.head_dim ** -0.5)
-        # In deterministic mode a generated token's K/V stands for a prompt's (in the prefix cache, in a
-        # recompute) only where the backend gives a prompt token what decoding it gives.
-        exact = config.generated_kv_exact and (not config.batch_invariant
-                                               or self.backend.capabilities.prefill_matches_decode)
-        self.layout = make_layout(config.kv_sharing, self.model.slot_map, config.block_size, exact)
+        self.num_kv_blocks = num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           layout=self.layout, side_rows=side_rows)
         if self.layout.blocks_per_sequence(config.max_model_len, 0) > num_blocks:
@@ -199,6 +204,12 @@ class Engine:
         """Under speculative decoding, every request's drafts since the engine started: made and accepted,
         per draft position and overall (None without speculation)."""
         return self.runner.speculation.stats if self.runner.speculation is not None else None
+
+    @property
+    def kv_capacity(self) -> KVCapacity:
+        """What the KV layout buys: bytes per token, tokens per GiB and their gain over the full layout, and
+        the tokens the pool holds (cache/layout.py)."""
+        return self.layout.capacity(self.kv_pool, self.num_kv_blocks)
 
     def max_concurrent_sequences(self, prompt_tokens: int, generated_tokens: int) -> int:
         """How many sequences of this shape the KV pool holds at once (kv_sharing="last" stores a generated

@@ -24,6 +24,7 @@ from attention.registry import check_name as check_backend_name
 from attention.registry import resolve_name as resolve_backend_name
 from cache.kv_format import KVFormat
 from cache.kv_formats import parse_kv_cache_dtype
+from cache.layout import SHARED_LAST, parse_kv_layout
 from exit_policy import ExitPolicy, parse_exit_policy
 from model.loader import resolve_model_dir
 from model.looped import LoopedConfig
@@ -60,6 +61,9 @@ class EngineConfig:
     piecewise_graph_tokens: int = 512
     exit_policy: ExitPolicy = ExitPolicy("full")
     kv_sharing: str = "none"
+    # Where K/V lives across loops (cache/layout.py): "full", "latest", "compress:k" or "latest-compress:k";
+    # None: "latest" under an exit policy that stops loops, else "full" (layout_name resolves it)
+    kv_layout: str | None = None
     # Self-speculative decoding (docs/speculative.md): "loops:d" drafts with the first d loops; None: off.
     speculative: str | None = None
     num_speculative_tokens: int | None = None  # k, the drafts per step (default 4 when speculative is on)
@@ -116,6 +120,7 @@ class EngineConfig:
             raise ValueError(f"deterministic=True {refusal}")
         self._check_initial_state_options()
         check_engine_options(self.model, options)
+        self._check_kv_layout()
         if self.speculative is not None:
             draft_loops(self.speculative, self.loops)  # d against this engine's loop count
             if self.exit_policy.can_exit:
@@ -148,6 +153,29 @@ class EngineConfig:
         """Does each token start from a random state, drawn from its request's state seed?"""
         return bool(self.initial_state_scale)
 
+    def _check_kv_layout(self) -> None:
+        """kv_layout against the exit policy: a policy that stops loops leaves deeper slots unwritten, which
+        only a latest layout fills (full and compress:k would read what an earlier token left there)."""
+        if self.kv_layout is None or not self.exit_policy.can_exit:
+            return
+        layout = parse_kv_layout(self.kv_layout)
+        if not layout.latest:
+            latest = "latest" if layout.compress is None else f"latest-compress:{layout.compress}"
+            raise ValueError(f"kv_layout={self.kv_layout!r} cannot be combined with exit_policy="
+                             f"{str(self.exit_policy)!r}: a token that stops early leaves its deeper slots "
+                             f"unwritten; kv_layout={latest!r} fills them with its last computed loop's K/V")
+
+    @property
+    def layout_name(self) -> str:
+        """The KV layout (cache/layout.py: make_layout): shared-last under kv_sharing="last", else kv_layout,
+        whose default is latest under an exit policy that stops loops (identical to full where every token
+        runs every loop) and full otherwise."""
+        if self.kv_sharing == "last":
+            return SHARED_LAST
+        if self.kv_layout is not None:
+            return self.kv_layout
+        return "latest" if self.exit_policy.can_exit else "full"
+
     def deterministic_refusal(self) -> str | None:
         """Why deterministic mode cannot run with these options (None: it can): it runs the Triton kernels on
         CUDA (cuBLAS picks its kernels by the batch's shape) and the torch backend's tiles on CPU, over the
@@ -155,6 +183,10 @@ class EngineConfig:
         KVFormat.deterministic_refusal)."""
         backend = self.backend_name
         refused = [
+            (compresses(self.kv_layout),
+             f"cannot be combined with kv_layout={self.kv_layout!r}: over a ring a token reads the tokens of "
+             "earlier steps at their last ring write, so where a prompt is split into chunks changes its "
+             "tokens"),
             (self.packed_prefill, "cannot be combined with packed_prefill=True (its packed tiles give a "
                                   "prompt's queries other sums than the paged kernel's)"),
             (self.device.type == "cuda" and backend != "triton",
@@ -279,6 +311,8 @@ def check_options(**values: Any) -> None:
         raise ValueError(f"admission must be one of {', '.join(ADMISSION)}; got {values['admission']!r}")
     if "kv_sharing" in values and values["kv_sharing"] not in KV_SHARING:
         raise ValueError(f"kv_sharing must be 'none' or 'last', got {values['kv_sharing']!r}")
+    if values.get("kv_layout") is not None:
+        _check_kv_layout(values)
     if "kv_cache_dtype" in values:
         _check_kv_cache_dtype(values)
     threshold = values.get("exit_threshold")
@@ -294,6 +328,27 @@ def check_options(**values: Any) -> None:
         if not isinstance(attention, str):
             raise ValueError(f"attention must be a backend name, got {attention!r}")
         check_backend_name(attention)
+
+
+def compresses(kv_layout: str | None) -> bool:
+    """Is kv_layout a ring (compress:k or latest-compress:k)?"""
+    return kv_layout is not None and parse_kv_layout(kv_layout).compress is not None
+
+
+def _check_kv_layout(values: dict[str, Any]) -> None:
+    """The name, and the options a layout cannot take; k against the model's loops and layers is checked
+    once the model's slot map is known (cache/layout.py: make_layout)."""
+    kv_layout = values["kv_layout"]
+    parse_kv_layout(kv_layout)
+    if values.get("kv_sharing", "none") != "none":
+        raise ValueError(f"pass kv_layout or kv_sharing, not both: kv_sharing={values['kv_sharing']!r} is a "
+                         f"KV layout of its own (shared-last), and kv_layout={kv_layout!r} another")
+    speculative = values.get("speculative")
+    if compresses(kv_layout) and speculative is not None:
+        raise ValueError(f"speculative={speculative!r} cannot be combined with kv_layout={kv_layout!r}: "
+                         "over a ring a draft's first loops and its verified loops would read the earlier "
+                         "tokens at other ring writes than a plain decode step does, so the draft would not "
+                         "be exact")
 
 
 def _check_kv_cache_dtype(values: dict[str, Any]) -> None:

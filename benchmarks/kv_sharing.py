@@ -61,7 +61,8 @@ def main() -> None:
         loops, layers = config.total_ut_steps, config.num_hidden_layers
         slot_bytes = slot_token_bytes(config.num_key_value_heads, config.head_dim, dtype)
         blocks = KVPool.blocks_for_budget(loops * layers * args.block_size * slot_bytes, budget)
-        layouts = {s: make_layout(s, SlotMap(loops, layers), args.block_size) for s in ("none", "last")}
+        layouts = {s: make_layout(name, SlotMap(loops, layers), args.block_size)
+                   for s, name in (("none", "full"), ("last", "shared-last"))}
         for prompt in args.prompts:
             generated = SEQUENCE - prompt
             counts = {}

@@ -1,12 +1,14 @@
 """Copy-forward: a token that stopped looping after loop t leaves its loop-t K/V in the slots of loops
 t+1..T-1 (every loop layer: model/looped.py, SlotMap.deeper_slots), where later tokens' deeper loops read it.
+Over a ring of K loops (compress:k) the same within the ring: a token that stopped after loop t < K-1 leaves
+it in ring loops t+1..K-1, which it never wrote; past K-1 every ring loop holds its own last write.
 One Triton launch on CUDA, for every stopped token and both pools; optionally masked on the device, so that a
 captured loop graph copies exactly the rows whose exit it just decided, with no host round trip. Elsewhere
 (CPU), plain indexing.
 
 The pools are [num_slots, blocks, block_size, kv_heads, head_dim], contiguous. A slot map's loop slots are
-one run of T x C planes (slot(t, l) = slot(0, 0) + t * C + l), viewed here as [T, C]; an in-plane index
-s = block * block_size + offset addresses one token's kv_heads * head_dim values.
+one run of T x C planes (K x C with a ring; slot(t, l) = slot(0, 0) + t * C + l), viewed here as [T, C]; an
+in-plane index s = block * block_size + offset addresses one token's kv_heads * head_dim values.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def copy_forward(key_cache: torch.Tensor, value_cache: torch.Tensor, slot_map: S
     """Each loop layer's deeper slots get its loop-`loop` K/V of the tokens at in-plane indices `slots` ([n]
     int64). mask ([n] bool): copy only those rows (on the device: no host sync). use_triton: default on
     CUDA."""
-    loops, layers = slot_map.loops, slot_map.loop_layers
+    loops, layers = slot_map.stored_loops, slot_map.loop_layers
     if loop + 1 >= loops or slots.numel() == 0:
         return
     if use_triton is None:

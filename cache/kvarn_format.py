@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from attention.base import AttentionBackend
+from cache.layout import parse_kv_layout
 from cache.kv_format import KVFormat, PoolShape, check_tile_dims, high_precision_rows
 from cache.kvarn_pool import KVarNPool
 from cache.side_rows import SideRows
@@ -83,6 +84,10 @@ class KVarNFormat(KVFormat):
              f"kernels do not read generated pages yet), got attention={attention!r}"),
             (policy.can_exit, f"cannot be combined with exit_policy={str(policy)!r} (copy-forward of packed "
                               "tiles)"),
+            (values.get("kv_layout") is not None
+             and parse_kv_layout(values["kv_layout"]).compress is not None,
+             f"cannot be combined with kv_layout={values.get('kv_layout')!r} (a ring rewrites a slot's "
+             f"packed tiles within a step)"),
             (speculative is not None, f"cannot be combined with speculative={speculative!r}"),
             (not values["kv_rotation"] and backend != "torch",
              f"with kv_rotation=False runs on attention='torch' only (the Triton KVarN kernels rotate), got "

@@ -81,9 +81,11 @@ class PoolSizer:
             f"kv_cache_gib={self.kv_cache_gib}: " if self.kv_cache_gib is not None else ""
         side = (f", and {reserved / 2**30:.3g} GiB of KVarN side rows for "
                 f"max_num_seqs={self.shape.max_num_seqs}" if reserved else "")
+        slot_map = self.shape.slot_map
+        ring = "" if slot_map.ring_loops is None else f" (a ring of {slot_map.ring_loops}, kv_layout)"
         return (f"{asked}{num_blocks} block(s) of {probe.bytes_per_block / 2**20:.3g} MiB, each "
-                f"block_size={probe.block_size} tokens x loops={self.shape.slot_map.loops} x "
-                f"{self.shape.slot_map.loop_layers} layers{side}")
+                f"block_size={probe.block_size} tokens x {slot_map.num_slots} KV slots "
+                f"(loops={slot_map.loops}{ring} x {slot_map.loop_layers} layers){side}")
 
     def blocks_for_memory(self, probe: Pool, reserved: int, profile: Callable[[], None]) -> int:
         """kv_cache_gib when given. Otherwise vLLM's rule on CUDA: what is left of utilization x total after

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -383,11 +384,13 @@ class HuginnForCausalLM(nn.Module):
         return torch.zeros_like(e), StepContext(context.cos, context.sin, e)
 
     def loop(self, state: torch.Tensor, context: StepContext, t: int, attention: Attention) -> torch.Tensor:
-        return self.core_step(state, context.injection, context.cos, context.sin, attention, t)
+        """Recurrence t on the slot map's loop_slots(t) (a ring's, under the KV layout compress:k)."""
+        return self._recur(state, context.injection, context.cos, context.sin, attention,
+                           self.slot_map.loop_slots(t))
 
     def coda(self, state: torch.Tensor, context: StepContext, attention: Attention) -> torch.Tensor:
         """The readout hidden of the last loop's state, on the slot map's coda slots."""
-        return self.run_coda(state, context.cos, context.sin, attention, self.slot_map.loops)
+        return self._coda(state, context.cos, context.sin, attention, self.slot_map.coda_slots)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden)
@@ -433,18 +436,28 @@ class HuginnForCausalLM(nn.Module):
                   attention: Attention, recurrence: int) -> torch.Tensor:
         """One recurrence (0-based index `recurrence`): adapter(concat(state, e)), state first, then the core
         blocks in slots core_slot(recurrence, 0..C-1). Returns the next state (raw: no final norm)."""
+        slots = [self.config.core_slot(recurrence, layer) for layer in range(len(self.core_blocks))]
+        return self._recur(state, e, cos, sin, attention, slots)
+
+    def _recur(self, state: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attention: Attention, slots: Sequence[int]) -> torch.Tensor:
         x = F.linear(torch.cat([state, e], dim=-1), self.adapter.weight)
-        for layer, block in enumerate(self.core_blocks):
-            x = block(x, cos, sin, attention, self.config.core_slot(recurrence, layer))
+        for block, slot in zip(self.core_blocks, slots, strict=True):
+            x = block(x, cos, sin, attention, slot)
         return x
 
     def run_coda(self, state: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention,
                  recurrences: int) -> torch.Tensor:
         """ln_f, the coda blocks (slots coda_slot(0..D-1, recurrences), after all core slots of a map that
         holds `recurrences` recurrences), then ln_f again (the same weights): the hidden logits() reads."""
+        slots = [self.config.coda_slot(layer, recurrences) for layer in range(len(self.coda_blocks))]
+        return self._coda(state, cos, sin, attention, slots)
+
+    def _coda(self, state: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention,
+              slots: Sequence[int]) -> torch.Tensor:
         x = self.ln_f(state)
-        for layer, block in enumerate(self.coda_blocks):
-            x = block(x, cos, sin, attention, self.config.coda_slot(layer, recurrences))
+        for block, slot in zip(self.coda_blocks, slots, strict=True):
+            x = block(x, cos, sin, attention, slot)
         return self.ln_f(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

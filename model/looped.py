@@ -28,22 +28,37 @@ class SlotMap:
     physical layers (the checkpoint's blocks) are numbered prelude 0..P-1, loop P..P+C-1, coda P+C..P+C+D-1.
 
     Ouro: SlotMap(loops=T, loop_layers=L), slot = t * L + l (docs/ouro.md §5). Huginn-0125:
-    SlotMap(loops=r, loop_layers=4, prelude_layers=2, coda_layers=2) (docs/huginn.md §4)."""
+    SlotMap(loops=r, loop_layers=4, prelude_layers=2, coda_layers=2) (docs/huginn.md §4).
+
+    A ring (ring_loops=K < T, the KV layout compress:k; docs/looped_controls.md) keeps K loops' planes:
+    loop t's layers use ring loop t mod K's slots, P + (t mod K) * C + l, and the coda's follow the ring
+    (P + K * C + c). Each slot still runs one physical layer, since the ring is whole loops."""
 
     loops: int  # T: the loops the map holds slots for
     loop_layers: int  # C
     prelude_layers: int = 0  # P
     coda_layers: int = 0  # D
+    ring_loops: int | None = None  # K: the loops' planes kept (None: all T, one plane per loop)
 
     def __post_init__(self) -> None:
         for name, least in (("loops", 1), ("loop_layers", 1), ("prelude_layers", 0), ("coda_layers", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"SlotMap {name} must be an integer >= {least}, got {value!r}")
+        ring = self.ring_loops
+        if ring is not None and (not isinstance(ring, int) or isinstance(ring, bool)
+                                 or not 1 <= ring <= self.loops):
+            raise ValueError(f"SlotMap ring_loops must be None or an integer in 1..{self.loops} (the loops), "
+                             f"got {ring!r}")
+
+    @property
+    def stored_loops(self) -> int:
+        """The loops whose planes the pool holds: K with a ring, else T."""
+        return self.loops if self.ring_loops is None else self.ring_loops
 
     @property
     def num_slots(self) -> int:
-        return self.prelude_layers + self.loops * self.loop_layers + self.coda_layers
+        return self.prelude_layers + self.stored_loops * self.loop_layers + self.coda_layers
 
     @property
     def loops_only(self) -> bool:
@@ -51,24 +66,31 @@ class SlotMap:
         return self.prelude_layers == 0 and self.coda_layers == 0
 
     def slot(self, loop: int, layer: int) -> int:
-        """Loop `loop`'s layer `layer` (both from 0)."""
-        return self.prelude_layers + loop * self.loop_layers + layer
+        """Loop `loop`'s layer `layer` (both from 0); with a ring, ring loop loop mod K's."""
+        return self.prelude_layers + loop % self.stored_loops * self.loop_layers + layer
 
     def loop_slots(self, loop: int) -> range:
         """The slots loop `loop` writes, one per loop layer, in the order it runs them."""
         first = self.slot(loop, 0)
         return range(first, first + self.loop_layers)
 
+    @property
+    def coda_slots(self) -> range:
+        """The coda's slots, one per coda layer, in the order it runs them (after every loop plane)."""
+        return range(self.num_slots - self.coda_layers, self.num_slots)
+
     def deeper_slots(self, loop: int, layer: int) -> range:
         """Copy-forward: a token that stopped after loop `loop` leaves slot(loop, layer)'s K/V in these slots,
-        the same loop layer's in loops loop+1..T-1, where later tokens' deeper loops read it."""
-        return range(self.slot(loop + 1, layer), self.slot(self.loops, layer), self.loop_layers)
+        the same loop layer's in loops loop+1..T-1, where later tokens' deeper loops read it. With a ring,
+        the ring loops after `loop` it never wrote (none once loop >= K-1: each ring loop holds its own)."""
+        first, stride = self.prelude_layers + layer, self.loop_layers
+        return range(first + (loop + 1) * stride, first + max(loop + 1, self.stored_loops) * stride, stride)
 
     def physical_layer(self, slot: int) -> int:
         """The checkpoint layer that slot `slot` runs."""
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is outside 0..{self.num_slots - 1}")
-        prelude, core = self.prelude_layers, self.loops * self.loop_layers
+        prelude, core = self.prelude_layers, self.stored_loops * self.loop_layers
         if slot < prelude:
             return slot
         if slot < prelude + core:

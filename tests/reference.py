@@ -5,6 +5,9 @@ tensors. Also HF's exit semantics (docs/ouro.md §4): the exit pdf, Q-exit, exit
 and the remote code's own Q-exit in the model dtype (hf).
 `decode` is the one stateful path: token by token with an explicit K/V list per (loop, layer) and
 position, for the rules that change what later tokens read (early:Q's copy-forward, kv_sharing="last").
+`decode_in_calls` is its sibling for the KV layouts that keep fewer loops than the model runs (a ring of
+K loops, compress:k) and so depend on which tokens were computed together: call by call, as the engine's
+steps.
 """
 
 from __future__ import annotations
@@ -247,6 +250,71 @@ class ReferenceOuro:
                 for later in range(t + 1, self.loops):
                     for i in range(self.layers):
                         kv[later][i].append(kv[t][i][pos])
+                break
+        return torch.stack(states), torch.stack(gates)
+
+
+    def decode_in_calls(self, prompt: list[int], max_new_tokens: int, ring_loops: int | None = None,
+                        prompt_calls: list[int] | None = None, early_q: float | None = None) -> list[int]:
+        """Greedy tokens computed call by call: the prompt in calls of prompt_calls tokens (default: one
+        call), then each generated token in a call of its own. K/V is kept per (ring loop, layer, position):
+        loop t writes and reads ring loop t mod K (K = ring_loops; default T, one per loop: the full layout).
+        Within a call all its tokens write a loop's K/V before any of them reads it, so they read each other
+        at that loop; a token of an earlier call is read at its last write to that ring loop. Under early:Q
+        (generated tokens only, as `decode`) a token that stops after loop t leaves its loop-t K/V in the
+        ring loops after t that it never wrote, t+1..K-1 (latest): the deepest K/V it has of that layer."""
+        ring = ring_loops or self.loops
+        kv = [[{} for _ in range(self.layers)] for _ in range(ring)]
+        calls = list(prompt_calls or [len(prompt)])
+        if sum(calls) != len(prompt):
+            raise ValueError(f"prompt_calls {calls} do not add up to the prompt's {len(prompt)} tokens")
+        ids, out, start = list(prompt), [], 0
+        while len(out) < max_new_tokens:
+            end = start + (calls.pop(0) if calls else 1)
+            generated = start >= len(prompt)
+            states, gates = self.call_loops(ids, start, end, kv, ring, early_q if generated else None)
+            start = end
+            if end < len(prompt):
+                continue
+            stopped = len(gates) < self.loops
+            exit_loop = len(gates) - 1 if stopped or early_q is None else threshold_exit_loop(gates, early_q)
+            out.append(int((states[exit_loop] @ self.lm_head.T).argmax()))
+            ids.append(out[-1])
+        return out
+
+    def call_loops(self, ids: list[int], start: int, end: int, kv: list, ring: int,
+                   early_q: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One call over positions start..end-1: the last token's post-norm states [t, H] and gate logits
+        [t] of the loops it ran (early_q: a one-token call may stop early)."""
+        w, eps = self.w, self.eps
+        positions = torch.arange(start, end)
+        h = w["model.embed_tokens.weight"][torch.tensor(ids[start:end])]
+        group = self.heads // self.kv_heads
+        states, gates = [], []
+        for t in range(self.loops):
+            for i in range(self.layers):
+                p = f"model.layers.{i}."
+                q, k, v = self.qkv(rms_norm(h, w[p + "input_layernorm.weight"], eps), i, positions)
+                plane = kv[t % ring][i]
+                for j, pos in enumerate(range(start, end)):
+                    plane[pos] = (k[j], v[j])
+                keys = torch.stack([plane[j][0] for j in range(end)]).repeat_interleave(group, 1)
+                values = torch.stack([plane[j][1] for j in range(end)]).repeat_interleave(group, 1)
+                scores = torch.einsum("qhd,khd->hqk", q, keys) / math.sqrt(self.head_dim)
+                causal = positions[:, None] >= torch.arange(end)[None, :]
+                scores = scores.masked_fill(~causal, float("-inf"))
+                a = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).reshape(end - start, -1)
+                a = a @ w[p + "self_attn.o_proj.weight"].T
+                h = h + rms_norm(a, w[p + "input_layernorm_2.weight"], eps)
+                m = self.mlp(rms_norm(h, w[p + "post_attention_layernorm.weight"], eps), i)
+                h = h + rms_norm(m, w[p + "post_attention_layernorm_2.weight"], eps)
+            h = rms_norm(h, w["model.norm.weight"], eps)
+            states.append(h[-1])
+            gates.append(h[-1] @ w["model.early_exit_gate.weight"][0] + w["model.early_exit_gate.bias"][0])
+            if early_q is not None and early_q < 1.0 and t < self.loops - 1 and exit_cdf(gates) >= early_q:
+                for later in range(t + 1, ring):
+                    for i in range(self.layers):
+                        kv[later][i][start] = kv[t % ring][i][start]
                 break
         return torch.stack(states), torch.stack(gates)
 

@@ -456,7 +456,7 @@ def test_kvarn_k4v2_with_a_small_window_holds_its_multiple_of_bf16_in_the_same_b
     heads = (config.num_key_value_heads, config.head_dim)
     budget, meta = 64 * 2**30, torch.device("meta")
     bf16_block = KVPool(slot_map, 1, 16, *heads, torch.bfloat16, meta).bytes_per_block
-    bf16 = make_layout("none", slot_map, 16).max_concurrent_sequences(
+    bf16 = make_layout("full", slot_map, 16).max_concurrent_sequences(
         KVPool.blocks_for_budget(bf16_block, budget) - 1, 512, 3584)
     assert bf16 == 21
     sequences = math.ceil(ratio * bf16)
@@ -464,7 +464,7 @@ def test_kvarn_k4v2_with_a_small_window_holds_its_multiple_of_bf16_in_the_same_b
     probe = KVarNPool(parse_kv_cache_dtype("kvarn_k4v2_g64"), slot_map, 1, *heads, torch.bfloat16, meta)
     reserved = probe.side_bytes_for(side.capacity + 1, side.generated_capacity)  # + the scratch side block
     blocks = KVPool.blocks_for_budget(probe.bytes_per_block, budget - reserved) - 1
-    layout = make_layout(kv_sharing, slot_map, 64)
+    layout = make_layout("shared-last" if kv_sharing == "last" else "full", slot_map, 64)
     reported = layout.max_concurrent_sequences(blocks, 512, 3584, side)
     assert reported >= sequences, (reported, blocks, reserved / 2**30)
     assert admit_at_full_length(BlockManager(blocks, 64, False, layout, side), 512, 3584) == reported

@@ -328,8 +328,8 @@ def test_kv_sharing_engine_reports_bytes_and_holds_more_sequences(tiny_checkpoin
     with Engine(tiny_checkpoint, device="cpu", num_kv_blocks=64) as engine:
         assert engine.max_concurrent_sequences(64, 192) == 64 // 16
     err = capsys.readouterr().err
-    assert "8.0 KiB/prompt token, 2.0 KiB/generated token (kv_sharing=last)" in err
-    assert "8.0 KiB/generated token (kv_sharing=none)" in err and "max concurrent 4096-token sequences" in err
+    assert "8.0 KiB/prompt token, 2.0 KiB/generated token (kv_sharing=last:" in err
+    assert "8.0 KiB/generated token (kv_layout=full:" in err and "max concurrent 4096-token sequences" in err
 
 
 # -- traces ------------------------------------------------------------------------------------------
