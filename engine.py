@@ -176,6 +176,12 @@ class Engine:
         return self.engine_config.exit_policy
 
     @property
+    def loops(self) -> int:
+        """The loops a token runs at most: the Engine's `loops`, else the checkpoint's (Ouro's total_ut_steps,
+        Huginn's mean_recurrence)."""
+        return self.engine_config.loops
+
+    @property
     def max_model_len(self) -> int:
         return self.engine_config.max_model_len
 

@@ -87,13 +87,19 @@ def checkpoint(model: str | None, preset: str | None, cache_dir: str = "/tmp/loo
 
 
 def weight_bytes_per_step(engine) -> int:
-    """Bytes a decode step must read: the layer weights once per loop, plus the final norm, the gate
-    and lm_head once (the embedding reads only the rows' own vectors)."""
-    model = engine.model
-    layer = sum(p.numel() * p.element_size() for p in model.layers.parameters())
-    head = sum(p.numel() * p.element_size() for m in (model.lm_head, model.norm, model.early_exit_gate)
-               for p in m.parameters())
-    return engine.config.total_ut_steps * layer + head
+    """Bytes a decode step must read: the weights one loop runs, once per loop, plus those a step runs once
+    (Ouro: the final norm, the exit gate and lm_head; Huginn: the prelude, the coda, ln_f and the head, tied
+    to the embedding); the embedding itself counts only as the head, since a step reads its rows' vectors."""
+    model, loops = engine.model, engine.loops
+    if hasattr(model, "core_blocks"):  # Huginn-0125 (model/huginn.py)
+        head = model.wte if model.lm_head is None else model.lm_head
+        return loops * _bytes(model.adapter, model.core_blocks) + _bytes(model.prelude_blocks,
+                                                                         model.coda_blocks, model.ln_f, head)
+    return loops * _bytes(model.layers) + _bytes(model.lm_head, model.norm, model.early_exit_gate)
+
+
+def _bytes(*modules: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
 
 
 def add_random_prompts(engine, batch: int, prompt: int, params, rng) -> list[str]:

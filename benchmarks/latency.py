@@ -65,13 +65,20 @@ def main() -> None:
     parser.add_argument("--kv-tail-tokens", type=int, default=0, help="KVarN formats: kv_tail_tokens")
     parser.add_argument("--async-scheduling", nargs="+", default=["on"], choices=["on", "off"],
                         help="one engine per value (default: on, the CUDA default)")
+    parser.add_argument("--exit-policies", nargs="+", default=["full"],
+                        help="one engine per exit policy (e.g. kl:1e30,min=7: every generated token stops "
+                             "after 8 loops, paying its check)")
+    parser.add_argument("--kv-layout", default=None, help="the engines' kv_layout (e.g. compress:16)")
+    parser.add_argument("--loops", type=int, default=None, help="the engines' loop count (default: the "
+                                                                 "checkpoint's)")
     parser.add_argument("--out", default=f"benchmarks/results/latency-{environment()['date']}.json")
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
     bandwidth = copy_bandwidth()
     rows = []
-    for mode, kv_cache_dtype, overlap in ((m, kv, a) for m in args.modes for kv in args.kv_cache_dtypes
-                                          for a in args.async_scheduling):
+    runs = [(m, kv, a, p) for m in args.modes for kv in args.kv_cache_dtypes for a in args.async_scheduling
+            for p in args.exit_policies]
+    for mode, kv_cache_dtype, overlap, policy in runs:
         longest = max(args.prompts) + args.decode_steps + 1 + max(
             head_start(batch, prompt, BATCHED_TOKENS) for batch in args.batches for prompt in args.prompts)
         window = ({"kv_sink_tokens": args.kv_sink_tokens, "kv_tail_tokens": args.kv_tail_tokens}
@@ -80,7 +87,7 @@ def main() -> None:
                     max_model_len=longest, max_num_batched_tokens=BATCHED_TOKENS, enable_prefix_caching=False,
                     enforce_eager=(mode == "eager"), kv_cache_dtype=kv_cache_dtype,
                     block_size=args.block_size, async_scheduling=overlap == "on", verbose=True,
-                    **window) as engine:
+                    exit_policy=policy, kv_layout=args.kv_layout, loops=args.loops, **window) as engine:
             weights = weight_bytes_per_step(engine)
             kv_token = engine.kv_pool.bytes_per_token
             capacity = engine.block_manager.num_blocks * engine.kv_pool.block_size
@@ -92,7 +99,9 @@ def main() -> None:
                     context = prompt + args.decode_steps // 2
                     floor_ms = (weights + kv_token * batch * context) / bandwidth * 1e3
                     row = {"mode": mode, "kv_cache_dtype": kv_cache_dtype, "async_scheduling": overlap,
-                           "batch": batch, "prompt": prompt, "floor_ms": round(floor_ms, 3), **window}
+                           "exit_policy": policy, "kv_layout": engine.engine_config.layout_name,
+                           "loops": engine.engine_config.loops, "batch": batch, "prompt": prompt,
+                           "floor_ms": round(floor_ms, 3), **window}
                     head = head_start(batch, prompt, BATCHED_TOKENS)
                     needed = batch * (prompt + args.decode_steps + 1 + head)
                     if needed > capacity:
@@ -112,13 +121,15 @@ def main() -> None:
 
 def _write(out: str, path: str, bandwidth: float, rows: list[dict]) -> None:
     """Rewritten after every row, so a run cut short still leaves its numbers."""
-    lines = ["| mode | kv_cache_dtype | async | batch | prompt | TTFT ms | TPOT ms | floor ms | TPOT / floor "
-             "| GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | kv_cache_dtype | async | exit policy | KV layout | loops | batch | prompt | TTFT ms "
+             "| TPOT ms | floor ms | TPOT / floor | GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         sink, tail = r.get("kv_sink_tokens", 0), r.get("kv_tail_tokens", 0)
         window = f" (sink {sink}, tail {tail})" if sink or tail else ""
         lines.append(f"| {r['mode']} | {r.get('kv_cache_dtype', 'auto')}{window} | {r['async_scheduling']} | "
+                     f"{r.get('exit_policy', 'full')} | {r.get('kv_layout', 'full')} | {r.get('loops', '')} "
+                     "| "
                      f"{r['batch']} | {r['prompt']} | "
                      f"{r.get('ttft_ms')} | {r.get('tpot_ms')} | "
                      f"{r['floor_ms']} | {r.get('ratio', r.get('note'))} | {r.get('gbps', '')} |")

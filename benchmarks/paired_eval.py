@@ -69,7 +69,7 @@ def run_side(name: str, items: list[EvalItem], params: SamplingParams, engine_ar
     with Engine(**engine_args, verbose=False) as engine:
         outputs = engine.generate([item.prompt for item in items], params, use_tqdm=False)
         stats = engine.loop_stats
-        loops = stats.loops_per_token if stats.decode_tokens else float(engine.config.total_ut_steps)
+        loops = stats.loops_per_token if stats.decode_tokens else float(engine.loops)
         device = str(engine.device)
     wall = time.perf_counter() - start
     completions = [out.outputs[0] for out in outputs]

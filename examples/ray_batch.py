@@ -54,7 +54,7 @@ class EngineWorker:
     def __init__(self, model: str | None, engine_kwargs: dict[str, Any], params: SamplingParams) -> None:
         self.engine = Engine(model, **{"verbose": False, **engine_kwargs})
         self.params = params
-        self.loops = self.engine.config.total_ut_steps
+        self.loops = self.engine.loops
         self.exit_policy = params.exit_policy or str(self.engine.exit_policy)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
