@@ -366,6 +366,28 @@ def criterion_exit_loops(policy: ExitPolicy, gate_logits: torch.Tensor) -> torch
     return torch.clamp(ran - 1, max=policy.readout_loop(gate_logits.shape[0]))
 
 
+def coda_traces(gate_logits: torch.Tensor | None, policies: list[ExitPolicy], traced: list[bool]
+                ) -> list[LoopTrace | None]:
+    """LoopTraces of rows read out through a coda by a model without an exit gate (Huginn) under an exit
+    criterion: each traced row's loops run and its readout loop (criterion_exit_loops; the last loop under
+    another policy), with NaN exit pdfs (there is no gate) and no per-loop top tokens (a loop's own logits
+    would need a coda pass, whose attention stores K/V). gate_logits [T, R]: the loop driver's zeros where
+    a row ran, NaN from where it stopped (None: no trace to give)."""
+    if gate_logits is None or not any(traced):
+        return [None] * len(policies)
+    loops = gate_logits.shape[0]
+    ran = (~gate_logits.isnan()).sum(dim=0).tolist()
+    traces: list[LoopTrace | None] = []
+    for r, (policy, wanted) in enumerate(zip(policies, traced)):
+        if not wanted:
+            traces.append(None)
+            continue
+        loop = int(criterion_exit_loops(policy, gate_logits[:, r:r + 1])[0]) if policy.is_criterion \
+            else loops - 1
+        traces.append(LoopTrace([math.nan] * ran[r], loop, [], []))
+    return traces
+
+
 def expected_logits(lm_head, hidden: torch.Tensor, pdf: torch.Tensor) -> torch.Tensor:
     """sum_t p(t) lm_head(H[t]) in fp32, summed in loop order as the oracle does. hidden [T, W, H]."""
     weights, per_loop = pdf.float(), lm_head(hidden).float()

@@ -172,7 +172,9 @@ class DecodeGraphs:
 
     def _loop(self, bs: int, t: int) -> None:
         """The body of loop t's graph: loop 0's embeds the step's tokens; each reads the state of the
-        static buffer and leaves its output there (the next loop's input)."""
+        static buffer and leaves its output there (the next loop's input). A loop where an exit criterion
+        that reads logits decides also runs the readout of the bucket's rows: for a model with a coda, the
+        coda (storing their coda K/V, which the step's coda graph rewrites at the end) and the head."""
         model, rule = self.model, self.exit_rule
         h = self.hidden[:bs]
         if t == 0:
@@ -189,7 +191,11 @@ class DecodeGraphs:
             gate = model.exit_gate(out)
             self.gate_logits[:bs].copy_(gate)
         if rule is not None and rule.decides(t):
-            torch.logical_and(rule.decide(t, bs, out, gate), self.may_exit[:bs], out=self.reached[:bs])
+            # a criterion's readout of a coda model: the coda over the bucket's rows, inside this graph
+            coda = None if model.coda is None else \
+                (lambda state: model.coda(state, context, self.backend.forward))
+            exits = rule.decide(t, bs, out, gate, coda)
+            torch.logical_and(exits, self.may_exit[:bs], out=self.reached[:bs])
             if self.copy_forward is not None:
                 self.copy_forward(self.slot_mapping[:bs], self.reached[:bs], t)
 
