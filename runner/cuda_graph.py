@@ -253,18 +253,10 @@ class DecodeGraphs:
             self.graphs[self.bucket, PRELUDE].replay()
         if inputs.hidden is not None:  # the tokens' own initial states, or a later loop's input
             self.hidden[:n].copy_(inputs.hidden)
+            if self.exit_rule is not None:  # where loop 0's graph, which resets the rule, does not run
+                self.exit_rule.reset(n, self.hidden[:n])
         elif own_state and self.mode == "step":
             self.hidden[:n].zero_()
-        if self.exit_threshold is not None:
-            if len(inputs.generated_rows) == n:  # the usual decode step: one launch, no host-to-device copy
-                self.may_exit[:n].fill_(True)
-            else:
-                may_exit = torch.zeros(n, dtype=torch.bool)
-                may_exit[inputs.generated_rows] = True
-                self.may_exit[:n].copy_(may_exit, non_blocking=True)
-            if inputs.hidden is not None:  # loop 0's graph, which resets the CDF, does not run
-                self.cdf[:n].zero_()
-                self.survival[:n].fill_(1.0)
 
     def _load(self, inputs: StepInputs) -> None:
         """The step's tokens and metadata into the static buffers, and the bucket's padding rows."""
@@ -288,8 +280,6 @@ class DecodeGraphs:
                 may_exit = torch.zeros(n, dtype=torch.bool)
                 may_exit[inputs.generated_rows] = True
                 self.may_exit[:n].copy_(may_exit, non_blocking=True)
-            if inputs.hidden is not None:  # loop 0's graph, which resets the rule, does not run
-                self.exit_rule.reset(n, self.hidden[:n])
         self._pad(n)
 
     def run_loop(self, t: int) -> LoopOutput:
