@@ -209,7 +209,9 @@ class LoopTrace:
     exit_pdf[t]: the gate's exit probability at loop t (float64 math; under early:Q only the loops the
     token ran, so the list may be shorter and sum to less than 1). exit_loop: the loop whose readout gave
     the logits (None under "weighted", which mixes every loop). top_token_ids[t] / top_logprobs[t]: the
-    argmax token of loop t's own logits and its log-probability.
+    argmax token of loop t's own logits and its log-probability. A model without a gate that reads out
+    through a coda (Huginn) traces only under an exit criterion (coda_traces): NaN exit_pdf, one per loop
+    run, and no top tokens.
     """
 
     exit_pdf: list[float]
