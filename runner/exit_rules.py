@@ -186,7 +186,8 @@ class CriterionExit:
             at[row] = offset
             offset += self.starts[row + 1] - self.starts[row]
         looping = state[self._index([at[r] for r in self.looping])]
-        among_live = [live.index(r) for r in self.looping]
+        index_of = {row: i for i, row in enumerate(live)}
+        among_live = [index_of[r] for r in self.looping]
 
         def coda(rows_state: torch.Tensor) -> torch.Tensor:
             return self.executor.readout(among_live, rows_state)

@@ -215,7 +215,8 @@ def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, lo
     state = gate_state = None  # every token's latest loop output and gate, once some row has stopped
     # A coda model's generated rows that run every loop read out an earlier loop (a criterion's last check):
     # that loop's output of every token, of which the coda reads those rows'
-    early_readout = model.coda is not None and inputs.generated_rows and hook.readout_loop < loops.stop - 1
+    early_readout = model.coda is not None and bool(inputs.generated_rows) and \
+        hook.readout_loop < loops.stop - 1
     readout = None
     for t in loops:
         out = executor.run_loop(t)

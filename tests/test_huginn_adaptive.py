@@ -41,9 +41,11 @@ def reference():
 
 
 def reference_runs(reference: ReferenceHuginn, policy: ExitPolicy, loops: int = LOOPS,
-                   new_tokens: int = NEW_TOKENS, strategy: str = "latest") -> list[Generation]:
+                   new_tokens: int = NEW_TOKENS, strategy: str = "latest", warm_start: str | None = None
+                   ) -> list[Generation]:
     criterion = ExitCriterion.from_policy(policy)
-    return [reference.generate(p, new_tokens, loops, strategy, criterion) for p in PROMPTS]
+    return [reference.generate(p, new_tokens, loops, strategy, criterion, warm_start=warm_start)
+            for p in PROMPTS]
 
 
 def threshold_for(reference: ReferenceHuginn, policy: ExitPolicy, loops: int = LOOPS,
@@ -73,13 +75,13 @@ def engine_runs(spec: str, loops: int = LOOPS, new_tokens: int = NEW_TOKENS, **o
 
 
 def check_against_reference(reference: ReferenceHuginn, policy: ExitPolicy, loops: int = LOOPS,
-                            new_tokens: int = NEW_TOKENS, strategy: str = "latest", **options
-                            ) -> list[tuple[int, int]]:
+                            new_tokens: int = NEW_TOKENS, strategy: str = "latest",
+                            warm_start: str | None = None, **options) -> list[tuple[int, int]]:
     """The engine's tokens, readout loops, loops run and decode-loop count are the reference's, no compared
     value sits within MARGIN of the threshold, and the generated tokens mix early exits with full depth.
     Returns (readout loop, loops run) of every generated token after the first."""
-    runs = reference_runs(reference, policy, loops, new_tokens, strategy)
-    got, decode_loops = engine_runs(str(policy), loops, new_tokens, **options)
+    runs = reference_runs(reference, policy, loops, new_tokens, strategy, warm_start)
+    got, decode_loops = engine_runs(str(policy), loops, new_tokens, continuous_compute=warm_start, **options)
     generated = []
     for run, (tokens, readout_loops, ran) in zip(runs, got):
         assert tokens == run.tokens
@@ -134,6 +136,14 @@ def test_a_ring_layout_under_a_criterion_and_without_gives_the_references_tokens
     assert tokens == [reference.generate(p, NEW_TOKENS, LOOPS, "compress:4").tokens for p in PROMPTS]
     with pytest.raises(ValueError, match="kv_layout='compress:4' cannot be combined with exit_policy="):
         Engine(CHECKPOINT, device="cpu", loops=LOOPS, exit_policy="kl", kv_layout="compress:4", verbose=False)
+
+
+def test_a_raw_warm_start_under_a_criterion_starts_from_where_the_previous_token_stopped(reference):
+    """continuous_compute="raw" (the official adaptive path's warm start): a token's initial state is the raw
+    state of the previous token where it stopped (or its last loop), and the tokens and exits are the
+    reference's."""
+    threshold = threshold_for(reference, ExitPolicy("kl", 1.0))
+    check_against_reference(reference, parse_exit_policy(f"kl:{threshold!r}", LOOPS), warm_start="raw")
 
 
 def test_preempted_requests_replay_their_exits_and_match_the_reference(reference):
