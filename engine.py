@@ -294,9 +294,10 @@ class Engine:
             refusal = policy_refusal(policy, "SamplingParams.exit_policy")
             if refusal is not None and params.exit_policy is not None:
                 raise ValueError(refusal)
-            if params.loop_trace:
+            if params.loop_trace and not policy.is_criterion:
                 raise ValueError("SamplingParams.loop_trace traces the exit gate's per-loop probabilities, "
-                                 "and this model has no exit gate")
+                                 "and this model has no exit gate (under an exit criterion it traces each "
+                                 "token's loops and readout loop)")
         speculative = self.engine_config.speculative
         if speculative is not None:
             for name, off in (("min_tokens", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),

@@ -209,7 +209,9 @@ class LoopTrace:
     exit_pdf[t]: the gate's exit probability at loop t (float64 math; under early:Q only the loops the
     token ran, so the list may be shorter and sum to less than 1). exit_loop: the loop whose readout gave
     the logits (None under "weighted", which mixes every loop). top_token_ids[t] / top_logprobs[t]: the
-    argmax token of loop t's own logits and its log-probability.
+    argmax token of loop t's own logits and its log-probability. A model without a gate that reads out
+    through a coda (Huginn) traces only under an exit criterion (coda_traces): NaN exit_pdf, one per loop
+    run, and no top tokens.
     """
 
     exit_pdf: list[float]
@@ -364,6 +366,28 @@ def criterion_exit_loops(policy: ExitPolicy, gate_logits: torch.Tensor) -> torch
     loop."""
     ran = (~gate_logits.isnan()).sum(dim=0)
     return torch.clamp(ran - 1, max=policy.readout_loop(gate_logits.shape[0]))
+
+
+def coda_traces(gate_logits: torch.Tensor | None, policies: list[ExitPolicy], traced: list[bool]
+                ) -> list[LoopTrace | None]:
+    """LoopTraces of rows read out through a coda by a model without an exit gate (Huginn) under an exit
+    criterion: each traced row's loops run and its readout loop (criterion_exit_loops; the last loop under
+    another policy), with NaN exit pdfs (there is no gate) and no per-loop top tokens (a loop's own logits
+    would need a coda pass, whose attention stores K/V). gate_logits [T, R]: the loop driver's zeros where
+    a row ran, NaN from where it stopped (None: no trace to give)."""
+    if gate_logits is None or not any(traced):
+        return [None] * len(policies)
+    loops = gate_logits.shape[0]
+    ran = (~gate_logits.isnan()).sum(dim=0).tolist()
+    traces: list[LoopTrace | None] = []
+    for r, (policy, wanted) in enumerate(zip(policies, traced)):
+        if not wanted:
+            traces.append(None)
+            continue
+        loop = int(criterion_exit_loops(policy, gate_logits[:, r:r + 1])[0]) if policy.is_criterion \
+            else loops - 1
+        traces.append(LoopTrace([math.nan] * ran[r], loop, [], []))
+    return traces
 
 
 def expected_logits(lm_head, hidden: torch.Tensor, pdf: torch.Tensor) -> torch.Tensor:

@@ -172,7 +172,9 @@ class DecodeGraphs:
 
     def _loop(self, bs: int, t: int) -> None:
         """The body of loop t's graph: loop 0's embeds the step's tokens; each reads the state of the
-        static buffer and leaves its output there (the next loop's input)."""
+        static buffer and leaves its output there (the next loop's input). A loop where an exit criterion
+        that reads logits decides also runs the readout of the bucket's rows: for a model with a coda, the
+        coda (storing their coda K/V, which the step's coda graph rewrites at the end) and the head."""
         model, rule = self.model, self.exit_rule
         h = self.hidden[:bs]
         if t == 0:
@@ -189,7 +191,11 @@ class DecodeGraphs:
             gate = model.exit_gate(out)
             self.gate_logits[:bs].copy_(gate)
         if rule is not None and rule.decides(t):
-            torch.logical_and(rule.decide(t, bs, out, gate), self.may_exit[:bs], out=self.reached[:bs])
+            # a criterion's readout of a coda model: the coda over the bucket's rows, inside this graph
+            coda = None if model.coda is None else \
+                (lambda state: model.coda(state, context, self.backend.forward))
+            exits = rule.decide(t, bs, out, gate, coda)
+            torch.logical_and(exits, self.may_exit[:bs], out=self.reached[:bs])
             if self.copy_forward is not None:
                 self.copy_forward(self.slot_mapping[:bs], self.reached[:bs], t)
 
@@ -247,18 +253,10 @@ class DecodeGraphs:
             self.graphs[self.bucket, PRELUDE].replay()
         if inputs.hidden is not None:  # the tokens' own initial states, or a later loop's input
             self.hidden[:n].copy_(inputs.hidden)
+            if self.exit_rule is not None:  # where loop 0's graph, which resets the rule, does not run
+                self.exit_rule.reset(n, self.hidden[:n])
         elif own_state and self.mode == "step":
             self.hidden[:n].zero_()
-        if self.exit_threshold is not None:
-            if len(inputs.generated_rows) == n:  # the usual decode step: one launch, no host-to-device copy
-                self.may_exit[:n].fill_(True)
-            else:
-                may_exit = torch.zeros(n, dtype=torch.bool)
-                may_exit[inputs.generated_rows] = True
-                self.may_exit[:n].copy_(may_exit, non_blocking=True)
-            if inputs.hidden is not None:  # loop 0's graph, which resets the CDF, does not run
-                self.cdf[:n].zero_()
-                self.survival[:n].fill_(1.0)
 
     def _load(self, inputs: StepInputs) -> None:
         """The step's tokens and metadata into the static buffers, and the bucket's padding rows."""
@@ -282,8 +280,6 @@ class DecodeGraphs:
                 may_exit = torch.zeros(n, dtype=torch.bool)
                 may_exit[inputs.generated_rows] = True
                 self.may_exit[:n].copy_(may_exit, non_blocking=True)
-            if inputs.hidden is not None:  # loop 0's graph, which resets the rule, does not run
-                self.exit_rule.reset(n, self.hidden[:n])
         self._pad(n)
 
     def run_loop(self, t: int) -> LoopOutput:

@@ -4,7 +4,10 @@ CriterionExit, the loop driver's hook for the criteria (kl, entropy-diff, ...; d
 
 A per-loop CUDA graph (runner/cuda_graph.py: DecodeGraphs) runs a rule inside each loop's capture over its
 bucket's rows, so a step reads one flag vector per loop and no shape depends on the data; an eager step runs
-the same rule through the hook over its generated rows, reading the flags after each checked loop. Rows
+the same rule through the hook over its generated rows, reading the flags after each checked loop. A
+criterion that reads logits reads them through the model's readout at a checked loop: for a model with a coda
+(Huginn) the coda over the rows being checked, through the step's attention (a `Coda` the caller gives:
+the graph's own attention over its bucket, or the eager executor's over the looping rows). Rows
 [:n] of a rule's buffers are the live rows, in order; when rows stop, the survivors are compacted to the
 front (`buffers`), as the graphs compact their static inputs.
 """
@@ -19,7 +22,14 @@ from cache.kv_pool import KVPool
 from cache.layout import KVLayout
 from model.exit_criteria import ExitCriterion, ExitMemory
 from model.looped import LoopedModel
-from runner.loop_driver import LoopStats, StepInputs, advance_exit_cdf
+from runner.loop_driver import LoopExecutor, LoopStats, StepInputs, advance_exit_cdf
+
+# coda(state [n, H]) -> [n, H]: the model's coda over the n rows being checked, from their loop output,
+# through the attention of the step that runs them (it stores those tokens' coda K/V: a later check or the
+# step's final coda overwrites them, so the last write wins, as in the official cache)
+Coda = Callable[[torch.Tensor], torch.Tensor]
+# readout(state [n, H], coda) -> what a criterion observes of the rows (check_readout)
+Readout = Callable[[torch.Tensor, Coda | None], torch.Tensor]
 
 
 class ExitRule(Protocol):
@@ -31,8 +41,10 @@ class ExitRule(Protocol):
     def reset(self, n: int, state: torch.Tensor) -> None:
         """Rows [:n] start a step; state [n, H]: each row's initial state, loop 0's input."""
 
-    def decide(self, t: int, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None) -> torch.Tensor:
-        """After loop t (decides(t)): which of rows [:n] stop, [n] bool; state [n, H] is loop t's output."""
+    def decide(self, t: int, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None,
+               coda: Coda | None = None) -> torch.Tensor:
+        """After loop t (decides(t)): which of rows [:n] stop, [n] bool; state [n, H] is loop t's output;
+        coda: the model's coda over these rows (None: the model has none)."""
 
 
 class GateCDFRows:
@@ -52,25 +64,29 @@ class GateCDFRows:
         self.cdf[:n].zero_()
         self.survival[:n].fill_(1.0)
 
-    def decide(self, t: int, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None) -> torch.Tensor:
+    def decide(self, t: int, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None,
+               coda: Coda | None = None) -> torch.Tensor:
         return advance_exit_cdf(self.cdf[:n], self.survival[:n], gate_logits, self.threshold)
 
 
-def check_readout(model: LoopedModel, criterion: ExitCriterion) -> Callable[[torch.Tensor], torch.Tensor]:
+def check_readout(model: LoopedModel, criterion: ExitCriterion) -> Readout:
     """What a criterion observes at a checked loop, from the loop's output state [n, H]: the state itself
     (latent-diff, cosine), or the next-token logits [n, V] in fp32, the model's readout of that state: for a
-    model without a coda (Ouro) its head on the state. A model with a coda (Huginn) reads out through the
-    coda's layers, whose attention reads and writes the coda's KV slots at every checked loop (the official
-    code keeps the last check's): that readout has to run inside the loop driver's attention step, which
-    does not exist yet, so it is refused here, by name, at engine start."""
+    model without a coda (Ouro) its head on the state; for a model with a coda (Huginn) its head on the
+    coda's output, the coda run over the checked rows by the `coda` the caller gives (the official adaptive
+    loop's readout at a check: its coda attends over the coda slots and writes the token's own there)."""
     if not criterion.reads_logits:
-        return lambda state: state
-    if model.coda is not None:
-        raise ValueError(f"exit_policy {str(criterion.policy)!r}: {criterion.kind} reads the next-token "
-                         "distribution at every checked loop, which for a model with a coda means running "
-                         "the coda's attention mid-loop; that readout is not wired into the loop driver yet. "
-                         "Use latent-diff or cosine, which read the loop state")
-    return lambda state: model.compute_logits(state).float()
+        return lambda state, coda: state
+    if model.coda is None:
+        return lambda state, coda: model.compute_logits(state).float()
+
+    def through_coda(state: torch.Tensor, coda: Coda | None) -> torch.Tensor:
+        if coda is None:
+            raise ValueError(f"{criterion.kind} reads the next-token distribution through the model's coda; "
+                             "the caller must give the coda of the checked rows")
+        return model.compute_logits(coda(state)).float()
+
+    return through_coda
 
 
 class CriterionRows:
@@ -79,7 +95,7 @@ class CriterionRows:
     (argmax-stability) or state [capacity, H] (latent-diff, cosine), updated in place at each checked loop.
     `readout` (check_readout) turns a loop's output into what the criterion observes."""
 
-    def __init__(self, criterion: ExitCriterion, readout: Callable[[torch.Tensor], torch.Tensor], loops: int,
+    def __init__(self, criterion: ExitCriterion, readout: Readout, loops: int,
                  capacity: int, hidden_size: int, vocab_size: int, device: torch.device) -> None:
         self.criterion, self.readout, self.loops, self.vocab_size = criterion, readout, loops, vocab_size
         kind = criterion.kind
@@ -97,9 +113,10 @@ class CriterionRows:
     def reset(self, n: int, state: torch.Tensor) -> None:
         self._store(n, self.criterion.start(state, self.vocab_size))
 
-    def decide(self, t: int, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None) -> torch.Tensor:
+    def decide(self, t: int, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None,
+               coda: Coda | None = None) -> torch.Tensor:
         memory = ExitMemory(self.previous[:n], None if self.run is None else self.run[:n])
-        exits, _, memory = self.criterion.check(memory, self.readout(state))
+        exits, _, memory = self.criterion.check(memory, self.readout(state, coda))
         self._store(n, memory)
         return exits
 
@@ -120,7 +137,9 @@ class CriterionExit:
     the first checked loop t < T-1 where the criterion fires, and its deeper slots get what the KV layout says
     (as early:Q's: docs/looped_controls.md). Prompt tokens run every loop and never exit. Under per-loop
     graphs the executor decides on the device and copies K/V forward itself (LoopOutput.reached); eagerly,
-    a CriterionRows over the step's generated rows decides, with one device-to-host read per checked loop."""
+    a CriterionRows over the step's generated rows decides, with one device-to-host read per checked loop,
+    reading a model's coda through the executor (LoopExecutor.readout) over the rows still looping.
+    readout_loop: the loop a generated token that never stops reads out (ExitCriterion.readout_loop)."""
 
     def __init__(self, criterion: ExitCriterion, rows: Callable[[int], CriterionRows], loops: int,
                  layout: KVLayout, pool: KVPool, stats: LoopStats) -> None:
@@ -131,14 +150,17 @@ class CriterionExit:
         self.layout = layout
         self.pool = pool
         self.stats = stats
+        self.readout_loop = criterion.readout_loop(loops)
 
-    def begin(self, inputs: StepInputs, initial_state: torch.Tensor | None) -> None:
+    def begin(self, inputs: StepInputs, executor: LoopExecutor) -> None:
         starts = inputs.meta.query_starts_cpu
         self.starts = starts
         self.looping = list(inputs.generated_rows)
         self.slot_mapping = inputs.meta.slot_mapping
         self.device = inputs.input_ids.device
+        self.executor = executor
         self.rules = None
+        initial_state = executor.initial_state
         if initial_state is not None and self.looping:  # eager: this step's rows, from their initial state
             self.rules = self.rows_for(len(self.looping))
             self.rules.reset(len(self.looping), initial_state[self._index([starts[r] for r in self.looping])])
@@ -158,13 +180,19 @@ class CriterionExit:
 
     def _decide(self, t: int, live: list[int], state: torch.Tensor) -> list[int]:
         """Loop t's exits among the looping rows, from their tokens of `state` (the live rows' tokens, in
-        order), and their K/V copied forward."""
+        order), and their K/V copied forward. A model's coda reads out the looping rows only."""
         offset, at = 0, {}
         for row in live:
             at[row] = offset
             offset += self.starts[row + 1] - self.starts[row]
         looping = state[self._index([at[r] for r in self.looping])]
-        flags = self.rules.decide(t, len(self.looping), looping, None).tolist()
+        index_of = {row: i for i, row in enumerate(live)}
+        among_live = [index_of[r] for r in self.looping]
+
+        def coda(rows_state: torch.Tensor) -> torch.Tensor:
+            return self.executor.readout(among_live, rows_state)
+
+        flags = self.rules.decide(t, len(self.looping), looping, None, coda).tolist()
         leaving = [row for row, hit in zip(self.looping, flags) if hit]
         if leaving:
             tokens = self._index([self.starts[r] for r in leaving]).to(self.slot_mapping.device)

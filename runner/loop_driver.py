@@ -87,10 +87,21 @@ class LoopExecutor(Protocol):
         """The model's coda over every token of the step (live or not), from `state`, every token's last-loop
         output [N, H]: the readout hidden [N, H]."""
 
+    def readout(self, rows: list[int], state: torch.Tensor) -> torch.Tensor:
+        """The model's coda over some live rows mid-step (indices into the live rows, in order), from
+        `state`, their tokens' loop output [n, H]: their readout hidden [n, H], for an exit criterion's check.
+        It stores those tokens' coda K/V, which the step's final coda (run_coda) overwrites. Only an executor
+        that leaves exit decisions to the hook serves it (per-loop graphs run the coda inside the loop)."""
+
 
 class LoopHook(Protocol):
-    def begin(self, inputs: StepInputs, initial_state: torch.Tensor | None) -> None:
-        """A new step starts; initial_state: the executor's (LoopExecutor.initial_state)."""
+    # The loop whose state a generated row that runs every loop reads out: the last, except under a criterion
+    # whose last check comes before it (runner/exit_rules.py: CriterionExit); a model's final coda reads it
+    readout_loop: int
+
+    def begin(self, inputs: StepInputs, executor: LoopExecutor) -> None:
+        """A new step starts, run by `executor` (its initial_state: loop 0's input; its readout: the coda of
+        some live rows, for a check)."""
 
     def after_loop(self, t: int, gate_logits: torch.Tensor, live: list[int],
                    reached: torch.Tensor | None, state: torch.Tensor) -> list[int]:
@@ -148,6 +159,13 @@ class EagerLoops:
             self.backend.prepare(self.meta)
         return self.model.coda(state, self.context, self._attention())
 
+    def readout(self, rows: list[int], state: torch.Tensor) -> torch.Tensor:
+        meta, tokens = self.meta.select(rows)
+        self.backend.prepare(meta)
+        out = self.model.coda(state, self.context.select(tokens), self._attention())
+        self.backend.prepare(self.meta)
+        return out
+
 
 def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, loops: range,
               hook: LoopHook | None = None, read_gates: bool = True) -> LoopStates:
@@ -155,8 +173,9 @@ def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, lo
     where the model has no exit gate, or read_gates is False: a piecewise chain's capture, whose replays
     compute them on their readout rows). A row a hook stopped repeats its last loop's hidden state in later
     loops, with NaN gate logits there. Where `loops` ends at the model's last loop, a model's coda runs on
-    every token's last state (a stopped row's: the loop it stopped at), and LoopStates.readout holds the
-    readout tokens' coda outputs; LoopStates.final the last-loop states of inputs.keep_final."""
+    every token's last state (a stopped row's: the loop it stopped at; a generated row that ran every loop:
+    the hook's readout_loop), and LoopStates.readout holds the readout tokens' coda outputs;
+    LoopStates.final the last-loop states of inputs.keep_final."""
     executor.begin(inputs)
     gate_of = model.exit_gate if read_gates else None
 
@@ -169,13 +188,16 @@ def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, lo
             return x[inputs.readout]
         return x.clone() if reused else x
 
-    def coda_and_final(states: LoopStates, last: torch.Tensor) -> LoopStates:
+    def coda_and_final(states: LoopStates, last: torch.Tensor, readout: torch.Tensor | None = None
+                       ) -> LoopStates:
         """The coda over every token's last state `last` [N, H] where the run reaches the model's last loop,
-        read at the readout tokens; the last states of inputs.keep_final."""
+        read at the readout tokens (from `readout` where given: the readout loop's states of the rows that
+        ran every loop); the last states of inputs.keep_final."""
         if inputs.keep_final is not None:
             states.final = last[inputs.keep_final]
         if model.coda is not None and loops.stop == model.slot_map.loops:
-            states.readout = read(executor.run_coda(last), executor.reuses_outputs)
+            coda_in = last if readout is None else readout
+            states.readout = read(executor.run_coda(coda_in), executor.reuses_outputs)
         return states
 
     hidden, gates = [], []
@@ -188,9 +210,14 @@ def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, lo
             if gate_of is not None:
                 gates.append(gate_of(out))
         return coda_and_final(LoopStates(torch.stack(hidden), torch.stack(gates) if gates else None), last)
-    hook.begin(inputs, executor.initial_state)
+    hook.begin(inputs, executor)
     rows = _LiveRows(inputs.meta.query_starts_cpu, inputs.input_ids.device)
     state = gate_state = None  # every token's latest loop output and gate, once some row has stopped
+    # A coda model's generated rows that run every loop read out an earlier loop (a criterion's last check):
+    # that loop's output of every token, of which the coda reads those rows'
+    early_readout = model.coda is not None and bool(inputs.generated_rows) and \
+        hook.readout_loop < loops.stop - 1
+    readout = None
     for t in loops:
         out = executor.run_loop(t)
         h = out.h
@@ -209,6 +236,8 @@ def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, lo
             hidden.append(read(state, True))
             gates.append(read(gate_state, True))
         leaving = hook.after_loop(t, gate if rows.all_live else gate_state, rows.live, out.reached, h)
+        if early_readout and t == hook.readout_loop:
+            readout = (h if rows.all_live else state).clone()
         if leaving:
             if rows.all_live:  # before the executor compacts h: loop t's output of every token
                 state, gate_state = h.clone(), gate.clone()
@@ -220,7 +249,12 @@ def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, lo
     for _ in range(len(loops) - len(hidden)):  # every row stopped early
         hidden.append(hidden[-1])
         gates.append(torch.full_like(gates[-1], math.nan))
-    return coda_and_final(LoopStates(torch.stack(hidden), torch.stack(gates)), last)
+    if readout is not None:  # generated rows: the readout loop's state, or where they stopped before it
+        starts = inputs.meta.query_starts_cpu
+        at = torch.tensor([starts[row] for row in inputs.generated_rows], dtype=torch.int64)
+        at = at.to(last.device, non_blocking=True)
+        readout = last.clone().index_copy_(0, at, readout[at])
+    return coda_and_final(LoopStates(torch.stack(hidden), torch.stack(gates)), last, readout)
 
 
 class _LiveRows:
@@ -270,8 +304,9 @@ class EarlyExit:
         self.layout = layout
         self.pool = pool
         self.stats = stats
+        self.readout_loop = loops - 1
 
-    def begin(self, inputs: StepInputs, initial_state: torch.Tensor | None) -> None:
+    def begin(self, inputs: StepInputs, executor: LoopExecutor) -> None:
         starts = inputs.meta.query_starts_cpu
         self.rows = inputs.generated_rows
         self.tokens = {row: starts[row] for row in self.rows}

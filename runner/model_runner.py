@@ -26,7 +26,7 @@ from cache.kv_pool import KVPool
 from cache.kvarn_pool import KVarNPool
 from cache.layout import KVLayout
 from engine_config import EngineConfig
-from exit_policy import FULL, ExitPolicy, LoopTrace, readout_logits, request_policy
+from exit_policy import FULL, ExitPolicy, LoopTrace, coda_traces, readout_logits, request_policy
 from model.exit_criteria import ExitCriterion
 from model.looped import LoopedModel, LoopStates
 from request import Logprob, Request, ScheduledBatch, SpeculativeStats
@@ -133,7 +133,7 @@ class ModelRunner:
         policy = self.config.exit_policy
         if policy.is_criterion:
             criterion = ExitCriterion.from_policy(policy)
-            self.check_readout = check_readout(self.model, criterion)  # refuses what the model cannot check
+            self.check_readout = check_readout(self.model, criterion)
             return CriterionExit(criterion, self._criterion_rows, self.loops, self.layout, pool,
                                  self.loop_stats)
         if policy.can_exit:
@@ -585,9 +585,11 @@ class ModelRunner:
     def _readout(self, states: LoopStates, policies: list[ExitPolicy],
                  traced: list[bool]) -> tuple[torch.Tensor, list[LoopTrace | None]]:
         """Logits [R, V] (fp32) of the states' rows under their policies, and their traces. A model with a
-        coda reads out its coda's output (after the last loop: every policy it serves reads that loop)."""
+        coda reads out its coda's output, which the loop driver ran on each row's readout state (the last
+        loop's, or under an exit criterion the loop where the row stopped or its readout loop)."""
         if states.readout is not None:
-            return self.model.compute_logits(states.readout).float(), [None] * len(policies)
+            logits = self.model.compute_logits(states.readout).float()
+            return logits, coda_traces(states.gate_logits, policies, traced)
         return readout_logits(self.model.compute_logits, states.hidden, states.gate_logits, policies, traced,
                               self.config.model.early_exit_threshold)
 

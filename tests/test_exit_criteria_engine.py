@@ -244,16 +244,21 @@ def test_auto_thresholds_and_the_policy_string_round_trip():
     assert policy.can_exit and not policy.readout_only
 
 
-def test_a_criterion_that_reads_logits_is_refused_for_a_model_with_a_coda():
-    """The seam for Huginn: its next-token distribution needs the coda's attention mid-loop."""
+def test_a_criterion_that_reads_logits_reads_a_coda_models_distribution_through_the_coda_it_is_given():
+    """For Huginn a check's logits are the head on the coda's output, the coda run by the caller over the
+    checked rows (the eager executor's or the per-loop graph's attention); a latent criterion reads the
+    state itself."""
 
     class WithCoda:
         coda = staticmethod(lambda state, context, attention: state)
+        compute_logits = staticmethod(lambda hidden: hidden * 2)
 
-    with pytest.raises(ValueError, match="exit_policy 'kl:0.001': kl reads the next-token distribution"):
-        check_readout(WithCoda(), ExitCriterion("kl", 1e-3))
     state = torch.ones(2, 4)
-    assert check_readout(WithCoda(), ExitCriterion("latent-diff", 0.03))(state) is state
+    readout = check_readout(WithCoda(), ExitCriterion("kl", 1e-3))
+    assert torch.equal(readout(state, lambda rows: rows + 1), torch.full((2, 4), 4.0))
+    with pytest.raises(ValueError, match="kl reads the next-token distribution through the model's coda"):
+        readout(state, None)
+    assert check_readout(WithCoda(), ExitCriterion("latent-diff", 0.03))(state, None) is state
 
 
 @pytest.mark.gpu
