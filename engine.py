@@ -284,7 +284,7 @@ class Engine:
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params) if params is not None else SamplingParams()
-        loops = self._check_request_loops(params)
+        loops = self.request_loops(params)
         policy = request_policy(params.exit_policy, self.exit_policy, loops)
         if self.model.exit_gate is None:
             refusal = policy_refusal(policy, "SamplingParams.exit_policy")
@@ -307,11 +307,11 @@ class Engine:
                                  f"({self.config.vocab_size} tokens)")
         return params
 
-    def _check_request_loops(self, params: SamplingParams) -> int:
-        """The loops the request's tokens run: SamplingParams.loops, at most the engine's (ValueError naming
-        it), refused where the engine cannot stop a request's rows at its own loop count
-        (docs/looped_controls.md, "Per-request loops"). The engine's own count is stored as None, so such a
-        request shares the prefix cache with requests that leave loops unset."""
+    def request_loops(self, params: SamplingParams) -> int:
+        """The loops a request with these params runs: SamplingParams.loops, at most the engine's (ValueError
+        naming it), refused where the engine cannot stop a request's rows at its own loop count
+        (docs/looped_controls.md, "Per-request loops"). Sets params.loops to None where it equals the
+        engine's, so that such a request shares the prefix cache with requests that leave it unset."""
         config, loops = self.engine_config, self.engine_config.loops
         if params.loops is None or params.loops == loops:
             params.loops = None
