@@ -300,11 +300,12 @@ class ModelRunner:
         that fits a bucket, piecewise graphs for a step with prompt tokens that fits a token bucket, else
         eager. loops: each row's loop count (runner/request_loops.py; None: the engine's for every row); a
         batch with rows of fewer loops runs through the RequestLoops hook, on the per-loop graphs where they
-        exist and a decode batch fits a bucket, else eagerly."""
+        exist and a decode batch fits a bucket, else eagerly (the per-loop graphs are captured only for
+        options that refuse per-request loops today, so eagerly)."""
         stats = self.loop_stats
         stats.decode_tokens += len(inputs.generated_rows)
         graphs, decode, rows = self.graphs, inputs.meta.is_decode, inputs.meta.num_rows
-        if loops is not None and min(loops) < self.loops:
+        if loops is not None and min(loops, default=self.loops) < self.loops:
             hook = RequestLoops(loops, self.loops, self.layout, self.pool, stats)
             executor = self.executor_for(rows) if decode else self.eager
             return run_loops(executor, self.model, inputs, range(self.loops), hook)
