@@ -24,6 +24,7 @@ import torch
 from attention.registry import select
 from cache.blocks import BlockManager
 from cache.kv_format import PoolShape
+from cache.kv_pool import KVPool
 from cache.layout import KV_SHARING, KVCapacity, make_layout
 from cache.pool_sizing import PoolSizer
 from cache.side_rows import SideRows
@@ -289,7 +290,8 @@ class Engine:
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params) if params is not None else SamplingParams()
-        policy = request_policy(params.exit_policy, self.exit_policy, self.engine_config.loops)
+        loops = self.request_loops(params)
+        policy = request_policy(params.exit_policy, self.exit_policy, loops)
         if self.model.exit_gate is None:
             refusal = policy_refusal(policy, "SamplingParams.exit_policy")
             if refusal is not None and params.exit_policy is not None:
@@ -311,6 +313,38 @@ class Engine:
                 raise ValueError(f"SamplingParams.{name}={getattr(params, name)} is more than the vocabulary "
                                  f"({self.config.vocab_size} tokens)")
         return params
+
+    def request_loops(self, params: SamplingParams) -> int:
+        """The loops a request with these params runs: SamplingParams.loops, at most the engine's (ValueError
+        naming it), refused where the engine cannot stop a request's rows at its own loop count
+        (docs/looped_controls.md, "Per-request loops"). Sets params.loops to None where it equals the
+        engine's, so that such a request shares the prefix cache with requests that leave it unset."""
+        config, loops = self.engine_config, self.engine_config.loops
+        if params.loops is None or params.loops == loops:
+            params.loops = None
+            return loops
+        if params.loops > loops:
+            raise ValueError(f"SamplingParams.loops={params.loops} exceeds the engine's {loops} loops (its "
+                             f"KV pool holds the slots of {loops}); start the engine with "
+                             f"loops={params.loops}")
+        refused = [
+            (config.speculative is not None,
+             f"speculative={config.speculative!r}: a speculative step drafts and verifies every row at the "
+             f"engine's loop counts"),
+            (config.exit_policy.can_exit,
+             f"exit_policy={str(config.exit_policy)!r}: it stops generated tokens loop by loop itself; "
+             f"per-request loops need an engine whose exit policy only reads out"),
+            (config.kv_sharing != "none",
+             f"kv_sharing={config.kv_sharing!r} yet: its shared generated-token location is not "
+             f"validated for rows that stop before the engine's last loop"),
+            (not isinstance(self.kv_pool, KVPool),
+             f"kv_cache_dtype={config.kv_cache_dtype!r}: a row that stops early copies its K/V into its "
+             f"deeper slots, which packed KVarN tiles cannot take"),
+        ]
+        for bad, reason in refused:
+            if bad:
+                raise ValueError(f"SamplingParams.loops={params.loops} cannot be combined with {reason}")
+        return params.loops
 
     def _add(self, request_id: str, token_ids: list[int], text: str | None, params: SamplingParams,
              inbox: Inbox) -> SequenceGroup:

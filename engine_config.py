@@ -137,6 +137,10 @@ class EngineConfig:
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name}={getattr(self, name)!r}: this checkpoint's model starts each "
                                      "token's loops from its embedding; it has no initial state to set")
+        if self.continuous_compute is not None and self.speculative is not None:
+            raise ValueError(f"speculative={self.speculative!r} cannot be combined with continuous_compute="
+                             f"{self.continuous_compute!r}: each token starts from the previous token's last "
+                             "loop, which a draft does not have until the verify has run it")
         if self.continuous_compute is not None and self.async_scheduling:
             raise ValueError(f"async_scheduling=True cannot be combined with continuous_compute="
                              f"{self.continuous_compute!r}: each token starts from the state the step "

@@ -66,6 +66,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # The loops every token of this request runs, reading out after the last of them (Huginn's num_steps per
+    # request); at most the Engine's loops, which is checked when the request is added. None: the Engine's.
+    loops: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -113,6 +116,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, low=0)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
+        if self.loops is not None:  # at most the Engine's loops: checked when the request is added
+            _check_int("loops", self.loops, low=1)
         if self.exit_policy is not None:  # the loop count is checked by the engine
             parse_exit_policy(self.exit_policy, name="SamplingParams.exit_policy")
 

@@ -36,9 +36,14 @@ def block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
 
 
 def _root_hash(request: Request) -> bytes | None:
-    """The first block's parent: the request's state seed where its K/V depends on one (drawn initial
-    states), so that only requests with the same seed share cached blocks."""
-    return None if request.state_seed is None else request.state_seed.to_bytes(8, "little")
+    """The first block's parent: what a request's K/V depends on besides its tokens, so that only requests
+    that agree on it share cached blocks: its state seed (drawn initial states) and its own loop count
+    (SamplingParams.loops, None where it runs the engine's)."""
+    seed, loops = request.state_seed, request.params.loops
+    if seed is None and loops is None:
+        return None
+    salt = b"" if seed is None else seed.to_bytes(8, "little")
+    return salt if loops is None else salt + b"loops" + loops.to_bytes(4, "little")
 
 
 class BlockManager:

@@ -70,9 +70,6 @@ def _huginn_refusal(options: dict[str, Any]) -> str | None:
     if refusal is not None:
         return refusal
     refused = [
-        (options["speculative"] is not None,
-         f"speculative={options['speculative']!r} is not built for a model with a coda yet: a draft's coda "
-         f"would leave its K/V in the coda slots that the verify must rewrite"),
         (options["kv_sharing"] != "none",
          f"kv_sharing={options['kv_sharing']!r} shares the loop slots of generated tokens, and this model "
          f"has prelude and coda slots besides"),

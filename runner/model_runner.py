@@ -37,6 +37,7 @@ from runner.host_to_device import upload
 from runner.initial_states import InitialStates
 from runner.loop_driver import EagerLoops, EarlyExit, LoopStats, StepInputs, run_loops
 from runner.piecewise_graphs import PiecewiseGraphs
+from runner.request_loops import RequestLoops, request_loops
 from runner.sampler import logprob_dicts, logprobs_topn, process_logits, sample
 from runner.speculative import SelfSpeculation
 
@@ -112,6 +113,7 @@ class ModelRunner:
         self.max_pages = -(-config.max_model_len // (self.loops * bs))
         self.generated_tables = (BlockTables(self.max_pages, lambda r: r.generated_block_table)
                                  if layout.stores_generated_apart else None)
+        self.pool = pool
         self.hook = self._exit_hook(pool)
         self.eager = EagerLoops(model, backend)
         self.initial_states = InitialStates(model, config.initial_state_scale, config.continuous_compute,
@@ -293,15 +295,22 @@ class ModelRunner:
         return StepInputs(ids, positions_d, meta, readout_d, generated_rows,
                           readout == list(range(len(input_ids))))
 
-    def forward(self, inputs: StepInputs) -> LoopStates:
+    def forward(self, inputs: StepInputs, loops: list[int] | None = None) -> LoopStates:
         """Every loop over the batch (fewer for rows an exit hook stops): a captured graph for a decode step
         that fits a bucket, piecewise graphs for a step with prompt tokens that fits a token bucket, else
-        eager."""
+        eager. loops: each row's loop count (runner/request_loops.py; None: the engine's for every row); a
+        batch with rows of fewer loops runs through the RequestLoops hook, on the per-loop graphs where they
+        exist and a decode batch fits a bucket, else eagerly (the per-loop graphs are captured only for
+        options that refuse per-request loops today, so eagerly)."""
         stats = self.loop_stats
         stats.decode_tokens += len(inputs.generated_rows)
+        graphs, decode, rows = self.graphs, inputs.meta.is_decode, inputs.meta.num_rows
+        if loops is not None and min(loops, default=self.loops) < self.loops:
+            hook = RequestLoops(loops, self.loops, self.layout, self.pool, stats)
+            executor = self.executor_for(rows) if decode else self.eager
+            return run_loops(executor, self.model, inputs, range(self.loops), hook)
         if self.hook is None:
             stats.decode_loops += self.loops * len(inputs.generated_rows)
-        graphs, decode, rows = self.graphs, inputs.meta.is_decode, inputs.meta.num_rows
         if self.config.batch_invariant:  # a one-token prompt chunk takes the prompt path (decode_rows)
             decode = decode and len(inputs.generated_rows) == rows
         if graphs is not None and graphs.mode == "step" and decode and graphs.bucket_for(rows):
@@ -367,7 +376,7 @@ class ModelRunner:
         """Every loop over the batch, then prompt logprobs and sampling. on_device: the sampled tokens stay
         on the device (StepResult.device_tokens) instead of in StepResult.tokens."""
         inputs = self.prepare(batch, previous)
-        states = self.forward(inputs)
+        states = self.forward(inputs, request_loops(batch.requests, self.loops))
         result = StepResult([None] * batch.num_seqs)
         if states.final is not None:
             self._warm_starts(batch, states.final, result)
@@ -528,7 +537,7 @@ class ModelRunner:
         index = slice(0, len(rows)) if len(rows) == len(sampling) else [sampling.index(row) for row in rows]
         requests = [batch.requests[row] for row in rows]
         logits, traces = self._readout(_rows(states, index), self._readout_policies(batch, rows),
-                                       [traced and r.params.loop_trace for r in requests])
+                                       [traced and r.params.loop_trace for r in requests], requests)
         sampled = sample(process_logits(logits, requests), [r.params for r in requests],
                          [self.generator_of(r) for r in requests])
         return requests, logits, traces, sampled
@@ -571,10 +580,10 @@ class ModelRunner:
             return
         engine_policy = self.config.exit_policy
         # prompt tokens never exit under a criterion: every loop, read out at the last
-        policies = [request_policy(r.params.exit_policy, engine_policy, self.loops) for r in requests]
+        policies = [request_policy(r.params.exit_policy, engine_policy, self.loops_of(r)) for r in requests]
         policies = [FULL if policy.is_criterion else policy for policy in policies]
         tokens = [i for _, i in owners]
-        logits, _ = self._readout(_rows(states, tokens), policies, [False] * len(requests))
+        logits, _ = self._readout(_rows(states, tokens), policies, [False] * len(requests), requests)
         counts = [r.params.prompt_logprobs for r in requests]
         top = logprobs_topn(logits, torch.tensor(next_tokens, device=logits.device), max(counts))
         entries: dict[int, list[dict[int, Logprob]]] = {}
@@ -582,21 +591,42 @@ class ModelRunner:
             entries.setdefault(row, []).append(entry)
         result.prompt_logprobs.update(entries)
 
-    def _readout(self, states: LoopStates, policies: list[ExitPolicy],
-                 traced: list[bool]) -> tuple[torch.Tensor, list[LoopTrace | None]]:
+    def _readout(self, states: LoopStates, policies: list[ExitPolicy], traced: list[bool],
+                 requests: list[Request]) -> tuple[torch.Tensor, list[LoopTrace | None]]:
         """Logits [R, V] (fp32) of the states' rows under their policies, and their traces. A model with a
-        coda reads out its coda's output, which the loop driver ran on each row's readout state (the last
-        loop's, or under an exit criterion the loop where the row stopped or its readout loop)."""
+        coda reads out its coda's output, which the loop driver ran on each row's readout state (its last
+        loop's, a request's k-th under SamplingParams.loops, or under an exit criterion the loop where the
+        row stopped or its readout loop). Otherwise the rows of a request with k loops read out of their
+        first k loops' states, as an engine of k loops would."""
         if states.readout is not None:
             logits = self.model.compute_logits(states.readout).float()
             return logits, coda_traces(states.gate_logits, policies, traced)
-        return readout_logits(self.model.compute_logits, states.hidden, states.gate_logits, policies, traced,
-                              self.config.model.early_exit_threshold)
+        threshold = self.config.model.early_exit_threshold
+        loops = request_loops(requests, self.loops)
+        if min(loops, default=self.loops) == self.loops:
+            return readout_logits(self.model.compute_logits, states.hidden, states.gate_logits, policies,
+                                  traced, threshold)
+        logits, traces = None, [None] * len(policies)
+        for k in sorted(set(loops)):
+            rows = [i for i, n in enumerate(loops) if n == k]
+            part, part_traces = readout_logits(self.model.compute_logits, states.hidden[:k, rows],
+                                               states.gate_logits[:k, rows], [policies[i] for i in rows],
+                                               [traced[i] for i in rows], threshold)
+            if logits is None:
+                logits = part.new_empty(len(loops), part.shape[1])
+            logits[rows] = part
+            for i, trace in zip(rows, part_traces):
+                traces[i] = trace
+        return logits, traces
+
+    def loops_of(self, request: Request) -> int:
+        """The loops the request's tokens run (SamplingParams.loops, else the engine's)."""
+        return self.loops if request.params.loops is None else request.params.loops
 
     def policies_of(self, requests: list[Request]) -> list[ExitPolicy]:
         """Each request's readout policy (its own override, else the engine's)."""
         engine_policy = self.config.exit_policy
-        return [request_policy(r.params.exit_policy, engine_policy, self.loops) for r in requests]
+        return [request_policy(r.params.exit_policy, engine_policy, self.loops_of(r)) for r in requests]
 
     def _readout_policies(self, batch: ScheduledBatch, rows: list[int]) -> list[ExitPolicy]:
         """Each sampling row's readout policy. A generated row under early:Q stopped looping exactly where
@@ -607,7 +637,7 @@ class ModelRunner:
         engine_policy, policies = self.config.exit_policy, []
         for row in rows:
             request = batch.requests[row]
-            policy = request_policy(request.params.exit_policy, engine_policy, self.loops)
+            policy = request_policy(request.params.exit_policy, engine_policy, self.loops_of(request))
             generated = (batch.num_new_tokens[row] == 1
                          and request.num_computed_tokens >= request.num_prompt_tokens)
             untraced = not request.params.loop_trace

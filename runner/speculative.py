@@ -18,6 +18,15 @@ rows, each with its last token x at position n and a draft length k (ScheduledBa
    the residual max(0, p - q), renormalized (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023,
    arXiv 2302.01318), so its tokens follow the target distribution p.
 
+A model with a prelude and a coda (Huginn-0125): each pass runs the prelude (it makes the injection every
+loop reads; the verify's rewrites the drafts' prelude K/V with the same values). A draft reads out through
+the coda on loop d-1's state, which stores coda K/V at its position; the verify runs the coda on the final
+states of all k inputs, so every position a step keeps holds the full model's coda K/V, and the verify's
+rows read one another's (every row stores a layer's K/V before any row of it attends), never a draft's.
+Where tokens start from drawn states, a draft starts each token's loop 0 from the state a plain step draws
+for its (state seed, position) (runner/initial_states.py); a warm start is refused (engine_config.py), since
+a token's start is the previous token's last loop, which only the verify computes.
+
 Rejected positions need no rollback in the pool: the scheduler advances a request's computed length by the
 tokens it appends, so attention never reads past it, and the next step overwrites those positions.
 Both passes run through the loop driver (runner/loop_driver.py), on the per-loop CUDA graphs where a batch
@@ -69,12 +78,16 @@ class SelfSpeculation:
                 else:
                     position = {row: i for i, row in enumerate(lives[-1])}
                     ids = passes[-1][_index([position[r] for r in live], device)]
-            states = self._loops([requests[r] for r in live], ids, [starts[r] + j for r in live], range(d))
-            logits = self.model.compute_logits(states.hidden[-1]).float()
+            drafting, positions = [requests[r] for r in live], [starts[r] + j for r in live]
+            initial = self._initial_states(drafting, positions)
+            states = self._loops(drafting, ids, positions, range(d), initial, coda=True)
+            logits = self.model.compute_logits(
+                states.hidden[-1] if states.readout is None else states.readout).float()
             passes.append(self.draft_tokens(logits, [requests[r] for r in live], draft_probs, live))
             lives.append(live)
             for i, row in enumerate(live):
-                draft_states[row].append((states.hidden[:, i], states.gate_logits[:, i]))
+                gates = None if states.gate_logits is None else states.gate_logits[:, i]
+                draft_states[row].append((states.hidden[:, i], gates))
         # Verify: every row's k inputs (its last token, then its first k-1 drafts) as k one-token rows, from
         # their loop d-1 states. Their ids are gathered on the device from [last tokens; every pass's drafts].
         offsets = [0]
@@ -89,23 +102,42 @@ class SelfSpeculation:
         rows = [row for row, _ in flat]
         verified = self._loops([requests[r] for r in rows], ids, [starts[row] + j for row, j in flat],
                                range(d, self.loops), hidden)
-        every = LoopStates(
-            torch.cat([torch.stack([draft_states[row][j][0] for row, j in flat], 1), verified.hidden]),
-            torch.cat([torch.stack([draft_states[row][j][1] for row, j in flat], 1), verified.gate_logits]))
         pseudo = [requests[r] for r in rows]
-        logits, traces = readout_logits(self.model.compute_logits, every.hidden, every.gate_logits,
-                                        runner.policies_of(pseudo), [r.params.loop_trace for r in pseudo],
-                                        runner.config.model.early_exit_threshold)
+        if verified.readout is not None:  # a model with a coda: the coda of the last loop, as every policy
+            logits, traces = self.model.compute_logits(verified.readout).float(), [None] * len(rows)
+        else:
+            every = LoopStates(
+                torch.cat([torch.stack([draft_states[row][j][0] for row, j in flat], 1), verified.hidden]),
+                torch.cat([torch.stack([draft_states[row][j][1] for row, j in flat], 1),
+                           verified.gate_logits]))
+            logits, traces = readout_logits(self.model.compute_logits, every.hidden, every.gate_logits,
+                                            runner.policies_of(pseudo), [r.params.loop_trace for r in pseudo],
+                                            runner.config.model.early_exit_threshold)
         both = torch.cat([pool[len(requests):], logits.argmax(dim=-1)]).tolist()
         drafted, targets = both[:offsets[-1]], both[offsets[-1]:]
         drafts = [[drafted[where[row, j] - len(requests)] for j in range(k)] for row, k in enumerate(lengths)]
         self._accept_all(batch, result, logits, targets, traces, drafts, draft_probs)
 
-    def _loops(self, requests: list[Request], tokens: list[int], positions: list[int], loops: range,
-               hidden: torch.Tensor | None = None) -> LoopStates:
+    def _loops(self, requests: list[Request], tokens: list[int] | torch.Tensor, positions: list[int],
+               loops: range, hidden: torch.Tensor | None = None, coda: bool = False) -> LoopStates:
+        """Loops `loops` of one token per row, from `hidden` (None: the prelude's or the embedding's state).
+        coda: a model with a coda also runs it on the last of these loops' states (a draft's readout,
+        LoopStates.readout), storing its K/V in the coda slots, which the verify rewrites."""
         runner = self.runner
         inputs = runner.decode_inputs(requests, tokens, positions, hidden)
-        return run_loops(runner.executor_for(len(requests)), self.model, inputs, loops)
+        executor = runner.executor_for(len(requests))
+        states = run_loops(executor, self.model, inputs, loops)
+        if coda and self.model.coda is not None and states.readout is None:
+            states.readout = executor.run_coda(states.hidden[-1])
+        return states
+
+    def _initial_states(self, requests: list[Request], positions: list[int]) -> torch.Tensor | None:
+        """Loop 0's states of the drafted tokens, drawn as a plain step draws them, keyed by (the request's
+        state seed, the position) (runner/initial_states.py); None where every token starts from zeros."""
+        initial = self.runner.initial_states
+        if initial is None or not initial.needed:
+            return None
+        return initial.for_step(requests, positions, [p + 1 for p in positions])
 
     def draft_tokens(self, logits: torch.Tensor, requests: list[Request],
                      draft_probs: list[list[torch.Tensor]], rows: list[int]) -> torch.Tensor:

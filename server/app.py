@@ -83,7 +83,7 @@ def create_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "loop-engine",
             "root": str(engine.engine_config.model_dir), "max_model_len": engine.max_model_len,
-            "loops": engine.config.total_ut_steps, "exit_policy": str(engine.exit_policy)}]}
+            "loops": engine.engine_config.loops, "exit_policy": str(engine.exit_policy)}]}
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info() -> dict[str, Any]:
@@ -161,14 +161,17 @@ class Completions:
 
     def chunk(self, delta: Delta, stream: ChoiceStream) -> dict[str, Any]:
         return completion_response(self.request_id, self.model,
-                                   [completion_choice(delta, stream, self.tokenizer)], None, self.created)
+                                   [completion_choice(delta, stream, self.tokenizer)], None, self.created,
+                                   stream.plan.loops)
 
     def usage_chunk(self, stream: ChoiceStream) -> dict[str, Any]:
-        return completion_response(self.request_id, self.model, [], stream.usage(), self.created)
+        return completion_response(self.request_id, self.model, [], stream.usage(), self.created,
+                                   stream.plan.loops)
 
     def whole(self, deltas: list[Delta], stream: ChoiceStream) -> dict[str, Any]:
         choices = [completion_choice(d, stream, self.tokenizer) for d in deltas]
-        return completion_response(self.request_id, self.model, choices, stream.usage(), self.created)
+        return completion_response(self.request_id, self.model, choices, stream.usage(), self.created,
+                                   stream.plan.loops)
 
 
 class ChatCompletions:
@@ -180,16 +183,16 @@ class ChatCompletions:
 
     def chunk(self, delta: Delta, stream: ChoiceStream) -> dict[str, Any]:
         return chat_response(self.request_id, self.model, [chat_choice(delta, stream, whole=False)], None,
-                             chunk=True, created=self.created)
+                             chunk=True, created=self.created, loops=stream.plan.loops)
 
     def usage_chunk(self, stream: ChoiceStream) -> dict[str, Any]:
         return chat_response(self.request_id, self.model, [], stream.usage(), chunk=True,
-                             created=self.created)
+                             created=self.created, loops=stream.plan.loops)
 
     def whole(self, deltas: list[Delta], stream: ChoiceStream) -> dict[str, Any]:
         choices = [chat_choice(d, stream, whole=True) for d in deltas]
         return chat_response(self.request_id, self.model, choices, stream.usage(), chunk=False,
-                             created=self.created)
+                             created=self.created, loops=stream.plan.loops)
 
 
 async def read_json(request: Request) -> Any:

@@ -16,7 +16,7 @@ from server.errors import bad_request, from_sampling_error
 
 # The most logprobs a request may ask for per token (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
-LOOP_FIELDS = "loops, exit_policy, loop_trace"
+LOOP_FIELDS = "loops, exit_policy, loop_trace"  # per request; every response echoes the loops it ran
 
 
 class OpenAIBody(BaseModel):
@@ -99,6 +99,7 @@ class Plan:
     echo: bool = False
     hide_generated: bool = False  # echo with max_tokens 0: the engine samples one token, which is dropped
     logprobs: int | None = None  # per token, the top N in the response (None: no logprobs)
+    loops: int | None = None  # the loops its tokens run (SamplingParams.loops, else the engine's): echoed
 
 
 def parse_body(model: type[OpenAIBody], body: Any) -> Any:
@@ -131,7 +132,7 @@ def completion_plan(req: CompletionRequest, engine: Engine) -> Plan:
                              prompt_logprobs=req.logprobs if req.echo else None)
     for i, prompt in enumerate(prompts):
         check_length(prompt, max_tokens, engine, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
-    return Plan(prompts, params, req.echo, hide_generated, req.logprobs)
+    return Plan(prompts, params, req.echo, hide_generated, req.logprobs, engine.request_loops(params))
 
 
 def chat_plan(req: ChatCompletionRequest, engine: Engine) -> Plan:
@@ -148,7 +149,7 @@ def chat_plan(req: ChatCompletionRequest, engine: Engine) -> Plan:
     params = sampling_params(req, engine, max_tokens, logprobs=logprobs, prompt_logprobs=None,
                              renames={"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"})
     check_length(prompt, max_tokens, engine, "messages")
-    return Plan([prompt], params, logprobs=logprobs)
+    return Plan([prompt], params, logprobs=logprobs, loops=engine.request_loops(params))
 
 
 def sampling_params(req: SamplingFields, engine: Engine, max_tokens: int | None, logprobs: int | None,
@@ -156,11 +157,6 @@ def sampling_params(req: SamplingFields, engine: Engine, max_tokens: int | None,
     """One SamplingParams for every prompt of the request, checked as the engine checks it at add_request."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
-    loops = engine.config.total_ut_steps
-    if req.loops is not None and req.loops != loops:
-        raise bad_request(f"loops={req.loops}: this server runs {loops} loops, and the loop count is "
-                          f"engine-wide (start a server with --loops {req.loops}); per request, exit_policy "
-                          f"'step:K' reads out loop K (0-based) of the {loops}", "loops")
     try:
         params = SamplingParams(
             n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
@@ -169,8 +165,8 @@ def sampling_params(req: SamplingFields, engine: Engine, max_tokens: int | None,
             repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            loop_trace=req.loop_trace, exit_policy=req.exit_policy)
-        request_policy(params.exit_policy, engine.exit_policy, loops)
+            loop_trace=req.loop_trace, exit_policy=req.exit_policy, loops=req.loops)
+        request_policy(params.exit_policy, engine.exit_policy, engine.request_loops(params))
     except ValueError as err:
         raise from_sampling_error(err, renames) from None
     return params

@@ -157,9 +157,12 @@ def legacy_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | Non
 
 
 def completion_response(request_id: str, model: str, choices: list[dict], usage: dict | None,
-                        created: int | None = None) -> dict[str, Any]:
+                        created: int | None = None, loops: int | None = None) -> dict[str, Any]:
+    """A text_completion object; loops: the loops the request's tokens ran (echoed where given)."""
     body = {"id": request_id, "object": "text_completion", "created": created or int(time.time()),
             "model": model, "choices": choices}
+    if loops is not None:
+        body["loops"] = loops
     if usage is not None:
         body["usage"] = usage
     return body
@@ -198,9 +201,12 @@ def _chat_token(logprob: Logprob) -> dict[str, Any]:
 
 
 def chat_response(request_id: str, model: str, choices: list[dict], usage: dict | None, chunk: bool,
-                  created: int | None = None) -> dict[str, Any]:
+                  created: int | None = None, loops: int | None = None) -> dict[str, Any]:
+    """A chat.completion object (or chunk); loops: the loops the request's tokens ran (echoed where given)."""
     body = {"id": request_id, "object": "chat.completion.chunk" if chunk else "chat.completion",
             "created": created or int(time.time()), "model": model, "choices": choices}
+    if loops is not None:
+        body["loops"] = loops
     if usage is not None:
         body["usage"] = usage
     return body
