@@ -9,7 +9,6 @@ line (cli.py).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 import inspect
@@ -29,11 +28,12 @@ from cache.layout import KV_SHARING, KVCapacity, make_layout
 from cache.pool_sizing import PoolSizer
 from cache.side_rows import SideRows
 from engine_config import EngineConfig
-from exit_policy import ExitPolicy, request_policy
-from model.registry import load_model, policy_refusal
+from exit_policy import ExitPolicy
+from model.registry import load_model
 from model.tokenizer import Tokenizer
 from outputs import Inbox, OutputBook, SequenceGroup, TokenProgress, sequence_ids, sequence_params, take_all
 from request import Request, RequestOutput, SamplingParams, SpeculativeStats
+from request_checks import checked_params, request_loops
 from runner.interrupts import deferred_interrupts
 from runner.loop_driver import EagerLoops, LoopStats, StepInputs, run_loops
 from runner.model_runner import ModelRunner
@@ -285,66 +285,16 @@ class Engine:
         return self._add(request_id, token_ids, text, params, self.outputs.step_inbox).request_id
 
     def _check_params(self, params: SamplingParams | None) -> SamplingParams:
-        """A checked copy of the params (SamplingParams.validate again: a field may have been set since they
-        were built), which the request keeps, so a later change to the caller's params never reaches it."""
-        if params is not None and not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        params = dataclasses.replace(params) if params is not None else SamplingParams()
-        loops = self.request_loops(params)
-        policy = request_policy(params.exit_policy, self.exit_policy, loops)
-        if self.model.exit_gate is None:
-            refusal = policy_refusal(policy, "SamplingParams.exit_policy")
-            if refusal is not None and params.exit_policy is not None:
-                raise ValueError(refusal)
-            if params.loop_trace and not policy.is_criterion:
-                raise ValueError("SamplingParams.loop_trace traces the exit gate's per-loop probabilities, "
-                                 "and this model has no exit gate (under an exit criterion it traces each "
-                                 "token's loops and readout loop)")
-        speculative = self.engine_config.speculative
-        if speculative is not None:
-            for name, off in (("min_tokens", 0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                              ("repetition_penalty", 1.0)):
-                if getattr(params, name) != off:
-                    raise ValueError(f"SamplingParams.{name}={getattr(params, name)!r} cannot be combined "
-                                     f"with speculative={speculative!r} yet: it changes each position's "
-                                     f"logits by the tokens before it, which a draft does not know yet")
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > self.config.vocab_size:
-                raise ValueError(f"SamplingParams.{name}={getattr(params, name)} is more than the vocabulary "
-                                 f"({self.config.vocab_size} tokens)")
-        return params
+        """A checked copy of the params, which the request keeps (request_checks.py)."""
+        return checked_params(params, self.engine_config, self.model.exit_gate is not None, self._dense_kv)
 
     def request_loops(self, params: SamplingParams) -> int:
-        """The loops a request with these params runs: SamplingParams.loops, at most the engine's (ValueError
-        naming it), refused where the engine cannot stop a request's rows at its own loop count
-        (docs/looped_controls.md, "Per-request loops"). Sets params.loops to None where it equals the
-        engine's, so that such a request shares the prefix cache with requests that leave it unset."""
-        config, loops = self.engine_config, self.engine_config.loops
-        if params.loops is None or params.loops == loops:
-            params.loops = None
-            return loops
-        if params.loops > loops:
-            raise ValueError(f"SamplingParams.loops={params.loops} exceeds the engine's {loops} loops (its "
-                             f"KV pool holds the slots of {loops}); start the engine with "
-                             f"loops={params.loops}")
-        refused = [
-            (config.speculative is not None,
-             f"speculative={config.speculative!r}: a speculative step drafts and verifies every row at the "
-             f"engine's loop counts"),
-            (config.exit_policy.can_exit,
-             f"exit_policy={str(config.exit_policy)!r}: it stops generated tokens loop by loop itself; "
-             f"per-request loops need an engine whose exit policy only reads out"),
-            (config.kv_sharing != "none",
-             f"kv_sharing={config.kv_sharing!r} yet: its shared generated-token location is not "
-             f"validated for rows that stop before the engine's last loop"),
-            (not isinstance(self.kv_pool, KVPool),
-             f"kv_cache_dtype={config.kv_cache_dtype!r}: a row that stops early copies its K/V into its "
-             f"deeper slots, which packed KVarN tiles cannot take"),
-        ]
-        for bad, reason in refused:
-            if bad:
-                raise ValueError(f"SamplingParams.loops={params.loops} cannot be combined with {reason}")
-        return params.loops
+        """The loops a request with these params runs (request_checks.py: request_loops)."""
+        return request_loops(params, self.engine_config, self._dense_kv)
+
+    @property
+    def _dense_kv(self) -> bool:
+        return isinstance(self.kv_pool, KVPool)
 
     def _add(self, request_id: str, token_ids: list[int], text: str | None, params: SamplingParams,
              inbox: Inbox) -> SequenceGroup:

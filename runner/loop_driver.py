@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -220,13 +220,7 @@ def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, lo
     readout = None
     for t in loops:
         out = executor.run_loop(t)
-        h = out.h
-        if out.gate_logits is not None:
-            gate = out.gate_logits
-        elif gate_of is not None:
-            gate = gate_of(h)
-        else:  # a model without a gate: zeros, where stopped rows get NaN as a gate's logits would
-            gate = h.new_zeros(h.shape[0])
+        h, gate = out.h, _loop_gate(out, gate_of)
         if rows.all_live:
             hidden.append(read(h, executor.reuses_outputs))
             gates.append(read(gate, executor.reuses_outputs and out.gate_logits is not None))
@@ -250,11 +244,26 @@ def run_loops(executor: LoopExecutor, model: LoopedModel, inputs: StepInputs, lo
         hidden.append(hidden[-1])
         gates.append(torch.full_like(gates[-1], math.nan))
     if readout is not None:  # generated rows: the readout loop's state, or where they stopped before it
-        starts = inputs.meta.query_starts_cpu
-        at = torch.tensor([starts[row] for row in inputs.generated_rows], dtype=torch.int64)
-        at = at.to(last.device, non_blocking=True)
-        readout = last.clone().index_copy_(0, at, readout[at])
+        readout = _with_generated_rows(last, readout, inputs)
     return coda_and_final(LoopStates(torch.stack(hidden), torch.stack(gates)), last, readout)
+
+
+def _loop_gate(out: LoopOutput, gate_of: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """Every live token's gate logit after a loop: the executor's, else the model's gate on the loop's
+    output; a model without a gate gets zeros, where stopped rows then get NaN as a gate's logits would."""
+    if out.gate_logits is not None:
+        return out.gate_logits
+    if gate_of is not None:
+        return gate_of(out.h)
+    return out.h.new_zeros(out.h.shape[0])
+
+
+def _with_generated_rows(last: torch.Tensor, readout: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+    """Every token's `last` state [N, H], with the generated rows' tokens taken from `readout` [N, H]."""
+    starts = inputs.meta.query_starts_cpu
+    at = torch.tensor([starts[row] for row in inputs.generated_rows], dtype=torch.int64)
+    at = at.to(last.device, non_blocking=True)
+    return last.clone().index_copy_(0, at, readout[at])
 
 
 class _LiveRows:

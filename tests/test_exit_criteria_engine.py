@@ -32,14 +32,6 @@ NEW_TOKENS = 8
 pytestmark = pytest.mark.filterwarnings("ignore:loops=6 exceeds")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class AdaptiveReference:
     """The per-token adaptive loop over tests/reference.py's network, kv[t][l][position] = (k, v) as
     ReferenceOuro.decode keeps it. Prompt tokens run every loop; a generated token is checked at the loops

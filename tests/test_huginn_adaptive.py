@@ -12,7 +12,6 @@ rounding of the threshold.
 """
 
 import pytest
-import torch
 
 from engine import Engine, SamplingParams
 from exit_policy import ExitPolicy, parse_exit_policy
@@ -25,14 +24,6 @@ PROMPTS = [[10, 20, 30, 40, 50], [7, 8, 9], [100, 3, 77, 250, 251, 252, 19, 5, 6
 LOOPS = 8
 NEW_TOKENS = 6
 MARGIN = 1e-3  # no compared value within this relative distance of the threshold
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

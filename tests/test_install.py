@@ -24,7 +24,8 @@ def test_pyproject_declares_every_top_level_module_and_package():
     packages = sorted(".".join(p.parent.relative_to(ROOT).parts) for p in ROOT.glob("*/**/__init__.py")
                       if p.parts[len(ROOT.parts)] != "tests" and not p.parts[len(ROOT.parts)].startswith("."))
     assert sorted(setuptools["py-modules"]) == modules
-    assert modules == ["cli", "engine", "engine_config", "exit_policy", "outputs", "request", "stepping"]
+    assert modules == ["cli", "engine", "engine_config", "exit_policy", "outputs", "request",
+                       "request_checks", "stepping"]
     assert sorted(setuptools["packages"]) == packages
     assert "model/checkpoints/tiny-ouro" in {f"model/{d.rsplit('/', 1)[0]}" for d in
                                              setuptools["package-data"]["model"]}

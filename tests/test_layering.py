@@ -7,6 +7,7 @@ packages or between modules.
     benchmarks/, examples/   run the engine (and may start the server); neither imports the other
     server/                  the HTTP server and lm-eval's model: above the engine, which never imports it
     engine.py                the Engine, the Python API
+    request_checks.py        a request's params against the engine's options
     stepping.py              one engine iteration, synchronous or overlapped
     outputs.py               which call reads each request's outputs
     runner/                  step execution: runner, loop driver, CUDA graphs, sampler
@@ -30,8 +31,8 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-ENGINE = {"engine", "stepping", "outputs", "engine_config", "request", "exit_policy", "runner", "scheduler",
-          "cache", "model", "attention", "triton_runtime"}
+ENGINE = {"engine", "request_checks", "stepping", "outputs", "engine_config", "request", "exit_policy",
+          "runner", "scheduler", "cache", "model", "attention", "triton_runtime"}
 SHARED = {"request", "exit_policy"}  # the types every layer may speak of
 ALLOWED = {
     "exit_policy": set(),
@@ -46,6 +47,7 @@ ALLOWED = {
     "runner": {"engine_config", "model", "cache", "attention", "triton_runtime"} | SHARED,
     "outputs": {"runner"} | SHARED,
     "stepping": {"outputs", "runner", "scheduler"} | SHARED,
+    "request_checks": {"engine_config", "model"} | SHARED,
     "engine": ENGINE,
     "server": ENGINE,
     "benchmarks": ENGINE | {"server"},
