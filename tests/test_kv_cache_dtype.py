@@ -91,6 +91,19 @@ def test_fp8_pool_is_stored_and_read_through_its_scales(name):
         assert torch.equal(backend.value_cache.float(), reference.value_cache.float())
 
 
+def test_fp8_triton_pool_at_head_dim_96_matches_the_reference_backends_values():
+    """A head_dim that is no power of two (Huginn-0125's): the kernels' padded head lanes neither read nor
+    store past it, in prefill, decode and both K/V stores."""
+    case, scales = fp8_case(shape={"heads": 4, "kv_heads": 2, "head_dim": 96})
+    backend = bind("triton", case, scales)
+    out = run(backend, case, SLOT)
+    torch.testing.assert_close(out.float(), fp8_expected(case, scales), rtol=1e-4, atol=1e-5)
+    reference = bind("torch", case, scales)
+    run(reference, case, SLOT)
+    assert torch.equal(backend.key_cache.float(), reference.key_cache.float())
+    assert torch.equal(backend.value_cache.float(), reference.value_cache.float())
+
+
 def test_fp8_triton_decode_rows_in_bf16_match_the_reference_backend():
     case, scales = fp8_case(torch.bfloat16, query_lens=[1, 1, 1], context_lens=[3, 17, 40])
     out = run(bind("triton", case, scales), case, SLOT).float()
