@@ -112,6 +112,21 @@ def test_fp8_triton_decode_rows_in_bf16_match_the_reference_backend():
 
 
 @pytest.mark.gpu
+def test_fp8_triton_decode_at_huginns_head_dim_96_in_bf16_matches_the_fp8_reference():
+    """Huginn-0125's head (55 x 96): the half-precision fp8 path's 32-bit value words, masked to 24 of the
+    padded head's 32 words, with the backend's own split rule."""
+    from attention.registry import select
+
+    contexts = [1, 17, 100, 513, 2048, 4100]
+    case, scales = fp8_case(torch.bfloat16, {"heads": 55, "kv_heads": 55, "head_dim": 96, "block_size": 16},
+                            query_lens=[1] * len(contexts), context_lens=contexts)
+    backend = select("triton", case.key_cache.device)
+    backend.bind(case.key_cache.clone(), case.value_cache.clone(), case.scale, scales)
+    out = run(backend, case, SLOT).float()
+    torch.testing.assert_close(out, fp8_expected(case, scales), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("decode_block_n", [64, 128])
 def test_fp8_triton_decode_at_ouro_shape_in_bf16_matches_the_fp8_reference(decode_block_n):
     """bf16 queries over an fp8 pool at Ouro's shape (16 heads x 128, pages of 16) with the backend's own
