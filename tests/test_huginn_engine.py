@@ -202,6 +202,15 @@ def test_the_triton_backend_at_head_dim_96_gives_the_torch_backends_tokens(tmp_p
     assert tokens["triton"] == tokens["torch"]
 
 
+def test_a_kvarn_cache_at_head_dim_96_is_refused_naming_kv_cache_dtype_and_head_dim(tmp_path):
+    """The KVarN kernels keep power-of-two heads (the Hadamard rotation is over head_dim)."""
+    path = write_head_dim_96_checkpoint(tmp_path / "huginn-96")
+    with pytest.raises(ValueError, match="kv_cache_dtype='kvarn_k4v2_g64' cannot serve this checkpoint: "
+                                         "KVarN needs a power-of-two head_dim of at least 8, got 96"):
+        Engine(path, device="cpu", dtype="float32", attention="triton", kv_cache_dtype="kvarn_k4v2_g64",
+               block_size=64, verbose=False)
+
+
 def _gpu_tokens(prompts, params, **options) -> list[list[int]]:
     with Engine(CHECKPOINT, device="cuda", dtype="float32", attention="triton", verbose=False,
                 **options) as engine:
