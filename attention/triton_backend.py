@@ -50,6 +50,9 @@ from triton_runtime.workspace import Workspace
 PACKED_PREFILL_TOLERANCE = 2e-2
 
 EAGER_WORKSPACE = Workspace()
+# The head dims the dense kernels run: every multiple of 16 up to 256 (KVarN pools take powers of two only,
+# which cache/kv_format.py checks).
+HEAD_DIMS = tuple(range(16, 257, 16))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,8 +128,9 @@ class _Plan:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
-    # The kernels tile head_dim with tl.arange, which needs a power of two; these are the ones tested.
-    default_capabilities = Capabilities(head_dims=(32, 64, 128, 256), cuda_graphs=True,
+    # The kernels tile a head as the next power of two of head_dim, masked where wider (tl.arange needs a
+    # power of two, tl.dot a multiple of 16); power-of-two head dims take the unmasked code.
+    default_capabilities = Capabilities(head_dims=HEAD_DIMS, cuda_graphs=True,
                                         kv_formats=("paged", "shared-last"), kvarn=True)
     # batch_invariant: a one-token row of a prompt token goes to the prefill kernel, as the prompt's other
     # tokens do (AttentionMetadata.decode_rows), not to the decode kernel, whose split-KV sums differ.
@@ -172,6 +176,8 @@ class TritonBackend(AttentionBackend):
         self._key_slots = list(key_cache.unbind(0))
         self._value_slots = list(value_cache.unbind(0))
         _, _, self.block_size, self.kv_heads, self.head_dim = key_cache.shape
+        # The kernels' head tile: a power of two (tl.arange), masked to head_dim where wider.
+        self.block_d = triton.next_power_of_2(self.head_dim)
         self._dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)
         # Per slot, the fp8 key and value scales the kernels read (a dummy for other pools: never read).
         self._scale_slots = (list(kv_scales.unbind(0)) if self.quantized
@@ -357,14 +363,15 @@ class TritonBackend(AttentionBackend):
         if step.prefill_work is not None or step.packed is not None:
             plan.store = CompiledLaunch(kv_store_kernel, (num_tokens, 1, 1), 4, 1, direct, **pdl)
             plan.store_args = (meta.slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                               self.kv_heads, head_dim, triton.next_power_of_2(self.kv_heads), self.quantized,
-                               self.pdl)
+                               self.kv_heads, head_dim, self.block_d, triton.next_power_of_2(self.kv_heads),
+                               self.quantized, self.pdl)
         if step.prefill_work is not None:
             plan.prefill = CompiledLaunch(prefill_paged_kernel, (step.prefill_work.shape[0], heads, 1),
                                           self.prefill_num_warps, self.prefill_num_stages, direct, **pdl)
             plan.prefill_args = (meta.block_tables, meta.query_start_loc, meta.context_lens,
                                  step.prefill_work, self.scale, q.stride(0), q.stride(1),
-                                 meta.block_tables.stride(0), heads, self.kv_heads, head_dim, self.block_size,
+                                 meta.block_tables.stride(0), heads, self.kv_heads, head_dim, self.block_d,
+                                 self.block_size,
                                  self.prefill_block_m, self.prefill_block_n, dot_fp32, self.quantized,
                                  self.pdl)
         if step.packed is not None:
@@ -373,7 +380,8 @@ class TritonBackend(AttentionBackend):
             plan.packed = CompiledLaunch(prefill_packed_kernel, (triton.cdiv(num_packed, bm), heads, 1),
                                          self.prefill_num_warps, self.prefill_num_stages, direct, **pdl)
             plan.packed_args = (step.packed, num_packed, self.scale, q.stride(0), q.stride(1), k.stride(0),
-                                k.stride(1), v.stride(0), v.stride(1), heads, self.kv_heads, head_dim, bm,
+                                k.stride(1), v.stride(0), v.stride(1), heads, self.kv_heads, head_dim,
+                                self.block_d, bm,
                                 self.prefill_block_n, dot_fp32, self.pdl)
         if step.decode_rows:
             self._plan_decode(plan, step, q, k, v, heads)
@@ -401,7 +409,8 @@ class TritonBackend(AttentionBackend):
             gen_stride, loops, layers = 0, 1, 1
         plan.decode_tail = (self._key_slots[0].numel(), self.scale, q.stride(0), q.stride(1), k.stride(0),
                             k.stride(1), v.stride(0), v.stride(1), meta.block_tables.stride(0), gen_stride,
-                            heads, self.kv_heads, self.head_dim, self.block_size, self.decode_block_n,
+                            heads, self.kv_heads, self.head_dim, self.block_d, self.block_size,
+                            self.decode_block_n,
                             *step.rule.constexprs(), step.row_map is not None, shared is not None, loops,
                             layers, self.quantized, dot_fp32, fp16_dot, self.pdl)
         plan.partials, plan.tickets = self._dummy_f32, self._dummy_i32

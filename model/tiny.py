@@ -2,8 +2,8 @@
 
     python -m model.tiny --out DIR --preset tiny|ouro-1.4b|ouro-2.6b|huginn-tiny|huginn-0125 [--seed N]
 
-The embedded model/checkpoints/tiny-huginn is `--preset huginn-tiny --heads 2` (head_dim 32, the Triton
-kernels' smallest).
+The embedded model/checkpoints/tiny-huginn is `--preset huginn-tiny --heads 2` (head_dim 32; the Triton
+kernels take any multiple of 16 up to 256).
 
 The output (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json) loads exactly as a downloaded checkpoint does. The ouro-* presets have the

@@ -36,6 +36,7 @@ from model.kernels.gemv_epilogues import (skinny_gemm_add_norms_kernel, skinny_g
 from tests.pdl_ptx import pre_wait_violations
 
 OURO = {"HEADS": 16, "KV_HEADS": 16, "HEAD_DIM": 128}
+DENSE = {**OURO, "BLOCK_D": 128}  # the dense attention kernels' head tile: HEAD_DIM's, a power of two
 INDEX_POINTERS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "rows_ptr": "*i32",
                   "query_start_loc_ptr": "*i32", "work_ptr": "*i32", "packed_ptr": "*i32",
                   "tickets_ptr": "*i32", "slot_mapping_ptr": "*i64", "partials_ptr": "*fp32",
@@ -151,23 +152,43 @@ def variants() -> list[tuple]:
             for row_map in (False, True):
                 for shared in (False, True):
                     out.append((decode_split_kernel, dtype, {
-                        **OURO, "BLOCK_SIZE": 16, "BLOCK_N": decode_tile, "SHORT_CONTEXT": 1024,
+                        **DENSE, "BLOCK_SIZE": 16, "BLOCK_N": decode_tile, "SHORT_CONTEXT": 1024,
                         "SHORT_SPLIT_KEYS": 64, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16, "ROW_MAP": row_map,
                         "SHARED": shared, "LOOPS": 4 if shared else 1, "NUM_LAYERS": 24 if shared else 1,
                         "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32", "FP16_DOT": quantized,
                         "PDL": True}, 4, cache, None))
-            prefill = {**OURO, "BLOCK_M": tile, "BLOCK_N": tile, "DOT_FP32": dtype == "fp32", "PDL": True}
+            prefill = {**DENSE, "BLOCK_M": tile, "BLOCK_N": tile, "DOT_FP32": dtype == "fp32", "PDL": True}
             out.append((prefill_paged_kernel, dtype, {**prefill, "BLOCK_SIZE": 16, "QUANTIZED": quantized}, 8,
                         cache, None))
-            out.append((kv_store_kernel, dtype, {"KV_HEADS": 16, "HEAD_DIM": 128, "BLOCK_H": 16,
-                                                 "QUANTIZED": quantized, "PDL": True}, 4, cache, None))
-        out.append((decode_merge_kernel, dtype, {"HEADS": 16, "HEAD_DIM": 128, "SPLIT_MIN_KEYS": 512,
-                                                 "SPLIT_CAP": 16}, 4, None, None))
-        out.append((prefill_packed_kernel, dtype, {**OURO, "BLOCK_M": tile, "BLOCK_N": tile,
+            store = {"KV_HEADS": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "QUANTIZED": quantized,
+                     "PDL": True}
+            out.append((kv_store_kernel, dtype, store, 4, cache, None))
+        out.append((decode_merge_kernel, dtype, {"HEADS": 16, "HEAD_DIM": 128, "BLOCK_D": 128,
+                                                 "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16}, 4, None, None))
+        out.append((prefill_packed_kernel, dtype, {**DENSE, "BLOCK_M": tile, "BLOCK_N": tile,
                                                    "DOT_FP32": dtype == "fp32", "PDL": True}, 8, None, None))
         for masked in (False, True):
             out.append((copy_forward_kernel, dtype, {"LOOPS": 4, "LAYERS": 24, "ROW": 2048, "BLOCK": 2048,
                                                      "MASKED": masked}, 4, None, None))
+    # Huginn-0125's head (55 x 96, no GQA): a head_dim that is no power of two, tiled as 128 masked lanes;
+    # bf16, and an fp8 pool for the decode kernel's 32-bit value words.
+    huginn = {"HEADS": 55, "KV_HEADS": 55, "HEAD_DIM": 96, "BLOCK_D": 128}
+    for quantized in (False, True):
+        cache = "fp8e4nv" if quantized else None
+        out.append((decode_split_kernel, "bf16", {
+            **huginn, "BLOCK_SIZE": 16, "BLOCK_N": 64 if quantized else 128, "SHORT_CONTEXT": 1024,
+            "SHORT_SPLIT_KEYS": 64, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 4, "ROW_MAP": True, "SHARED": False,
+            "LOOPS": 1, "NUM_LAYERS": 1, "QUANTIZED": quantized, "DOT_FP32": False, "FP16_DOT": quantized,
+            "PDL": True}, 4, cache, None))
+    out.append((prefill_paged_kernel, "bf16", {**huginn, "BLOCK_SIZE": 16, "BLOCK_M": 128, "BLOCK_N": 64,
+                                               "DOT_FP32": False, "QUANTIZED": False, "PDL": True}, 4, None,
+                None))
+    out.append((prefill_packed_kernel, "bf16", {**huginn, "BLOCK_M": 128, "BLOCK_N": 64, "DOT_FP32": False,
+                                                "PDL": True}, 4, None, None))
+    out.append((kv_store_kernel, "bf16", {"KV_HEADS": 55, "HEAD_DIM": 96, "BLOCK_D": 128, "BLOCK_H": 64,
+                                          "QUANTIZED": False, "PDL": True}, 4, None, None))
+    out.append((decode_merge_kernel, "bf16", {"HEADS": 55, "HEAD_DIM": 96, "BLOCK_D": 128,
+                                              "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 4}, 4, None, None))
     # The KVarN kernels: decode at k4v2 and k5v5 (one plane, and a 4-bit plus a 1-bit plane, which the
     # decode kernel takes apart differently); prefill in the engine's 128-query programs over a bf16 model at
     # k4v2 and k5v5 (the two ways of taking planes apart) and at g128, and over an fp32 model: the slowest
@@ -202,7 +223,7 @@ def compile_variant(index: int) -> tuple[str, list[str]]:
     fn, dtype, constexprs, num_warps, cache_dtype = variant[:5]
     kernel, problems = compile_for_hopper(*variant)
     registers, stack = registers_and_stack(kernel)
-    shown = {name: value for name, value in constexprs.items() if name not in OURO}
+    shown = {name: value for name, value in constexprs.items() if name not in DENSE or name == "HEAD_DIM"}
     cap = f" maxnreg {variant[6]}" if len(variant) > 6 and variant[6] else ""
     pool = "/" + cache_dtype if cache_dtype else ""
     return (f"{fn.__name__} {dtype}{pool} {shown} warps {num_warps}{cap}: "

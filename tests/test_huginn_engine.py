@@ -3,10 +3,16 @@ plain reference's (tests/reference_huginn.py, zero initial states) at every loop
 hit and after preemption; drawn initial states are the same for a seed whatever the batch, the chunking or a
 recompute; both warm starts are the reference's; the options Huginn cannot serve are refused by name."""
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from engine import Engine, SamplingParams
+from model.tiny import HUGINN_PRESETS, huginn_hf_config, huginn_random_weights
 from runner.initial_states import token_seed
 from tests.conftest import ROOT
 from tests.reference_huginn import ReferenceHuginn
@@ -169,6 +175,42 @@ def test_the_triton_backend_gives_the_references_tokens_in_the_interpreter(refer
     assert tokens == [reference.generate(p, 3, 2).tokens for p in PROMPTS[:2]]
 
 
+def write_head_dim_96_checkpoint(path: Path) -> Path:
+    """The tiny Huginn (its tokenizer and depth) at width 192 over 2 heads: Huginn-0125's head_dim, 5280 / 55
+    = 96, which is no power of two."""
+    shutil.copytree(CHECKPOINT, path)
+    config = json.loads((path / "config.json").read_text())
+    shape = {**{name: config[name] for name in HUGINN_PRESETS["huginn-tiny"]}, "n_embd": 192, "n_heads": 2}
+    config = huginn_hf_config(shape, "float32")
+    save_file(huginn_random_weights(config, seed=1, dtype=torch.float32, std=0.1),
+              str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.interpreter
+def test_the_triton_backend_at_head_dim_96_gives_the_torch_backends_tokens(tmp_path):
+    path = write_head_dim_96_checkpoint(tmp_path / "huginn-96")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    tokens = {}
+    for attention in ("torch", "triton"):
+        with Engine(path, device="cpu", dtype="float32", attention=attention, loops=2, init_scale=0,
+                    verbose=False) as engine:
+            assert engine.model.config.head_dim == 96
+            outputs = engine.generate(PROMPTS[:2], params, use_tqdm=False)
+        tokens[attention] = [list(o.outputs[0].token_ids) for o in outputs]
+    assert tokens["triton"] == tokens["torch"]
+
+
+def test_a_kvarn_cache_at_head_dim_96_is_refused_naming_kv_cache_dtype_and_head_dim(tmp_path):
+    """The KVarN kernels keep power-of-two heads (the Hadamard rotation is over head_dim)."""
+    path = write_head_dim_96_checkpoint(tmp_path / "huginn-96")
+    with pytest.raises(ValueError, match="kv_cache_dtype='kvarn_k4v2_g64' cannot serve this checkpoint: "
+                                         "KVarN needs a power-of-two head_dim of at least 8, got 96"):
+        Engine(path, device="cpu", dtype="float32", attention="triton", kv_cache_dtype="kvarn_k4v2_g64",
+               block_size=64, verbose=False)
+
+
 def _gpu_tokens(prompts, params, **options) -> list[list[int]]:
     with Engine(CHECKPOINT, device="cuda", dtype="float32", attention="triton", verbose=False,
                 **options) as engine:
@@ -186,6 +228,19 @@ def test_cuda_graphs_give_the_references_tokens_and_eagers(reference, piecewise_
     assert _gpu_tokens.graphs
     assert graphs == reference_tokens(reference, 8)
     assert graphs == _gpu_tokens(PROMPTS, GREEDY, loops=8, init_scale=0, enforce_eager=True)
+
+
+@pytest.mark.gpu
+def test_head_dim_96_under_cuda_graphs_gives_the_torch_backends_tokens(tmp_path):
+    path = write_head_dim_96_checkpoint(tmp_path / "huginn-96")
+    tokens = {}
+    for attention in ("torch", "triton"):
+        with Engine(path, device="cuda", dtype="float32", attention=attention, loops=8, init_scale=0,
+                    verbose=False) as engine:
+            outputs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+            assert engine.uses_cuda_graphs or attention == "torch"
+        tokens[attention] = [list(o.outputs[0].token_ids) for o in outputs]
+    assert tokens["triton"] == tokens["torch"]
 
 
 @pytest.mark.gpu

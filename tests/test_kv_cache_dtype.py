@@ -91,11 +91,39 @@ def test_fp8_pool_is_stored_and_read_through_its_scales(name):
         assert torch.equal(backend.value_cache.float(), reference.value_cache.float())
 
 
+def test_fp8_triton_pool_at_head_dim_96_matches_the_reference_backends_values():
+    """A head_dim that is no power of two (Huginn-0125's): the kernels' padded head lanes neither read nor
+    store past it, in prefill, decode and both K/V stores."""
+    case, scales = fp8_case(shape={"heads": 4, "kv_heads": 2, "head_dim": 96})
+    backend = bind("triton", case, scales)
+    out = run(backend, case, SLOT)
+    torch.testing.assert_close(out.float(), fp8_expected(case, scales), rtol=1e-4, atol=1e-5)
+    reference = bind("torch", case, scales)
+    run(reference, case, SLOT)
+    assert torch.equal(backend.key_cache.float(), reference.key_cache.float())
+    assert torch.equal(backend.value_cache.float(), reference.value_cache.float())
+
+
 def test_fp8_triton_decode_rows_in_bf16_match_the_reference_backend():
     case, scales = fp8_case(torch.bfloat16, query_lens=[1, 1, 1], context_lens=[3, 17, 40])
     out = run(bind("triton", case, scales), case, SLOT).float()
     expected = run(bind("torch", case, scales), case, SLOT).float()
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_fp8_triton_decode_at_huginns_head_dim_96_in_bf16_matches_the_fp8_reference():
+    """Huginn-0125's head (55 x 96): the half-precision fp8 path's 32-bit value words, masked to 24 of the
+    padded head's 32 words, with the backend's own split rule."""
+    from attention.registry import select
+
+    contexts = [1, 17, 100, 513, 2048, 4100]
+    case, scales = fp8_case(torch.bfloat16, {"heads": 55, "kv_heads": 55, "head_dim": 96, "block_size": 16},
+                            query_lens=[1] * len(contexts), context_lens=contexts)
+    backend = select("triton", case.key_cache.device)
+    backend.bind(case.key_cache.clone(), case.value_cache.clone(), case.scale, scales)
+    out = run(backend, case, SLOT).float()
+    torch.testing.assert_close(out, fp8_expected(case, scales), rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.gpu

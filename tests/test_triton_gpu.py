@@ -166,6 +166,33 @@ def test_mixed_step_matches_reference(dtype):
     assert torch.equal(backend.key_cache, ref.key_cache) and torch.equal(backend.value_cache, ref.value_cache)
 
 
+# Huginn-0125's attention (55 heads x 96, no GQA): a head_dim that is no power of two, in 128 masked lanes.
+HUGINN = {"heads": 55, "kv_heads": 55, "head_dim": 96, "block_size": 16, "device": "cuda"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_step_at_huginns_head_dim_96_matches_reference_eager_and_in_graph_mode(dtype):
+    """Paged prefill with and without a prefix, multi-split decode, the K/V stores, with the tuned defaults;
+    the decode rows alone also in graph mode, bitwise the eager bits."""
+    case = make_case([1, 300, 1, 64, 1, 17], [2048, 1000, 33, 64, 4100, 17], dtype=dtype, **HUGINN)
+    expected, ref = reference(case)
+    backend = bound("triton", case)
+    assert backend.block_d == 128
+    assert_matches(run(backend, case), expected)
+    assert torch.equal(backend.key_cache, ref.key_cache) and torch.equal(backend.value_cache, ref.value_cache)
+    decode = make_case([1] * len(DECODE_CONTEXTS), DECODE_CONTEXTS, dtype=dtype, **HUGINN)
+    expected, _ = reference(decode)
+    backend = bound("triton", decode)
+    eager = run(backend, decode)
+    assert_matches(eager, expected)
+    backend.capture_begin(max_rows=decode.meta.num_rows)  # the graph-mode plan (grid, buffers), uncaptured
+    try:
+        graph = run(backend, decode)
+    finally:
+        backend.capture_end()
+    assert torch.equal(graph, eager)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_prefill_is_within_its_stated_tolerance(dtype):
     case = make_case([1, 300, 5, 64, 2, 17], [2048, 1000, 5, 64, 2, 17], dtype=dtype, **OURO)

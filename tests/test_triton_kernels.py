@@ -13,6 +13,7 @@ import torch
 from attention.base import SharedKVMetadata
 from attention.kernels.decode import host_split_count
 from attention.kernels.kv_store import kv_store_kernel
+from attention.registry import select
 from attention.triton_backend import SplitRule
 from tests.paged_cases import assert_matches, bound, make_case, reference, run
 
@@ -40,7 +41,8 @@ def test_kv_store_writes_new_tokens_into_their_pages(dtype):
     key_cache, value_cache = case.key_cache[1].clone(), case.value_cache[1].clone()
     k, v = case.k, case.v
     kv_store_kernel[(k.shape[0],)](k, v, key_cache, value_cache, key_cache, case.meta.slot_mapping,
-                                   k.stride(0), k.stride(1), v.stride(0), v.stride(1), 3, 64, 4, False, False)
+                                   k.stride(0), k.stride(1), v.stride(0), v.stride(1), 3, 64, 64, 4, False,
+                                   False)
     assert torch.equal(key_cache, ref.key_cache[1]) and torch.equal(value_cache, ref.value_cache[1])
 
 
@@ -230,6 +232,47 @@ def test_packed_prefill_is_within_its_stated_tolerance(dtype, head_dim):
     tolerance = backend.capabilities.packed_prefill_tolerance
     assert (out.float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
     assert torch.equal(backend.key_cache, ref.key_cache)
+
+
+# Huginn-0125's head_dim (96) and another multiple of 16 that is no power of two: the kernels tile the head as
+# the next power of two and mask the padding lanes.
+PADDED_HEAD_DIMS = [(torch.float32, 96), (torch.bfloat16, 96), (torch.float32, 48), (torch.bfloat16, 48)]
+
+
+@pytest.mark.parametrize("dtype,head_dim", PADDED_HEAD_DIMS)
+def test_padded_head_dim_prefill_and_decode_match_reference_with_grouped_kv_heads(dtype, head_dim):
+    """Paged prefill (with and without a cached prefix), split decode with its merge, and both K/V stores,
+    at a head_dim that is no power of two; q, k and v are strided views, so a load past head_dim would read
+    the next head's values, and a store past it would overwrite the next kv head's cache entries."""
+    case = make_case(**MIXED_ROWS, dtype=dtype, heads=4, kv_heads=2, head_dim=head_dim, device=DEVICE)
+    expected, ref = reference(case)
+    backend = triton_backend(case)
+    out = run(backend, case)
+    assert backend.block_d == 2 * head_dim * 2 // 3  # 96 -> 128, 48 -> 64
+    assert backend._plan.prefill is not None and backend._plan.decode.grid[0] == 4
+    assert_matches(out, expected, case)
+    assert torch.equal(backend.key_cache, ref.key_cache) and torch.equal(backend.value_cache, ref.value_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_prefill_at_head_dim_96_is_within_its_stated_tolerance(dtype):
+    case = make_case(**MIXED_ROWS, dtype=dtype, heads=4, kv_heads=2, head_dim=96, device=DEVICE)
+    expected, ref = reference(case)
+    backend = triton_backend(case, requirements={"packed_prefill": True})
+    out = run(backend, case)
+    assert backend._plan.packed is not None
+    tolerance = backend.capabilities.packed_prefill_tolerance
+    assert (out.float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
+    assert torch.equal(backend.key_cache, ref.key_cache)
+
+
+def test_head_dims_off_the_multiples_of_16_are_refused_by_name():
+    backend = select("triton", torch.device(DEVICE))
+    for head_dim in (96, 48, 16, 256):
+        backend.check(torch.float32, head_dim, torch.device(DEVICE))
+    for head_dim in (8, 40, 100, 272, 512):
+        with pytest.raises(ValueError, match=f"'triton' does not support head_dim {head_dim} "):
+            backend.check(torch.float32, head_dim, torch.device(DEVICE))
 
 
 def test_every_kernel_variant_compiles_for_hopper_and_pdl_variants_wait_first():

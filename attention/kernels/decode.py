@@ -7,7 +7,9 @@ has room for the longest context the block table holds) and the buffers differ, 
 a row's result. `decode_merge_kernel` is the same merge as a launch of its own, for the KVarN decode kernel
 (attention/kernels/kvarn_decode.py).
 
-Partial state, fp32, for P = rows * heads * grid_splits parts: acc [P, D], then max [P], then sum [P].
+Partial state, fp32, for P = rows * heads * grid_splits parts: acc [P, D], then max [P], then sum [P]. The
+head is tiled as BLOCK_D = next_power_of_2(D) lanes, masked to D where wider (attention/kernels/prefill.py
+says how the masks vanish at a power-of-two D).
 Scores are kept in base 2 (q is pre-scaled by scale * log2 e).
 
 With SHARED (kv_sharing="last", attention/base.py SharedKVMetadata) a row's positions from its prompt length
@@ -31,7 +33,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.kv_store import encode_kv
-from attention.kernels.prefill import _dot
+from attention.kernels.prefill import _dot, dims_mask, head_mask
 from triton_runtime.pdl import launch_dependents, wait_for_previous
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -111,13 +113,15 @@ def _key_rows(table, gen_table, positions, end, prompt_len, loop, plane_elems, k
 
 
 @triton.jit
-def _prefetch_l2(key_cache_ptr, value_cache_ptr, rows, mask_n, HEAD_DIM: tl.constexpr):
+def _prefetch_l2(key_cache_ptr, value_cache_ptr, rows, mask_n, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Asks L2 for the 128-byte lines of the K and V rows at `rows` where mask_n (PTX prefetch.global.L2: a
-    hint that loads nothing into registers, so it costs none while the program waits)."""
+    hint that loads nothing into registers, so it costs none while the program waits): one a line's worth of
+    elements from the row's start, LINES of them (LANES, a power of two, with the padded head)."""
     LINE: tl.constexpr = 1024 // key_cache_ptr.dtype.element_ty.primitive_bitwidth  # elements per line
-    LINES: tl.constexpr = max(HEAD_DIM // LINE, 1)
-    lines = rows[:, None] + (tl.arange(0, LINES) * LINE)[None, :]
-    wanted = (mask_n[:, None] & (tl.arange(0, LINES) < LINES)[None, :]).to(tl.int32)
+    LINES: tl.constexpr = (HEAD_DIM + LINE - 1) // LINE
+    LANES: tl.constexpr = max(BLOCK_D // LINE, 1)
+    lines = rows[:, None] + (tl.arange(0, LANES) * LINE)[None, :]
+    wanted = (mask_n[:, None] & (tl.arange(0, LANES) < LINES)[None, :]).to(tl.int32)
     _prefetch_lines(key_cache_ptr + lines, wanted)
     _prefetch_lines(value_cache_ptr + lines, wanted)
 
@@ -145,16 +149,17 @@ def _widen_e4m3(words, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _merge_splits(partials_ptr, out_ptr, first, num_splits, num_partials, HEAD_DIM: tl.constexpr):
+def _merge_splits(partials_ptr, out_ptr, first, num_splits, num_partials, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
     """Combines splits first .. first + num_splits - 1 into out_ptr[:HEAD_DIM], MERGE_LANES of them a round,
     each round's states loaded at once and reduced in a fixed order: the bits depend on num_splits and the
     parts only, never on the grid or on which split arrived last. Loads bypass L1 (.cg): other programs wrote
     these parts during this launch."""
     lanes = tl.arange(0, MERGE_LANES)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     m_run = tl.full([], float("-inf"), tl.float32)
     l_run = tl.zeros([], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, num_splits, MERGE_LANES):
         present = s0 + lanes < num_splits
         part = first + s0 + lanes
@@ -162,8 +167,9 @@ def _merge_splits(partials_ptr, out_ptr, first, num_splits, num_partials, HEAD_D
                     cache_modifier=".cg")
         l_part = tl.load(partials_ptr + num_partials * (HEAD_DIM + 1) + part, mask=present, other=0.0,
                          cache_modifier=".cg")
-        acc_part = tl.load(partials_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=present[:, None],
-                           other=0.0, cache_modifier=".cg")
+        acc_part = tl.load(partials_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                           mask=head_mask(present, offs_d, HEAD_DIM, BLOCK_D), other=0.0,
+                           cache_modifier=".cg")
         m_new = tl.maximum(m_run, tl.max(m, 0))
         # An all-empty row keeps m = -inf; shifting by 0 instead avoids exp2(-inf - -inf) = NaN.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -173,32 +179,33 @@ def _merge_splits(partials_ptr, out_ptr, first, num_splits, num_partials, HEAD_D
         acc = acc * alpha + tl.sum(acc_part * w[:, None], 0)
         m_run = m_new
     out = acc / tl.where(l_run > 0, l_run, 1.0)
-    tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty), mask=dims_mask(offs_d, HEAD_DIM, BLOCK_D))
 
 
 @triton.jit
 def _finish_split(acc, m_i, l_i, out_row, partials_ptr, tickets_ptr, split, num_splits, r, head,
-                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """A split's state out: the row's output where it is the only split, else its partial state, then its
     ticket; the last split to take the (row, head)'s ticket merges every split and puts the ticket back to
     0."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    dims = dims_mask(offs_d, HEAD_DIM, BLOCK_D)
     if num_splits == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)
-        tl.store(out_row + offs_d, out.to(out_row.dtype.element_ty))
+        tl.store(out_row + offs_d, out.to(out_row.dtype.element_ty), mask=dims)
     else:
         grid_splits = tl.num_programs(0)
         num_partials = grid_splits * HEADS * tl.num_programs(2)
         first = (r * HEADS + head) * grid_splits
         part = first + split
-        tl.store(partials_ptr + part * HEAD_DIM + offs_d, acc)
+        tl.store(partials_ptr + part * HEAD_DIM + offs_d, acc, mask=dims)
         tl.store(partials_ptr + num_partials * HEAD_DIM + part, m_i)
         tl.store(partials_ptr + num_partials * (HEAD_DIM + 1) + part, l_i)
         # All threads' stores are done before one thread releases them with the ticket.
         tl.debug_barrier()
         ticket = tl.atomic_add(tickets_ptr + r * HEADS + head, 1, sem="acq_rel")
         if ticket == num_splits - 1:
-            _merge_splits(partials_ptr, out_row, first, num_splits, num_partials, HEAD_DIM)
+            _merge_splits(partials_ptr, out_row, first, num_splits, num_partials, HEAD_DIM, BLOCK_D)
             tl.store(tickets_ptr + r * HEADS + head, 0)
 
 
@@ -211,11 +218,11 @@ def decode_split_kernel(
     block_tables_ptr, context_lens_ptr, slot_mapping_ptr, rows_ptr, partials_ptr, tickets_ptr,
     gen_tables_ptr, prompt_lens_ptr, loop, plane_elems,
     scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, stride_gt,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SHORT_CONTEXT: tl.constexpr, SHORT_SPLIT_KEYS: tl.constexpr,
-    SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr, ROW_MAP: tl.constexpr,
-    SHARED: tl.constexpr, LOOPS: tl.constexpr, NUM_LAYERS: tl.constexpr, QUANTIZED: tl.constexpr,
-    DOT_FP32: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SHORT_CONTEXT: tl.constexpr,
+    SHORT_SPLIT_KEYS: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr,
+    ROW_MAP: tl.constexpr, SHARED: tl.constexpr, LOOPS: tl.constexpr, NUM_LAYERS: tl.constexpr,
+    QUANTIZED: tl.constexpr, DOT_FP32: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (grid_splits, HEADS, decode rows). Program (s, h, r) attends query head h of decode row r
     over split s of its context. With ROW_MAP, rows_ptr holds (batch row, token) pairs; without it
@@ -252,12 +259,13 @@ def decode_split_kernel(
         _prefetch_l2(key_cache_ptr, value_cache_ptr,
                      _key_rows(table, gen_table, first_tile, cached_end, prompt_len, loop, plane_elems,
                                kv_head, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS),
-                     first_tile < cached_end, HEAD_DIM)
+                     first_tile < cached_end, HEAD_DIM, BLOCK_D)
     wait_for_previous(PDL)
     launch_dependents(PDL)
     if split < num_splits:
-        offs_d = tl.arange(0, HEAD_DIM)
-        q_raw = tl.load(q_ptr + token * stride_qn + head * stride_qh + offs_d)
+        offs_d = tl.arange(0, BLOCK_D)
+        dims = dims_mask(offs_d, HEAD_DIM, BLOCK_D)
+        q_raw = tl.load(q_ptr + token * stride_qn + head * stride_qh + offs_d, mask=dims, other=0.0)
         qk_scale = scale * LOG2E
         k_scale, v_scale = 1.0, 1.0
         if QUANTIZED:
@@ -275,20 +283,23 @@ def decode_split_kernel(
             q_tile = q_tile.to(tl.float16)
         m_i = tl.full([16], float("-inf"), tl.float32)
         l_i = tl.zeros([16], tl.float32)
-        acc = tl.zeros([16, HEAD_DIM], tl.float32)
+        acc = tl.zeros([16, BLOCK_D], tl.float32)
         for n0 in range(start, cached_end, BLOCK_N):
             positions = n0 + tile
             mask_n = positions < cached_end
             rows = _key_rows(table, gen_table, positions, cached_end, prompt_len, loop, plane_elems, kv_head,
                              BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
-            k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            kv_mask = head_mask(mask_n, offs_d, HEAD_DIM, BLOCK_D)
+            k = tl.load(key_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             k = k.to(q_tile.dtype)
             if FP16_DOT and not DOT_FP32:  # an fp8 pool: rows are whole head_dim rows, so 4-byte aligned
+                offs_w = tl.arange(0, BLOCK_D // 4)
                 words = tl.load(value_cache_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] // 4
-                                + tl.arange(0, HEAD_DIM // 4)[None, :], mask=mask_n[:, None], other=0)
-                v = _widen_e4m3(words, BLOCK_N, HEAD_DIM)
+                                + offs_w[None, :],
+                                mask=head_mask(mask_n, offs_w, HEAD_DIM // 4, BLOCK_D // 4), other=0)
+                v = _widen_e4m3(words, BLOCK_N, BLOCK_D)
             else:
-                v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None],
+                v = tl.load(value_cache_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask,
                             other=0.0).to(q_tile.dtype)
             s = _dot(q_tile, tl.trans(k), DOT_FP32) * qk_scale
             s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -304,10 +315,10 @@ def decode_split_kernel(
         acc = tl.sum(tl.where(query_row[:, None], acc, 0.0), 0)
         if (start <= last) & (last < end):
             kv_new = kv_head * stride_kh + offs_d
-            k_new = encode_kv(tl.load(k_ptr + token * stride_kn + kv_new), k_scale, QUANTIZED,
-                              key_cache_ptr.dtype.element_ty)
-            v_new = encode_kv(tl.load(v_ptr + token * stride_vn + kv_head * stride_vh + offs_d), v_scale,
-                              QUANTIZED, value_cache_ptr.dtype.element_ty)
+            k_new = encode_kv(tl.load(k_ptr + token * stride_kn + kv_new, mask=dims, other=0.0), k_scale,
+                              QUANTIZED, key_cache_ptr.dtype.element_ty)
+            v_new = encode_kv(tl.load(v_ptr + token * stride_vn + kv_head * stride_vh + offs_d, mask=dims,
+                                      other=0.0), v_scale, QUANTIZED, value_cache_ptr.dtype.element_ty)
             if head % GROUP == 0:
                 dst = tl.load(slot_mapping_ptr + token).to(tl.int64) * (KV_HEADS * HEAD_DIM)
                 if SHARED:  # a generated token's slot is -1: it goes to its generated page
@@ -315,8 +326,8 @@ def decode_split_kernel(
                                           0, BLOCK_SIZE, KV_HEADS, HEAD_DIM, SHARED, LOOPS, NUM_LAYERS)
                     dst = tl.where(dst >= 0, dst, generated)
                 dst += kv_head * HEAD_DIM + offs_d
-                tl.store(key_cache_ptr + dst, k_new)
-                tl.store(value_cache_ptr + dst, v_new)
+                tl.store(key_cache_ptr + dst, k_new, mask=dims)
+                tl.store(value_cache_ptr + dst, v_new, mask=dims)
             s_new = tl.sum(k_new.to(tl.float32) * q, 0)
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
@@ -329,13 +340,14 @@ def decode_split_kernel(
             acc = acc * v_scale
         out_row = out_ptr + token * (HEADS * HEAD_DIM) + head * HEAD_DIM
         _finish_split(acc, m_i, l_i, out_row, partials_ptr, tickets_ptr, split, num_splits, r, head, HEADS,
-                      HEAD_DIM)
+                      HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
 def decode_merge_kernel(
     out_ptr, context_lens_ptr, partials_ptr, grid_splits,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr,
+    SPLIT_CAP: tl.constexpr,
 ):
     """Grid (HEADS, rows): the merge of partial states that a split kernel left without merging them (the
     KVarN decode kernel). Pure decode only (row r is token r). Rows with one split were finished by the
@@ -347,4 +359,4 @@ def decode_merge_kernel(
         num_partials = grid_splits * HEADS * tl.num_programs(1)
         out_row = out_ptr + r.to(tl.int64) * (HEADS * HEAD_DIM) + head * HEAD_DIM
         _merge_splits(partials_ptr, out_row, (r * HEADS + head) * grid_splits, num_splits, num_partials,
-                      HEAD_DIM)
+                      HEAD_DIM, BLOCK_D)

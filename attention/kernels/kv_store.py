@@ -38,20 +38,23 @@ def encode_kv(x, scale, QUANTIZED: tl.constexpr, cache_dtype: tl.constexpr):
 def kv_store_kernel(
     k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, scales_ptr, slot_mapping_ptr,
     stride_kn, stride_kh, stride_vn, stride_vh,
-    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, QUANTIZED: tl.constexpr,
-    PDL: tl.constexpr,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    QUANTIZED: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per new token: all its kv heads. The cache plane is [blocks, block_size, kv_heads, D]
     contiguous, so `slot * kv_heads * D` addresses the token; it is 64-bit because a large pool exceeds
     2^31 elements. A slot of -1 (a generated token under kv_sharing="last", in no per-loop plane) is
-    skipped: the decode kernel stores it. With QUANTIZED, scales_ptr holds the slot's fp8 key scales then
+    skipped: the decode kernel stores it. A head is BLOCK_D = next_power_of_2(HEAD_DIM) lanes, masked to
+    HEAD_DIM where wider. With QUANTIZED, scales_ptr holds the slot's fp8 key scales then
     value scales, one per kv head. With PDL (triton_runtime/pdl.py) the slot mapping and the scales, which no
     kernel of the step writes, are read before the wait for the previous kernel; k and v after it."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < KV_HEADS)[:, None] & (tl.zeros([BLOCK_H, 1], tl.int64) + slot >= 0)
+    if BLOCK_D != HEAD_DIM:
+        mask = mask & (offs_d < HEAD_DIM)[None, :]
     dst = slot * (KV_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
     k_scale, v_scale = 1.0, 1.0
     if QUANTIZED:

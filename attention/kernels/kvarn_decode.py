@@ -568,7 +568,7 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
     if grid_splits > 1:
         for target, state in ((out, partials), (out_side, partials_side))[:1 + two_bases]:
             decode_merge_kernel[(heads, rows)](target, context_lens, state, grid_splits, heads, head_dim,
-                                               split_min_keys, cap)
+                                               head_dim, split_min_keys, cap)
     if not two_bases:
         return out
     return rotate_rows(out, rotation.T, base=out_side)  # H is symmetric; .T says which way it turns

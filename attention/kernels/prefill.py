@@ -9,6 +9,11 @@ With QUANTIZED (an fp8 pool, attention/fp8.py) the paged kernel widens the store
 every e4m3 value is a bf16 and an fp16 value), folds the slot's key scale into the score scale and applies
 the value scale to the output.
 
+Head dims (HEAD_DIM, any multiple of 16 up to 256) are tiled as BLOCK_D = next_power_of_2(HEAD_DIM) lanes,
+as tl.arange needs: where BLOCK_D > HEAD_DIM loads and stores are masked to the real dims (padding lanes read
+zeros, which add nothing to a dot); where they are equal the masks are not emitted at all (`head_mask`,
+`dims_mask`), so a power-of-two head_dim compiles to the code it had before padding existed.
+
 With PDL (triton_runtime/pdl.py) a program reads its work item and the step's metadata (copied before the
 step's first kernel) before it waits for the previous kernel, and everything else after: the chunk's K/V,
 stored by the kv_store kernel just before, and q.
@@ -27,6 +32,26 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # between) do not, so a query's bits would depend on which loop a key tile falls in, that is on how its
 # prompt was chunked. The interpreter has no inline PTX, and never contracts a multiply into an add.
 _MUL_RN = tl.constexpr(not INTERPRETED)
+
+
+@triton.jit
+def head_mask(rows_mask, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The [rows, BLOCK_D] mask of a tile of head rows: rows_mask, and the real dims where the head is padded
+    (BLOCK_D > HEAD_DIM); rows_mask alone otherwise, so an unpadded tile's code has no dim mask."""
+    if BLOCK_D == HEAD_DIM:
+        return rows_mask[:, None]
+    else:
+        return rows_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+
+
+@triton.jit
+def dims_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The [BLOCK_D] mask of one head row: the real dims where the head is padded (BLOCK_D > HEAD_DIM), and a
+    constant true otherwise (a load or store given only this mask then needs no `other`)."""
+    if BLOCK_D == HEAD_DIM:
+        return tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        return offs_d < HEAD_DIM
 
 
 @triton.jit
@@ -68,10 +93,10 @@ def chunk_of_work_item(work_ptr, query_start_loc_ptr, context_lens_ptr):
 
 @triton.jit
 def _paged_kv_tile(key_cache_ptr, value_cache_ptr, table, offs_n, offs_d, kv_head, mask_n,
-                   KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   MASKED: tl.constexpr):
-    """K and V [len(offs_n), HEAD_DIM] of context positions offs_n, through the row's block table; with
-    MASKED, positions outside mask_n read zeros (and their table entries are not read)."""
+                   KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """K and V [len(offs_n), BLOCK_D] of context positions offs_n, through the row's block table, zeros in the
+    padding dims; with MASKED, positions outside mask_n read zeros (and their table entries are not read)."""
     PAGE: tl.constexpr = BLOCK_SIZE * KV_HEADS * HEAD_DIM
     if MASKED:
         page = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
@@ -79,9 +104,10 @@ def _paged_kv_tile(key_cache_ptr, value_cache_ptr, table, offs_n, offs_d, kv_hea
         page = tl.load(table + offs_n // BLOCK_SIZE).to(tl.int64)
     kv = page * PAGE + (offs_n % BLOCK_SIZE) * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
     kv = kv[:, None] + offs_d[None, :]
-    if MASKED:
-        k = tl.load(key_cache_ptr + kv, mask=mask_n[:, None], other=0.0)
-        v = tl.load(value_cache_ptr + kv, mask=mask_n[:, None], other=0.0)
+    if MASKED or BLOCK_D != HEAD_DIM:  # mask_n is all true where not MASKED
+        mask = head_mask(mask_n, offs_d, HEAD_DIM, BLOCK_D)
+        k = tl.load(key_cache_ptr + kv, mask=mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv, mask=mask, other=0.0)
     else:
         k = tl.load(key_cache_ptr + kv)
         v = tl.load(value_cache_ptr + kv)
@@ -94,8 +120,9 @@ def prefill_paged_kernel(
     q_ptr, out_ptr, key_cache_ptr, value_cache_ptr, scales_ptr, block_tables_ptr, query_start_loc_ptr,
     context_lens_ptr, work_ptr,
     scale, stride_qn, stride_qh, stride_bt,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, QUANTIZED: tl.constexpr,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    QUANTIZED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (work items, HEADS). Work item i = (row, m0): queries m0 .. m0 + BLOCK_M - 1 of the row's
@@ -107,7 +134,7 @@ def prefill_paged_kernel(
     kv_head = head // (HEADS // KV_HEADS)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < query_len
     tokens = (token0 + offs_m).to(tl.int64)
     query_pos = prefix + offs_m
@@ -117,11 +144,11 @@ def prefill_paged_kernel(
     wait_for_previous(PDL)
     launch_dependents(PDL)
     q = tl.load(q_ptr + tokens[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None], other=0.0)
+                mask=head_mask(mask_m, offs_d, HEAD_DIM, BLOCK_D), other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + row.to(tl.int64) * stride_bt
     # Keys before the tile's first query position are visible to every query of the tile: those whole key
     # tiles need no mask. The rest (the diagonal, at most cdiv(BLOCK_M, BLOCK_N) + 1 tiles) are masked.
@@ -130,7 +157,7 @@ def prefill_paged_kernel(
     for n0 in range(0, visible_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k, v = _paged_kv_tile(key_cache_ptr, value_cache_ptr, table, offs_n, offs_d, kv_head, offs_n >= 0,
-                              KV_HEADS, HEAD_DIM, BLOCK_SIZE, False)
+                              KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_SIZE, False)
         if QUANTIZED:
             k, v = k.to(q.dtype), v.to(q.dtype)
         s = mul_rn(_dot(q.to(k.dtype), tl.trans(k), DOT_FP32), qk_scale, _MUL_RN)
@@ -139,7 +166,7 @@ def prefill_paged_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < key_end
         k, v = _paged_kv_tile(key_cache_ptr, value_cache_ptr, table, offs_n, offs_d, kv_head, mask_n,
-                              KV_HEADS, HEAD_DIM, BLOCK_SIZE, True)
+                              KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_SIZE, True)
         if QUANTIZED:
             k, v = k.to(q.dtype), v.to(q.dtype)
         s = _dot(q.to(k.dtype), tl.trans(k), DOT_FP32)
@@ -151,14 +178,14 @@ def prefill_paged_kernel(
     if QUANTIZED:
         out = out * tl.load(scales_ptr + KV_HEADS + kv_head)
     tl.store(out_ptr + tokens[:, None] * (HEADS * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
+             out.to(out_ptr.dtype.element_ty), mask=head_mask(mask_m, offs_d, HEAD_DIM, BLOCK_D))
 
 
 @triton.jit(do_not_specialize=["num_packed"])  # the step's packed token count
 def prefill_packed_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, packed_ptr,
     num_packed, scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (cdiv(num_packed, BLOCK_M), HEADS). packed_ptr holds, for packed index p, the pair
@@ -169,7 +196,7 @@ def prefill_packed_kernel(
     head = tl.program_id(1)
     kv_head = head // (HEADS // KV_HEADS)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < num_packed
     tokens = tl.load(packed_ptr + 2 * offs_m, mask=mask_m, other=0).to(tl.int64)
     row_start = tl.load(packed_ptr + 2 * offs_m + 1, mask=mask_m, other=-1)
@@ -177,22 +204,23 @@ def prefill_packed_kernel(
     wait_for_previous(PDL)
     launch_dependents(PDL)
     q = tl.load(q_ptr + tokens[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None], other=0.0)
+                mask=head_mask(mask_m, offs_d, HEAD_DIM, BLOCK_D), other=0.0)
     qk_scale = scale * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     key_end = tl.minimum(num_packed, (tile + 1) * BLOCK_M)
     for n0 in range(key_start, key_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < key_end
         key_tokens = tl.load(packed_ptr + 2 * offs_n, mask=mask_n, other=0).to(tl.int64)
         key_row_start = tl.load(packed_ptr + 2 * offs_n + 1, mask=mask_n, other=-2)
+        kv_mask = head_mask(mask_n, offs_d, HEAD_DIM, BLOCK_D)
         k = tl.load(k_ptr + key_tokens[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0).to(q.dtype)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_ptr + key_tokens[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0).to(q.dtype)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), DOT_FP32)
         visible = (key_row_start[None, :] == row_start[:, None]) & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(visible & mask_n[None, :], s * qk_scale, float("-inf"))
@@ -200,4 +228,4 @@ def prefill_packed_kernel(
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * (HEADS * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
+             out.to(out_ptr.dtype.element_ty), mask=head_mask(mask_m, offs_d, HEAD_DIM, BLOCK_D))
