@@ -26,10 +26,8 @@ from model.looped import LoopedConfig, LoopedModel
 class Family:
     name: str
     config_class: type
-    # (model_dir, config, device, dtype, batch_invariant, check_finite) -> the model; None: not served yet,
-    # for `not_served`
-    load: Callable[[Path, LoopedConfig, torch.device, torch.dtype, bool, bool], LoopedModel] | None
-    not_served: str = ""
+    # (model_dir, config, device, dtype, batch_invariant, check_finite) -> the model
+    load: Callable[[Path, LoopedConfig, torch.device, torch.dtype, bool, bool], LoopedModel]
     # options (EngineConfig's fields) -> the reason the first one it cannot serve is refused, or None
     refusal: Callable[[dict[str, Any]], str | None] | None = None
 
@@ -98,7 +96,7 @@ def check_engine_options(config: LoopedConfig, options: dict[str, Any]) -> None:
 
 def read_config(model_dir: Path) -> LoopedConfig:
     """The checkpoint's config, read by its family's config class. ValueError naming model_type for a family
-    this engine does not know or cannot serve yet."""
+    this engine does not know."""
     path = checkpoint_file(Path(model_dir), "config.json", "the checkpoint's config")
     raw = read_config_json(path)
     model_type = raw.get("model_type")
@@ -107,9 +105,6 @@ def read_config(model_dir: Path) -> LoopedConfig:
         known = ", ".join(repr(name) for name in FAMILIES)
         raise ValueError(f"config field 'model_type' must name a looped-model family this engine knows "
                          f"({known}), got {model_type!r}")
-    if family.load is None:
-        raise ValueError(f"{path}: model_type {model_type!r} is {family.name}, which the engine cannot serve "
-                         f"yet: {family.not_served}")
     try:
         return family.config_class.from_dict(raw)
     except ValueError as err:
