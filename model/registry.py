@@ -116,6 +116,6 @@ def load_model(model_dir: Path, config: LoopedConfig, device: torch.device, dtyp
     """The checkpoint's model, by the loader of the family whose config `config` is (read_config's);
     check_finite refuses NaN and infinite weights (model/loader.py: read_tensors)."""
     for family in FAMILIES.values():
-        if isinstance(config, family.config_class) and family.load is not None:
+        if isinstance(config, family.config_class):
             return family.load(model_dir, config, device, dtype, batch_invariant, check_finite)
     raise ValueError(f"no loader for a config of type {type(config).__name__}: pass read_config's")
