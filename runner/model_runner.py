@@ -37,7 +37,7 @@ from runner.host_to_device import upload
 from runner.initial_states import InitialStates
 from runner.loop_driver import EagerLoops, EarlyExit, LoopStats, StepInputs, run_loops
 from runner.piecewise_graphs import PiecewiseGraphs
-from runner.request_loops import RequestLoops, request_loops
+from runner.request_loops import RequestLoops
 from runner.sampler import logprob_dicts, logprobs_topn, process_logits, sample
 from runner.speculative import SelfSpeculation
 
@@ -376,7 +376,7 @@ class ModelRunner:
         """Every loop over the batch, then prompt logprobs and sampling. on_device: the sampled tokens stay
         on the device (StepResult.device_tokens) instead of in StepResult.tokens."""
         inputs = self.prepare(batch, previous)
-        states = self.forward(inputs, request_loops(batch.requests, self.loops))
+        states = self.forward(inputs, [self.loops_of(r) for r in batch.requests])
         result = StepResult([None] * batch.num_seqs)
         if states.final is not None:
             self._warm_starts(batch, states.final, result)
@@ -578,10 +578,8 @@ class ModelRunner:
                 index += 1
         if not owners:
             return
-        engine_policy = self.config.exit_policy
         # prompt tokens never exit under a criterion: every loop, read out at the last
-        policies = [request_policy(r.params.exit_policy, engine_policy, self.loops_of(r)) for r in requests]
-        policies = [FULL if policy.is_criterion else policy for policy in policies]
+        policies = [FULL if policy.is_criterion else policy for policy in self.policies_of(requests)]
         tokens = [i for _, i in owners]
         logits, _ = self._readout(_rows(states, tokens), policies, [False] * len(requests), requests)
         counts = [r.params.prompt_logprobs for r in requests]
@@ -602,7 +600,7 @@ class ModelRunner:
             logits = self.model.compute_logits(states.readout).float()
             return logits, coda_traces(states.gate_logits, policies, traced)
         threshold = self.config.model.early_exit_threshold
-        loops = request_loops(requests, self.loops)
+        loops = [self.loops_of(r) for r in requests]
         if min(loops, default=self.loops) == self.loops:
             return readout_logits(self.model.compute_logits, states.hidden, states.gate_logits, policies,
                                   traced, threshold)
@@ -634,10 +632,9 @@ class ModelRunner:
         out as `full` does, with one lm_head call and no exit-pdf arithmetic. Under a criterion so does a
         generated row whose readout loop is where it stopped or the last (exit_policy.py: exit_loops), and
         every row of prompt tokens, which ran every loop."""
-        engine_policy, policies = self.config.exit_policy, []
-        for row in rows:
+        policies = []
+        for row, policy in zip(rows, self.policies_of([batch.requests[row] for row in rows])):
             request = batch.requests[row]
-            policy = request_policy(request.params.exit_policy, engine_policy, self.loops_of(request))
             generated = (batch.num_new_tokens[row] == 1
                          and request.num_computed_tokens >= request.num_prompt_tokens)
             untraced = not request.params.loop_trace

@@ -14,13 +14,7 @@ import torch
 
 from cache.kv_pool import KVPool
 from cache.layout import KVLayout
-from request import Request
 from runner.loop_driver import LoopExecutor, LoopStats, StepInputs
-
-
-def request_loops(requests: list[Request], engine_loops: int) -> list[int]:
-    """Each request's loop count: its SamplingParams.loops, else the engine's."""
-    return [engine_loops if r.params.loops is None else r.params.loops for r in requests]
 
 
 class RequestLoops:
