@@ -148,7 +148,7 @@ def kl_rows(reference: list[list[torch.Tensor]], tokens: list[list[int]],
             "agreement_tokens": agreement, "agreement_mean": sum(agreement) / len(agreement)}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-gib", type=float, default=64.0)
@@ -165,7 +165,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512, help="random prompt tokens, with --model")
     parser.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.manual_seed(0)
     results = {**environment(), "capacity": capacity(args.budget_gib, 4096, 512)}
     side_pools = [tuple(int(x) for x in pair.split(":")) for pair in args.side_pools.split(",")]

@@ -76,20 +76,10 @@ def projection_bytes(engine) -> int:
     return engine.engine_config.loops * layers + head.numel() * head.element_size()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--preset", default="ouro-1.4b")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(FORMATS))
-    parser.add_argument("--block-size", type=int, default=16, help="64 for the KVarN g64 formats")
-    parser.add_argument("--out", default=f"benchmarks/results/profile_decode-{environment()['date']}.json")
-    args = parser.parse_args()
-    path = checkpoint(args.model, args.preset)
-    bandwidth = copy_bandwidth()
+def profiled_steps(path: str, args: argparse.Namespace, bandwidth: float):
+    """Decode steps of `args.batch` rows after their prefill: the profiler's record of args.steps of them, the
+    step time by CUDA events without the profiler (µs), the layer applications a step runs, and the byte
+    floors (µs) of its projections and attention."""
     # Rows whose prefill ends early decode beside the later rows' chunks: their budgets leave room for that.
     budget = head_start(args.batch, args.prompt, BATCHED_TOKENS) + 3 * args.steps + 1
     with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch, 8),
@@ -120,6 +110,24 @@ def main() -> None:
         context = args.prompt + 2.5 * args.steps
         floors_us = {PROJECTIONS: projection_bytes(engine) / bandwidth * 1e6,
                      ATTENTION: engine.kv_pool.bytes_per_token * args.batch * context / bandwidth * 1e6}
+    return prof, step_wall_us, applications, floors_us
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--preset", default="ouro-1.4b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(FORMATS))
+    parser.add_argument("--block-size", type=int, default=16, help="64 for the KVarN g64 formats")
+    parser.add_argument("--out", default=f"benchmarks/results/profile_decode-{environment()['date']}.json")
+    args = parser.parse_args()
+    path = checkpoint(args.model, args.preset)
+    bandwidth = copy_bandwidth()
+    prof, step_wall_us, applications, floors_us = profiled_steps(path, args, bandwidth)
     totals, counts, gap_us, span_us, by_name = charged_time(prof, args.steps)
     step_us = sum(totals.values())
     rows = [{"group": g, "us_per_step": round(totals[g], 1), "kernels_per_step": counts[g],

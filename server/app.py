@@ -45,8 +45,6 @@ class Detokenize(OpenAIBody):
 
 def create_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
     """The app; its lifespan starts the engine loop and, at shutdown, stops it (closing the Engine)."""
-    engine = engine_loop.engine
-    created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -64,22 +62,33 @@ def create_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
     async def api_error(request: Request, err: APIError) -> JSONResponse:
         return err.response()
 
-    def check_open() -> None:
-        """503 once draining (shutdown, or a failed engine, which is closed): before the engine is touched."""
-        if engine_loop.failure is not None:
-            raise APIError(503, f"the engine failed ({engine_loop.failure}); the server takes no new "
-                           "requests", code="engine_failed")
-        if engine_loop.draining:
-            raise APIError(503, "the server is shutting down and takes no new requests", code="shutting_down")
+    add_info_routes(app, engine_loop, model_name)
+    add_generation_routes(app, engine_loop, model_name)
+    return app
+
+
+def check_open(engine_loop: EngineLoop) -> None:
+    """503 once draining (shutdown, or a failed engine, which is closed): before the engine is touched."""
+    if engine_loop.failure is not None:
+        raise APIError(503, f"the engine failed ({engine_loop.failure}); the server takes no new "
+                       "requests", code="engine_failed")
+    if engine_loop.draining:
+        raise APIError(503, "the server is shutting down and takes no new requests", code="shutting_down")
+
+
+def add_info_routes(app: FastAPI, engine_loop: EngineLoop, model_name: str) -> None:
+    """/health, /v1/models, and vLLM's /tokenizer_info, /tokenize and /detokenize: nothing that generates."""
+    engine = engine_loop.engine
+    created = int(time.time())
 
     @app.get("/health")
     async def health() -> Response:
-        check_open()
+        check_open(engine_loop)
         return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        check_open()
+        check_open(engine_loop)
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "loop-engine",
             "root": str(engine.engine_config.model_dir), "max_model_len": engine.max_model_len,
@@ -87,14 +96,14 @@ def create_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info() -> dict[str, Any]:
-        check_open()
+        check_open(engine_loop)
         return tokenizer_info(engine.tokenizer, engine.max_model_len)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         req = parse_body(Tokenize, await read_json(request))
         check_model(req.model, model_name)
-        check_open()
+        check_open(engine_loop)
         tokens = engine.tokenizer.encode(req.prompt)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
                 "token_strs": None}
@@ -103,53 +112,60 @@ def create_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
     async def detokenize(request: Request) -> dict[str, Any]:
         req = parse_body(Detokenize, await read_json(request))
         check_model(req.model, model_name)
-        check_open()
+        check_open(engine_loop)
         bad = [t for t in req.tokens if not 0 <= t < engine.config.vocab_size]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary (vocab_size "
                               f"{engine.config.vocab_size})", "tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
+
+def add_generation_routes(app: FastAPI, engine_loop: EngineLoop, model_name: str) -> None:
+    """/v1/completions and /v1/chat/completions, whole or streamed."""
+    engine = engine_loop.engine
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = parse_body(CompletionRequest, await read_json(request))
         check_model(req.model, model_name)
-        check_open()
+        check_open(engine_loop)
         plan = completion_plan(req, engine)
-        return await respond(request, plan, Completions(new_id("cmpl"), model_name, engine), req)
+        shape = Completions(new_id("cmpl"), model_name, engine)
+        return await respond(engine_loop, request, plan, shape, req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await read_json(request))
         check_model(req.model, model_name)
-        check_open()
+        check_open(engine_loop)
         plan = chat_plan(req, engine)
-        return await respond(request, plan, ChatCompletions(new_id("chatcmpl"), model_name), req)
+        return await respond(engine_loop, request, plan, ChatCompletions(new_id("chatcmpl"), model_name), req)
 
-    async def respond(request: Request, plan: Plan, shape: Completions | ChatCompletions,
-                      req: CompletionRequest | ChatCompletionRequest) -> Response:
-        submission = submit(engine_loop, plan)
-        stream = ChoiceStream(plan)
-        if req.stream:
-            def abort_unfinished() -> None:
-                if not stream.finished:
-                    engine_loop.abort(submission)
 
-            usage = req.stream_options is not None and req.stream_options.include_usage
-            return EventStream(sse(submission, stream, shape, usage), on_close=abort_unfinished)
-        work = asyncio.ensure_future(collect(engine_loop, submission, stream))
-        left = asyncio.ensure_future(until_disconnected(request))
-        try:
-            await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            left.cancel()
-            if not work.done():  # the client left (or the server cancelled this handler): abort
-                work.cancel()
-        if not work.done() or work.cancelled():
-            return Response(status_code=499)  # nobody reads it
-        return JSONResponse(shape.whole(work.result(), stream))
+async def respond(engine_loop: EngineLoop, request: Request, plan: Plan, shape: Completions | ChatCompletions,
+                  req: CompletionRequest | ChatCompletionRequest) -> Response:
+    """Submits the plan; streams it as server-sent events, or waits for it whole, aborting it if the client
+    leaves first."""
+    submission = submit(engine_loop, plan)
+    stream = ChoiceStream(plan)
+    if req.stream:
+        def abort_unfinished() -> None:
+            if not stream.finished:
+                engine_loop.abort(submission)
 
-    return app
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        return EventStream(sse(submission, stream, shape, usage), on_close=abort_unfinished)
+    work = asyncio.ensure_future(collect(engine_loop, submission, stream))
+    left = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not work.done():  # the client left (or the server cancelled this handler): abort
+            work.cancel()
+    if not work.done() or work.cancelled():
+        return Response(status_code=499)  # nobody reads it
+    return JSONResponse(shape.whole(work.result(), stream))
 
 
 class Completions:

@@ -512,32 +512,10 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
     sync, when not given). out: fp32 [rows, heads, D] by default, or a given tensor of that shape.
     maxnreg: the split kernel's register cap for ptxas (a .maxnreg directive), None for none.
     """
+    _check_inputs(q_r, key_codes, value_codes, key_scales, value_scales, side_k, side_v, key_bits, value_bits,
+                  split_min_keys, out, q, rotation)
     rows, heads, head_dim = q_r.shape
-    num_blocks, kv_heads, group = key_codes.shape[:3]
-    if heads % kv_heads or key_bits not in PLANE_WIDTHS or value_bits not in PLANE_WIDTHS:
-        raise ValueError(f"need heads ({heads}) a multiple of kv heads ({kv_heads}) and code widths in "
-                         f"{sorted(PLANE_WIDTHS)}, got {key_bits} and {value_bits}")
-    shapes = {
-        "key_codes": (key_codes, (num_blocks, kv_heads, group, head_dim * key_bits // 8)),
-        "value_codes": (value_codes, (num_blocks, kv_heads, group, head_dim * value_bits // 8)),
-        "key_scales": (key_scales, (num_blocks, kv_heads, 2 * head_dim + group)),
-        "value_scales": (value_scales, (num_blocks, kv_heads, head_dim + 2 * group)),
-        "side_k": (side_k, (side_k.shape[0], group, kv_heads, head_dim)),
-        "side_v": (side_v, (side_k.shape[0], group, kv_heads, head_dim)),
-    }
-    for name, (tensor, shape) in shapes.items():
-        if tuple(tensor.shape) != shape or not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous of shape {list(shape)}, got {list(tensor.shape)}")
-    if split_min_keys % group or q_r.stride(2) != 1:
-        raise ValueError(f"split_min_keys ({split_min_keys}) must be a multiple of the tile ({group}), and "
-                         "q_r's last dim contiguous")
-    # The kernel reads q at q_r's strides; a dim of size 1 (one row) may have any stride.
-    if q is not None and (q.shape != q_r.shape or out is not None
-                          or any(a != b for a, b, n in zip(q.stride(), q_r.stride(), q.shape) if n > 1)
-                          or rotation is None or rotation.shape != (head_dim, head_dim)):
-        raise ValueError(f"q must have q_r's shape {list(q_r.shape)} and strides {q_r.stride()} (got "
-                         f"{list(q.shape)}, {q.stride()}), come with the rotation [{head_dim}, {head_dim}], "
-                         "and takes no `out`")
+    kv_heads, group = key_codes.shape[1:3]
     cap = num_splits or split_cap(q_r.device, kv_heads)
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if rows else 0
@@ -572,3 +550,36 @@ def kvarn_decode(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.
     if not two_bases:
         return out
     return rotate_rows(out, rotation.T, base=out_side)  # H is symmetric; .T says which way it turns
+
+
+def _check_inputs(q_r: torch.Tensor, key_codes: torch.Tensor, value_codes: torch.Tensor,
+                  key_scales: torch.Tensor, value_scales: torch.Tensor, side_k: torch.Tensor,
+                  side_v: torch.Tensor, key_bits: int, value_bits: int, split_min_keys: int,
+                  out: torch.Tensor | None, q: torch.Tensor | None, rotation: torch.Tensor | None) -> None:
+    """kvarn_decode's inputs against its docstring, each named where it is off."""
+    heads, head_dim = q_r.shape[1:]
+    num_blocks, kv_heads, group = key_codes.shape[:3]
+    if heads % kv_heads or key_bits not in PLANE_WIDTHS or value_bits not in PLANE_WIDTHS:
+        raise ValueError(f"need heads ({heads}) a multiple of kv heads ({kv_heads}) and code widths in "
+                         f"{sorted(PLANE_WIDTHS)}, got {key_bits} and {value_bits}")
+    shapes = {
+        "key_codes": (key_codes, (num_blocks, kv_heads, group, head_dim * key_bits // 8)),
+        "value_codes": (value_codes, (num_blocks, kv_heads, group, head_dim * value_bits // 8)),
+        "key_scales": (key_scales, (num_blocks, kv_heads, 2 * head_dim + group)),
+        "value_scales": (value_scales, (num_blocks, kv_heads, head_dim + 2 * group)),
+        "side_k": (side_k, (side_k.shape[0], group, kv_heads, head_dim)),
+        "side_v": (side_v, (side_k.shape[0], group, kv_heads, head_dim)),
+    }
+    for name, (tensor, shape) in shapes.items():
+        if tuple(tensor.shape) != shape or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous of shape {list(shape)}, got {list(tensor.shape)}")
+    if split_min_keys % group or q_r.stride(2) != 1:
+        raise ValueError(f"split_min_keys ({split_min_keys}) must be a multiple of the tile ({group}), and "
+                         "q_r's last dim contiguous")
+    # The kernel reads q at q_r's strides; a dim of size 1 (one row) may have any stride.
+    if q is not None and (q.shape != q_r.shape or out is not None
+                          or any(a != b for a, b, n in zip(q.stride(), q_r.stride(), q.shape) if n > 1)
+                          or rotation is None or rotation.shape != (head_dim, head_dim)):
+        raise ValueError(f"q must have q_r's shape {list(q_r.shape)} and strides {q_r.stride()} (got "
+                         f"{list(q.shape)}, {q.stride()}), come with the rotation [{head_dim}, {head_dim}], "
+                         "and takes no `out`")
