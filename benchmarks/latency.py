@@ -63,8 +63,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16, help="64 for the KVarN g64 formats")
     parser.add_argument("--kv-sink-tokens", type=int, default=0, help="KVarN formats: kv_sink_tokens")
     parser.add_argument("--kv-tail-tokens", type=int, default=0, help="KVarN formats: kv_tail_tokens")
-    parser.add_argument("--async-scheduling", nargs="+", default=["on"], choices=["on", "off"],
-                        help="one engine per value (default: on, the CUDA default)")
+    parser.add_argument("--async-scheduling", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                        help="one engine per value (default: auto, the engine's choice: on where the exit "
+                             "policy and options allow)")
     parser.add_argument("--exit-policies", nargs="+", default=["full"],
                         help="one engine per exit policy (e.g. kl:1e30,min=7: every generated token stops "
                              "after 8 loops, paying its check)")
@@ -86,7 +87,8 @@ def main() -> None:
         with Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                     max_model_len=longest, max_num_batched_tokens=BATCHED_TOKENS, enable_prefix_caching=False,
                     enforce_eager=(mode == "eager"), kv_cache_dtype=kv_cache_dtype,
-                    block_size=args.block_size, async_scheduling=overlap == "on", verbose=True,
+                    block_size=args.block_size, async_scheduling={"on": True, "off": False}.get(overlap),
+                    verbose=True,
                     exit_policy=policy, kv_layout=args.kv_layout, loops=args.loops, **window) as engine:
             weights = weight_bytes_per_step(engine)
             kv_token = engine.kv_pool.bytes_per_token
@@ -98,7 +100,8 @@ def main() -> None:
                     # prefill (a lower floor: the ratio errs high)
                     context = prompt + args.decode_steps // 2
                     floor_ms = (weights + kv_token * batch * context) / bandwidth * 1e3
-                    row = {"mode": mode, "kv_cache_dtype": kv_cache_dtype, "async_scheduling": overlap,
+                    overlapped = "on" if engine.engine_config.overlaps_steps else "off"
+                    row = {"mode": mode, "kv_cache_dtype": kv_cache_dtype, "async_scheduling": overlapped,
                            "exit_policy": policy, "kv_layout": engine.engine_config.layout_name,
                            "loops": engine.engine_config.loops, "batch": batch, "prompt": prompt,
                            "floor_ms": round(floor_ms, 3), **window}

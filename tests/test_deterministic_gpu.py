@@ -138,7 +138,9 @@ def test_d_prefix_cache_hit_has_the_bits_of_a_miss(batch, eager_chunked_sync):
 
 
 def test_e_preempted_requests_keep_their_bits(ouro_shape, batch):
-    with _engine(ouro_shape, num_kv_blocks=40, admission="greedy", max_model_len=400) as engine:
+    # 22 blocks of 16 and prompt chunks of 256: the 12 prompts preempt one another (4 times on the CPU)
+    with _engine(ouro_shape, num_kv_blocks=22, admission="greedy", max_model_len=320,
+                 max_num_batched_tokens=256) as engine:
         outputs = engine.generate(PROMPTS, PARAMS, use_tqdm=False)
         assert engine.scheduler.num_preemptions > 0
     assert [_bits(out) for out in outputs] == batch[0]
