@@ -98,6 +98,17 @@ def weight_bytes_per_step(engine) -> int:
     return loops * _bytes(model.layers) + _bytes(model.lm_head, model.norm, model.early_exit_gate)
 
 
+def kv_bytes_read_per_token(engine) -> float:
+    """KV bytes a full-depth decode step reads per context token of one row: one slot's K and V for each layer
+    the step applies (the prelude's, each loop's, the coda's). That is the pool's bytes per token in the full
+    layout, where every application has its own slot, and more where a ring (compress:k) keeps fewer slots
+    than the step applies layers: each application still reads a whole slot of the context."""
+    pool = engine.kv_pool
+    slots = pool.slot_map
+    applications = slots.prelude_layers + slots.loops * slots.loop_layers + slots.coda_layers
+    return pool.slot_token_bytes * applications
+
+
 def _bytes(*modules: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
 

@@ -13,7 +13,7 @@ import random
 import statistics
 
 from benchmarks.common import (BATCHED_TOKENS, checkpoint, copy_bandwidth, environment, head_start,
-                               matmul_rate, weight_bytes_per_step, write_results)
+                               kv_bytes_read_per_token, matmul_rate, weight_bytes_per_step, write_results)
 from benchmarks.latency import time_batch
 from benchmarks.prefill import prefill_flops, time_prefill
 from engine import Engine
@@ -60,7 +60,7 @@ def main() -> None:
                             verbose=False)
                for name, on in MODES.items()}
     weights = weight_bytes_per_step(engines["default"])
-    kv_token = engines["default"].kv_pool.bytes_per_token
+    kv_token = kv_bytes_read_per_token(engines["default"])
     capacity = min(e.block_manager.num_blocks * e.kv_pool.block_size for e in engines.values())
     rows = []
     for prompt in args.prompts:

@@ -13,8 +13,8 @@ import time
 
 
 from benchmarks.common import (BATCHED_TOKENS, add_random_prompts, checkpoint, copy_bandwidth, environment,
-                               head_start, prefill_until_first_tokens, sync, weight_bytes_per_step,
-                               write_results)
+                               head_start, kv_bytes_read_per_token, prefill_until_first_tokens, sync,
+                               weight_bytes_per_step, write_results)
 from cache.kv_formats import FORMATS
 from cache.kvarn_format import KVARN_PRESETS
 from engine import Engine, SamplingParams
@@ -91,7 +91,7 @@ def main() -> None:
                     verbose=True,
                     exit_policy=policy, kv_layout=args.kv_layout, loops=args.loops, **window) as engine:
             weights = weight_bytes_per_step(engine)
-            kv_token = engine.kv_pool.bytes_per_token
+            kv_token = kv_bytes_read_per_token(engine)
             capacity = engine.block_manager.num_blocks * engine.kv_pool.block_size
             rng = random.Random(0)
             for prompt in args.prompts:
@@ -109,8 +109,7 @@ def main() -> None:
                     needed = batch * (prompt + args.decode_steps + 1 + head)
                     if needed > capacity:
                         row.update(ttft_ms=None, tpot_ms=None,
-                                   note=f"does not fit: needs {needed * kv_token / 2**30:.0f}"
-                                        f" GiB of KV, the pool holds {capacity * kv_token / 2**30:.0f} GiB")
+                                   note=f"does not fit: needs {needed} KV tokens, the pool holds {capacity}")
                     else:
                         ttft, tpot = time_batch(engine, batch, prompt, args.decode_steps, head, rng)
                         achieved = (weights + kv_token * batch * context) / (tpot / 1e3) / 1e9

@@ -16,8 +16,9 @@ import time
 
 import torch
 
-from benchmarks.common import (add_random_prompts, checkpoint, copy_bandwidth, environment, matmul_rate,
-                               prefill_until_first_tokens, weight_bytes_per_step, write_results)
+from benchmarks.common import (add_random_prompts, checkpoint, copy_bandwidth, environment,
+                               kv_bytes_read_per_token, matmul_rate, prefill_until_first_tokens,
+                               weight_bytes_per_step, write_results)
 from engine import Engine, SamplingParams
 
 
@@ -71,7 +72,7 @@ def main() -> None:
                     verbose=False) as engine:
             timed[mode] = [time_mixed_steps(engine, batch, args.context, prompt, args.steps, random.Random(0))
                            for batch, prompt in combos]
-            weights, kv_token = weight_bytes_per_step(engine), engine.kv_pool.bytes_per_token
+            weights, kv_token = weight_bytes_per_step(engine), kv_bytes_read_per_token(engine)
             flops_per_token = 2 * engine.config.total_ut_steps * sum(
                 p.numel() for p in engine.model.layers.parameters())
     rows = []

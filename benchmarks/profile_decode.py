@@ -25,7 +25,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import (BATCHED_TOKENS, checkpoint, copy_bandwidth, environment, head_start,
-                               prefill_until_first_tokens, write_results)
+                               kv_bytes_read_per_token, prefill_until_first_tokens, write_results)
 from cache.kv_formats import FORMATS
 from engine import Engine, SamplingParams
 
@@ -109,7 +109,7 @@ def profiled_steps(path: str, args: argparse.Namespace, bandwidth: float):
         # prefill (a lower floor: "of floor" errs low)
         context = args.prompt + 2.5 * args.steps
         floors_us = {PROJECTIONS: projection_bytes(engine) / bandwidth * 1e6,
-                     ATTENTION: engine.kv_pool.bytes_per_token * args.batch * context / bandwidth * 1e6}
+                     ATTENTION: kv_bytes_read_per_token(engine) * args.batch * context / bandwidth * 1e6}
     return prof, step_wall_us, applications, floors_us
 
 

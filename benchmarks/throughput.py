@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.common import (checkpoint, copy_bandwidth, environment, matmul_rate,
+from benchmarks.common import (checkpoint, copy_bandwidth, environment, kv_bytes_read_per_token, matmul_rate,
                                weight_bytes_per_step, write_results)
 from engine import Engine, SamplingParams
 
@@ -78,7 +78,7 @@ def run_workload(path: str, args: argparse.Namespace, async_scheduling: bool, ba
                 async_scheduling=async_scheduling, deterministic=deterministic) as engine:
         vocab = engine.config.vocab_size
         weights = weight_bytes_per_step(engine)
-        kv_token = engine.kv_pool.bytes_per_token
+        kv_token = kv_bytes_read_per_token(engine)
         flops_per_token = 2 * engine.config.total_ut_steps * sum(
             p.numel() for p in engine.model.layers.parameters()) + 2 * engine.model.lm_head.weight.numel()
         prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(100, args.max_len))]
