@@ -596,12 +596,15 @@ class ModelRunner:
                   states: LoopStates, rows: list[int]) -> None:
         """stage(batch, result, states, rows) for all rows at once; if that raises, row by row, so that a
         row that fails ends in result.errors and the others are unaffected. A stage writes into `result` only
-        once it has computed everything."""
+        once it has computed everything. Only these rows' generators go back before the retry (a depth step's
+        other part has sampled its own already)."""
         try:
             stage(batch, result, states, rows)
             return
         except Exception:
-            self._restore_generators(self._staged.generators)
+            ids = {batch.requests[row].request_id for row in rows}
+            self._restore_generators({request_id: state for request_id, state
+                                      in self._staged.generators.items() if request_id in ids})
         for row in rows:
             try:
                 stage(batch, result, states, [row])
