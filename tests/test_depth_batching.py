@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from cli import main
 from engine import Engine, SamplingParams
 from exit_policy import ExitPolicy, parse_exit_policy
 from runner.loop_driver import LoopStats
@@ -211,10 +212,15 @@ def test_huginn_warm_start_under_a_criterion_gives_the_lockstep_tokens_and_exits
     assert min(ran) < 8 and max(ran) == 8
 
 
+def test_an_fp8_kv_cache_reads_each_rows_own_slot_scales(tiny_checkpoint):
+    both(tiny_checkpoint, PROMPTS, greedy(), loops=3, exit_policy="early:0.5", kv_cache_dtype="fp8_e4m3")
+
+
 @pytest.mark.interpreter
-def test_triton_backend_under_depth_batching_gives_the_lockstep_tokens(tiny_checkpoint):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_triton_backend_under_depth_batching_gives_the_lockstep_tokens(tiny_checkpoint, kv_cache_dtype):
     both(tiny_checkpoint, PROMPTS[:2], greedy(max_tokens=4), loops=3, exit_policy="early:0.5",
-         attention="triton")
+         attention="triton", kv_cache_dtype=kv_cache_dtype)
 
 
 @pytest.mark.parametrize("option, name", [
@@ -236,3 +242,14 @@ def test_depth_batching_must_be_a_bool(tiny_checkpoint):
 
 def test_loops_per_pass_is_nan_before_any_pass():
     assert math.isnan(LoopStats().loops_per_pass)
+
+
+def test_cli_depth_batching_flag_gives_the_lockstep_text(tiny_checkpoint, capsys):
+    argv = ["generate", "--device", "cpu", "--threads", "1", "--temperature", "0", "--model",
+            str(tiny_checkpoint), "--prompt", "Hello", "--max-tokens", "6", "--ignore-eos", "--exit-policy",
+            "early:0.5"]
+    assert main(argv) == 0
+    lockstep, _ = capsys.readouterr()
+    assert main(argv + ["--depth-batching"]) == 0
+    depth, err = capsys.readouterr()
+    assert depth == lockstep and "depth_batching" in err
