@@ -78,6 +78,8 @@ class DepthPasses:
                  stats: LoopStats) -> None:
         self.model, self.backend, self.layout, self.pool = model, backend, layout, pool
         self.exit_rule = exit_rule
+        probe = exit_rule(1)
+        self.decides = probe.decides if probe is not None else None  # does loop t decide exits?
         self.loops = model.slot_map.loops
         self.readout_loop = readout_loop
         self.keep_final = keep_final
@@ -155,12 +157,11 @@ class DepthPasses:
                memory: list[list[torch.Tensor]], meta: AttentionMetadata, context: StepContext) -> set[int]:
         """The rows (not done) whose exit rule fires after the loop each ran; their memory updated in place.
         The rule runs once per loop among the rows, over the rows that ran it."""
-        deciding: dict[int, list[int]] = {}
-        probe = self.exit_rule(1)
-        if probe is None:
+        if self.decides is None:
             return set()
+        deciding: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
-            if i not in done and probe.decides(row.loop):
+            if i not in done and self.decides(row.loop):
                 deciding.setdefault(row.loop, []).append(i)
         exits = set()
         for loop, group in sorted(deciding.items()):
