@@ -163,9 +163,6 @@ class EngineConfig:
             (self.kv_sharing != "none",
              f"kv_sharing={self.kv_sharing!r}: its generated tokens' shared location is addressed by one "
              "loop per call, not per row"),
-            (compresses(self.kv_layout),
-             f"kv_layout={self.kv_layout!r}: over a ring a token's loops would read what rows at other loops "
-             "of the same pass wrote; use 'full' or 'latest'"),
             (self.kv_format.kind == "kvarn",
              f"kv_cache_dtype={self.kv_cache_dtype!r}: the KVarN kernels read one slot per call, not one per "
              "row"),

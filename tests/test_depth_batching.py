@@ -1,9 +1,10 @@
 """Continuous depth batching (Engine(depth_batching=True), runner/depth_passes.py): a decode step is one loop
 pass with every decode row at its own loop. A request's tokens (and logprobs, to fp32 rounding; bitwise in
 deterministic mode) equal those of the lockstep engine, under every exit policy the option takes, per-request
-loops, both families, chunked prefill, staggered arrivals, preemption and seeded sampling; rows at different
-loops share passes; an abort mid-token leaks nothing; what the option does not take yet is refused by name.
-All on CPU, fp32, the torch backend (the Triton path under TRITON_INTERPRET=1)."""
+loops, both families, the KV layouts (full, latest and the rings), an fp8 cache, chunked prefill, staggered
+arrivals, preemption and seeded sampling; rows at different loops share passes; an abort mid-token leaks
+nothing; what the option does not take yet is refused by name. All on CPU, fp32, the torch backend (the
+Triton path under TRITON_INTERPRET=1)."""
 
 import math
 
@@ -216,6 +217,24 @@ def test_an_fp8_kv_cache_reads_each_rows_own_slot_scales(tiny_checkpoint):
     both(tiny_checkpoint, PROMPTS, greedy(), loops=3, exit_policy="early:0.5", kv_cache_dtype="fp8_e4m3")
 
 
+def test_ring_layouts_give_the_lockstep_tokens_and_exits():
+    """Over a ring (Huginn's latest-compress:6 under kl, compress:4 at full depth) a row at loop t reads the
+    ring loop t mod K of its own request's tokens, whatever loops the other rows of its pass are at.
+    Prompts are prefilled whole: over a ring a prompt's chunking changes its K/V, with or without depth
+    batching."""
+    from tests.reference_huginn import ReferenceHuginn
+    from tests.test_huginn_adaptive import threshold_for
+
+    threshold = threshold_for(ReferenceHuginn(HUGINN), ExitPolicy("kl", 1.0), loops=8, new_tokens=6)
+    policy = str(parse_exit_policy(f"kl:{threshold!r}", 8))
+    completions, _ = both(HUGINN, HUGINN_PROMPTS, greedy(max_tokens=6, loop_trace=True), loops=8,
+                          exit_policy=policy, init_scale=0, kv_layout="latest-compress:6",
+                          max_num_batched_tokens=64)
+    assert len({len(t.exit_pdf) for c in completions for t in c.traces[1:]}) > 1
+    both(HUGINN, HUGINN_PROMPTS, greedy(max_tokens=6), loops=8, init_scale=0, kv_layout="compress:4",
+         max_num_batched_tokens=64)
+
+
 @pytest.mark.interpreter
 def test_triton_backend_over_an_fp8_cache_gives_the_lockstep_tokens(tiny_checkpoint):
     """The decode kernel's per-row planes and scales (its dense path: tests/test_row_slots.py)."""
@@ -226,7 +245,6 @@ def test_triton_backend_over_an_fp8_cache_gives_the_lockstep_tokens(tiny_checkpo
 @pytest.mark.parametrize("option, name", [
     (dict(speculative="loops:1"), "speculative='loops:1'"),
     (dict(kv_sharing="last"), "kv_sharing='last'"),
-    (dict(kv_layout="compress:2"), "kv_layout='compress:2'"),
     (dict(kv_cache_dtype="kvarn_k4v2_g64", block_size=64), "kv_cache_dtype='kvarn_k4v2_g64'"),
     (dict(async_scheduling=True), "async_scheduling=True"),
 ])
