@@ -160,9 +160,6 @@ class EngineConfig:
             (self.speculative is not None,
              f"speculative={self.speculative!r}: a draft runs its first loops in one step, a loop pass one "
              "loop a row"),
-            (self.kv_sharing != "none",
-             f"kv_sharing={self.kv_sharing!r}: its generated tokens' shared location is addressed by one "
-             "loop per call, not per row"),
             (self.kv_format.kind == "kvarn",
              f"kv_cache_dtype={self.kv_cache_dtype!r}: the KVarN kernels read one slot per call, not one per "
              "row"),

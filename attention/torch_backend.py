@@ -78,9 +78,9 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
         meta = self.meta
-        if meta.slot_offsets is not None and (self.packed_pool is not None or meta.shared_kv is not None):
-            raise ValueError("rows at their own loops (depth batching) need a dense paged KV pool, not a "
-                             "KVarN pool or kv_sharing='last'")
+        if meta.slot_offsets is not None and self.packed_pool is not None:
+            raise ValueError("rows at their own loops (depth batching) need a dense KV pool, not a KVarN "
+                             "pool")
         if self.packed_pool is not None:
             return self._forward_kvarn(q, k, v, slot)
         if meta.shared_kv is not None:
@@ -160,14 +160,16 @@ class TorchBackend(AttentionBackend):
         prompt from plane `slot` and its generated tokens from their pages. An fp8 pool's scales are the
         same in every loop of a layer here (KVPool.set_kv_scales), so the call's slot scales serve all."""
         meta, shared = self.meta, self.meta.shared_kv
-        key_cache, value_cache = self.key_cache[slot], self.value_cache[slot]
         key_flat = self.key_cache.view(-1, *self.key_cache.shape[3:])
         value_flat = self.value_cache.view(-1, *self.value_cache.shape[3:])
-        scales = self._slot_scales(slot)
-        key_scales, value_scales = (None, None) if scales is None else scales
         out = torch.empty_like(q)
         start = 0
+        row_slots = meta.row_slots(slot)  # depth batching: each row's own loop, at the call's layer
         for row, (num_new, context_len) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+            slot = row_slots[row]
+            key_cache, value_cache = self.key_cache[slot], self.value_cache[slot]
+            scales = self._slot_scales(slot)
+            key_scales, value_scales = (None, None) if scales is None else scales
             new = slice(start, start + num_new)
             prompt_len = min(context_len, shared.prompt_lens_cpu[row])
             generated = generated_flat_index(shared, row, context_len - prompt_len, slot, key_cache.shape[0],

@@ -260,9 +260,9 @@ class TritonBackend(AttentionBackend):
         decode = [row for row, n in enumerate(query_lens) if n == 1]
         if self.capabilities.batch_invariant and meta.decode_rows is not None:
             decode = meta.decode_rows
-        if meta.slot_offsets is not None and (len(decode) != meta.num_rows or meta.shared_kv is not None):
+        if meta.slot_offsets is not None and len(decode) != meta.num_rows:
             raise ValueError("rows at their own loops (AttentionMetadata.slot_offsets, depth batching) must "
-                             "all be decode rows of a paged pool: only the decode kernel reads per-row slots")
+                             "all be decode rows: only the decode kernel reads per-row slots")
         if self._capturing:
             if len(decode) != meta.num_rows:
                 raise ValueError("only decode steps (one new token per row) can be graph-captured")

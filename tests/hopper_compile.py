@@ -156,8 +156,16 @@ def variants() -> list[tuple]:
                         **DENSE, "BLOCK_SIZE": 16, "BLOCK_N": decode_tile, "SHORT_CONTEXT": 1024,
                         "SHORT_SPLIT_KEYS": 64, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16, "ROW_MAP": row_map,
                         "SHARED": shared, "LOOPS": 4 if shared else 1, "NUM_LAYERS": 24 if shared else 1,
-                        "ROW_SLOTS": not shared, "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32",
+                        "ROW_SLOTS": False, "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32",
                         "FP16_DOT": quantized, "PDL": True}, 4, cache, None))
+            if quantized:  # a depth pass (every row a decode row at its own loop): planes, scales per row
+                for shared in (False, True):
+                    out.append((decode_split_kernel, dtype, {
+                        **DENSE, "BLOCK_SIZE": 16, "BLOCK_N": decode_tile, "SHORT_CONTEXT": 1024,
+                        "SHORT_SPLIT_KEYS": 64, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16, "ROW_MAP": False,
+                        "SHARED": shared, "LOOPS": 4 if shared else 1, "NUM_LAYERS": 24 if shared else 1,
+                        "ROW_SLOTS": True, "QUANTIZED": True, "DOT_FP32": False, "FP16_DOT": True,
+                        "PDL": True}, 4, cache, None))
             prefill = {**DENSE, "BLOCK_M": tile, "BLOCK_N": tile, "DOT_FP32": dtype == "fp32", "PDL": True}
             out.append((prefill_paged_kernel, dtype, {**prefill, "BLOCK_SIZE": 16, "QUANTIZED": quantized}, 8,
                         cache, None))

@@ -1,10 +1,10 @@
 """Continuous depth batching (Engine(depth_batching=True), runner/depth_passes.py): a decode step is one loop
 pass with every decode row at its own loop. A request's tokens (and logprobs, to fp32 rounding; bitwise in
 deterministic mode) equal those of the lockstep engine, under every exit policy the option takes, per-request
-loops, both families, the KV layouts (full, latest and the rings), an fp8 cache, chunked prefill, staggered
-arrivals, preemption and seeded sampling; rows at different loops share passes; an abort mid-token leaks
-nothing; what the option does not take yet is refused by name. All on CPU, fp32, the torch backend (the
-Triton path under TRITON_INTERPRET=1)."""
+loops, both families, every dense KV layout (full, latest, the rings, kv_sharing="last"), an fp8 cache,
+chunked prefill, staggered arrivals, preemption and seeded sampling; rows at different loops share passes;
+an abort mid-token leaks nothing; what the option does not take yet is refused by name. All on CPU, fp32,
+the torch backend (the Triton path under TRITON_INTERPRET=1)."""
 
 import math
 
@@ -213,6 +213,15 @@ def test_huginn_warm_start_under_a_criterion_gives_the_lockstep_tokens_and_exits
     assert min(ran) < 8 and max(ran) == 8
 
 
+@pytest.mark.parametrize("policy", ["full", "early:0.5"])
+def test_kv_sharing_last_gives_the_lockstep_tokens(tiny_checkpoint, policy):
+    """A generated token's one K/V per layer, rewritten at each of its loops: a row reads its request's
+    prompt at its own loop's planes and the generated tokens' last-loop K/V, as lockstep."""
+    _, stats = both(tiny_checkpoint, PROMPTS, greedy(loop_trace=True), loops=4, exit_policy=policy,
+                    kv_sharing="last")
+    assert stats.decode_passes < stats.decode_loops
+
+
 def test_an_fp8_kv_cache_reads_each_rows_own_slot_scales(tiny_checkpoint):
     both(tiny_checkpoint, PROMPTS, greedy(), loops=3, exit_policy="early:0.5", kv_cache_dtype="fp8_e4m3")
 
@@ -236,15 +245,17 @@ def test_ring_layouts_give_the_lockstep_tokens_and_exits():
 
 
 @pytest.mark.interpreter
-def test_triton_backend_over_an_fp8_cache_gives_the_lockstep_tokens(tiny_checkpoint):
-    """The decode kernel's per-row planes and scales (its dense path: tests/test_row_slots.py)."""
-    both(tiny_checkpoint, PROMPTS[:2], greedy(max_tokens=4), loops=3, exit_policy="early:0.5",
-         attention="triton", kv_cache_dtype="fp8_e4m3")
+@pytest.mark.parametrize("engine_args", [dict(kv_cache_dtype="fp8_e4m3"), dict(kv_sharing="last")])
+def test_triton_backend_gives_the_lockstep_tokens(tiny_checkpoint, engine_args):
+    """The decode kernel's per-row planes and scales, and (kv_sharing="last") generated pages addressed from
+    each row's own loop (its dense path: tests/test_row_slots.py)."""
+    _, stats = both(tiny_checkpoint, PROMPTS[:2], greedy(max_tokens=5), loops=3, exit_policy="early:0.5",
+                    attention="triton", **engine_args)
+    assert stats.decode_passes < stats.decode_loops
 
 
 @pytest.mark.parametrize("option, name", [
     (dict(speculative="loops:1"), "speculative='loops:1'"),
-    (dict(kv_sharing="last"), "kv_sharing='last'"),
     (dict(kv_cache_dtype="kvarn_k4v2_g64", block_size=64), "kv_cache_dtype='kvarn_k4v2_g64'"),
     (dict(async_scheduling=True), "async_scheduling=True"),
 ])

@@ -232,7 +232,8 @@ def decode_split_kernel(
     plane_elems are read only with SHARED; scales_ptr (the slot's key then value scales) only with
     QUANTIZED; tickets_ptr (one per (row, head), zero between launches) only with several splits. With
     ROW_SLOTS (depth batching: each row at its own loop) batch row `row` stores and reads slot_offsets[row]
-    planes (plane_elems elements each) past the call's slot, with that slot's scales."""
+    planes (plane_elems elements each) past the call's slot, with that slot's scales (with SHARED, a whole
+    number of loops: its generated pages are addressed from its own loop)."""
     split = tl.program_id(0)
     head = tl.program_id(1)
     r = tl.program_id(2)
@@ -248,6 +249,8 @@ def decode_split_kernel(
         key_cache_ptr += planes * plane_elems
         value_cache_ptr += planes * plane_elems
         scales_ptr += planes * (2 * KV_HEADS)
+        if SHARED:  # generated pages are addressed from the row's own loop's plane
+            loop += (planes // NUM_LAYERS).to(tl.int32)
     num_splits = row_split_count(context_len, SHORT_CONTEXT, SHORT_SPLIT_KEYS, SPLIT_MIN_KEYS, SPLIT_CAP)
     GROUP: tl.constexpr = HEADS // KV_HEADS
     kv_head = head // GROUP
