@@ -92,12 +92,28 @@ def test_early_exit_at_mixed_loops_in_one_pass_gives_the_lockstep_tokens(tiny_ch
 
 
 def test_rows_at_different_loops_run_in_one_pass(tiny_checkpoint):
-    """Two requests whose prompts finish prefilling one step apart run their decode loops one pass apart:
-    every pass holds both rows (loops per pass 2), each at its own loop."""
+    """Two requests whose prompts finish prefilling a step apart decode a loop apart: their rows share the
+    passes, each at its own loop (the attention metadata moves them to different slots), so the passes are
+    about half the loops run."""
     prompts = ["Hello", "Hello world, again"]  # 6 tokens a step: the second prompt finishes a step later
-    _, stats = both(tiny_checkpoint, prompts, greedy(max_tokens=5), loops=4, max_num_batched_tokens=6)
-    assert stats.decode_loops == 2 * 4 * 4
-    assert stats.decode_passes <= 4 * 4 + 2  # lockstep takes a step per token: 8 steps of 4 loops each
+    lockstep, _ = run(tiny_checkpoint, prompts, greedy(max_tokens=5), False, loops=4)
+    with Engine(tiny_checkpoint, device="cpu", dtype="float32", loops=4, max_num_batched_tokens=6,
+                depth_batching=True, verbose=False) as engine:
+        backend, prepare, pass_offsets = engine.backend, engine.backend.prepare, []
+
+        def prepare_and_record(meta):
+            if meta.slot_offsets_cpu is not None:
+                pass_offsets.append(list(meta.slot_offsets_cpu))
+            prepare(meta)
+
+        backend.prepare = prepare_and_record
+        depth = [o.outputs[0] for o in engine.generate(prompts, greedy(max_tokens=5), use_tqdm=False)]
+        stats = engine.loop_stats
+    assert_same_completions(lockstep, depth)
+    layers = 2  # the tiny checkpoint's: a row at loop t is t * 2 slots past loop 0's
+    assert [2, 0] in pass_offsets or [0, 2] in pass_offsets  # loops 1 and 0 in one call
+    assert all(o % layers == 0 for offsets in pass_offsets for o in offsets)
+    assert stats.decode_loops == 2 * 4 * 4 and stats.decode_passes == len(pass_offsets) <= 4 * 4 + 2
 
 
 @pytest.mark.parametrize("policy", ["step:1", "threshold:0.5", "weighted"])
