@@ -141,9 +141,11 @@ def test_seeded_sampling_keeps_each_requests_stream(tiny_checkpoint):
     both(tiny_checkpoint, PROMPTS, params, loops=3, exit_policy="early:0.5")
 
 
-def test_deterministic_mode_gives_lockstep_logprobs_bit_for_bit(tiny_checkpoint):
-    lockstep, _ = run(tiny_checkpoint, PROMPTS, greedy(), False, loops=3, deterministic=True)
-    depth, _ = run(tiny_checkpoint, PROMPTS, greedy(), True, loops=3, deterministic=True)
+@pytest.mark.parametrize("policy", ["full", "early:0.5"])
+def test_deterministic_mode_gives_lockstep_logprobs_bit_for_bit(tiny_checkpoint, policy):
+    lockstep, _ = run(tiny_checkpoint, PROMPTS, greedy(), False, loops=3, deterministic=True,
+                      exit_policy=policy)
+    depth, _ = run(tiny_checkpoint, PROMPTS, greedy(), True, loops=3, deterministic=True, exit_policy=policy)
     assert_same_completions(lockstep, depth, bitwise=True)
 
 
