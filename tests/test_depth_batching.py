@@ -220,16 +220,32 @@ def test_huginn_with_drawn_states_and_per_request_loops_gives_the_lockstep_token
 
 def test_huginn_warm_start_under_a_criterion_gives_the_lockstep_tokens_and_exits():
     """kl through the coda at each check, from the previous token's raw last state (continuous_compute)."""
+    completions = huginn_under_kl(0, 1, continuous_compute="raw")
+    ran = {len(t.exit_pdf) for c in completions for t in c.traces[1:]}
+    assert min(ran) < 8 and max(ran) == 8
+
+
+def test_huginn_criterion_checking_every_other_loop_reads_out_its_last_check():
+    """kl,min=2,every=2 over 8 loops: a token that never stops runs all 8 loops and reads out loop 6 through
+    the coda, as lockstep does."""
+    completions = huginn_under_kl(2, 2)
+    runs = {(t.exit_loop, len(t.exit_pdf)) for c in completions for t in c.traces[1:]}
+    assert (6, 8) in runs and any(n < 8 for _, n in runs)
+
+
+def huginn_under_kl(min_loops: int, every: int, **engine_args):
+    """Huginn's completions under kl (a threshold that stops some tokens early), depth-batched and lockstep
+    alike (both() checks)."""
     from tests.reference_huginn import ReferenceHuginn
     from tests.test_huginn_adaptive import threshold_for
 
-    threshold = threshold_for(ReferenceHuginn(HUGINN), ExitPolicy("kl", 1.0), loops=8, new_tokens=6)
-    policy = str(parse_exit_policy(f"kl:{threshold!r}", 8))
+    threshold = threshold_for(ReferenceHuginn(HUGINN), ExitPolicy("kl", 1.0, min_loops, every), loops=8,
+                              new_tokens=6)
+    policy = str(parse_exit_policy(f"kl:{threshold!r},min={min_loops},every={every}", 8))
+    engine_args = {"init_scale": 0, "max_num_batched_tokens": 4, **engine_args}
     completions, _ = both(HUGINN, HUGINN_PROMPTS, greedy(max_tokens=6, loop_trace=True), loops=8,
-                          exit_policy=policy, init_scale=0, continuous_compute="raw",
-                          max_num_batched_tokens=4)
-    ran = {len(t.exit_pdf) for c in completions for t in c.traces[1:]}
-    assert min(ran) < 8 and max(ran) == 8
+                          exit_policy=policy, **engine_args)
+    return completions
 
 
 @pytest.mark.parametrize("policy", ["full", "early:0.5"])
@@ -250,14 +266,7 @@ def test_ring_layouts_give_the_lockstep_tokens_and_exits():
     ring loop t mod K of its own request's tokens, whatever loops the other rows of its pass are at.
     Prompts are prefilled whole: over a ring a prompt's chunking changes its K/V, with or without depth
     batching."""
-    from tests.reference_huginn import ReferenceHuginn
-    from tests.test_huginn_adaptive import threshold_for
-
-    threshold = threshold_for(ReferenceHuginn(HUGINN), ExitPolicy("kl", 1.0), loops=8, new_tokens=6)
-    policy = str(parse_exit_policy(f"kl:{threshold!r}", 8))
-    completions, _ = both(HUGINN, HUGINN_PROMPTS, greedy(max_tokens=6, loop_trace=True), loops=8,
-                          exit_policy=policy, init_scale=0, kv_layout="latest-compress:6",
-                          max_num_batched_tokens=64)
+    completions = huginn_under_kl(0, 1, kv_layout="latest-compress:6", max_num_batched_tokens=64)
     assert len({len(t.exit_pdf) for c in completions for t in c.traces[1:]}) > 1
     both(HUGINN, HUGINN_PROMPTS, greedy(max_tokens=6), loops=8, init_scale=0, kv_layout="compress:4",
          max_num_batched_tokens=64)
