@@ -174,6 +174,10 @@ def add_engine_flags(engine: argparse._ArgumentGroup) -> None:
     engine.add_argument("--continuous-compute", choices=["normalized", "raw"], default=None,
                         help="a model with an initial state (Huginn): warm-start each generated token from "
                              "the previous token's last state, after the final norm or raw (docs/huginn.md)")
+    engine.add_argument("--depth-batching", action="store_true",
+                        help="continuous depth batching: each decode step is one loop pass in which every "
+                             "decode row runs its own next loop, so rows at different loops share one weight "
+                             "read (eager only for now)")
     engine.add_argument("--no-check-finite-weights", action="store_true",
                         help="skip the check that every weight is finite (no NaN or inf) as it loads: on a "
                              "CPU it takes about 7%% of the load")
@@ -264,7 +268,7 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
                   piecewise_graph_tokens=args.piecewise_graph_tokens, max_num_seqs=args.max_num_seqs,
                   deterministic={"auto": None, "on": True, "off": False}[args.deterministic],
                   check_finite_weights=not args.no_check_finite_weights, init_scale=args.init_scale,
-                  continuous_compute=args.continuous_compute)
+                  continuous_compute=args.continuous_compute, depth_batching=args.depth_batching)
 
 
 def cli_serve(args: argparse.Namespace) -> int:

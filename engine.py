@@ -78,7 +78,7 @@ class Engine:
                  kv_rotation: bool = True, async_scheduling: bool | None = None,
                  piecewise_graph_tokens: int = 512, deterministic: bool | None = None,
                  check_finite_weights: bool = True, init_scale: float | None = None,
-                 continuous_compute: str | None = None,
+                 continuous_compute: str | None = None, depth_batching: bool = False,
                  verbose: bool = True) -> None:
         if not isinstance(verbose, bool):
             raise ValueError(f"verbose must be True or False, got {verbose!r}")
@@ -95,7 +95,7 @@ class Engine:
             kv_rotation=kv_rotation, async_scheduling=async_scheduling,
             piecewise_graph_tokens=piecewise_graph_tokens, deterministic=deterministic,
             check_finite_weights=check_finite_weights, init_scale=init_scale,
-            continuous_compute=continuous_compute)
+            continuous_compute=continuous_compute, depth_batching=depth_batching)
         model_dir = config.model_dir
         self.config = config.model  # the checkpoint's config, of its family's class (model/registry.py)
         self.tokenizer = Tokenizer(model_dir)
@@ -158,9 +158,14 @@ class Engine:
             if config.speculative else ""
         kv = "" if config.kv_cache_dtype == "auto" else f", kv_cache_dtype={config.kv_cache_dtype}"
         kv += "" if config.kv_rotation else " (no rotation)"
+        depth = ""
+        if config.depth_batching:  # no CUDA graph of a pass with per-row loops yet
+            eager = config.device.type == "cuda" and not config.enforce_eager
+            depth = ", depth_batching (eager: no CUDA graphs for a loop pass yet)" if eager else \
+                ", depth_batching"
         print(f"loop-engine: {config.loops} loops x {self.model.slot_map.loop_layers} layers, "
               f"{config.dtype}{kv}, {config.device}, attention={self.backend.name}, "
-              f"exit_policy={config.exit_policy}{speculation}; "
+              f"exit_policy={config.exit_policy}{speculation}{depth}; "
               f"{self.layout.report(self.kv_pool, num_blocks, side_rows=side_rows)} "
               f"({self.kv_pool.num_bytes / 2**30:.2f} GiB)", file=sys.stderr)
 

@@ -97,6 +97,10 @@ class EngineConfig:
     # token's last state, "normalized" (after the final norm, the official generate_minimal) or "raw" (as the
     # last loop left it, the official adaptive path). None: every token from its drawn (or zero) state.
     continuous_compute: str | None = None
+    # Continuous depth batching (runner/depth_passes.py): a decode step is one loop pass in which every decode
+    # row runs its own next loop, so rows at different loops share one weight read; False: every step runs
+    # its decode rows through all their loops together (lockstep).
+    depth_batching: bool = False
 
     def __post_init__(self) -> None:
         options = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -119,6 +123,7 @@ class EngineConfig:
         if refusal:
             raise ValueError(f"deterministic=True {refusal}")
         self._check_initial_state_options()
+        self._check_depth_batching()
         check_engine_options(self.model, options)
         self._check_kv_layout()
         if self.speculative is not None:
@@ -146,6 +151,25 @@ class EngineConfig:
                              f"{self.continuous_compute!r}: each token starts from the state the step "
                              "before computed, so the next step waits for it; leave async_scheduling at None "
                              "or False")
+
+    def _check_depth_batching(self) -> None:
+        """depth_batching=True against the options it does not run with yet, each refused by name."""
+        if not self.depth_batching:
+            return
+        refused = [
+            (self.speculative is not None,
+             f"speculative={self.speculative!r}: a draft runs its first loops in one step, a loop pass one "
+             "loop a row"),
+            (self.kv_format.kind == "kvarn",
+             f"kv_cache_dtype={self.kv_cache_dtype!r}: the KVarN kernels read one slot per call, not one per "
+             "row"),
+            (bool(self.async_scheduling),
+             "async_scheduling=True: a row mid-token has no token for the next step to read ahead"),
+        ]
+        for bad, reason in refused:
+            if bad:
+                raise ValueError(f"depth_batching=True cannot be combined with {reason} (yet); leave "
+                                 "depth_batching=False for it")
 
     @property
     def initial_state_scale(self) -> float | None:
@@ -237,7 +261,7 @@ class EngineConfig:
         if self.async_scheduling is not None:
             return self.async_scheduling
         return (self.device.type == "cuda" and self.speculative is None and not self.exit_policy.can_exit
-                and self.continuous_compute is None)
+                and self.continuous_compute is None and not self.depth_batching)
 
     @property
     def loops(self) -> int:
@@ -294,7 +318,8 @@ def check_options(**values: Any) -> None:
             raise ValueError(f"kv_cache_gib must be a positive number of GiB, got {gib!r}")
         if values.get("num_kv_blocks") is not None:
             raise ValueError("pass num_kv_blocks or kv_cache_gib, not both")
-    for name in ("enable_prefix_caching", "packed_prefill", "enforce_eager", "check_finite_weights"):
+    for name in ("enable_prefix_caching", "packed_prefill", "enforce_eager", "check_finite_weights",
+                 "depth_batching"):
         if name in values and not isinstance(values[name], bool):
             raise ValueError(f"{name} must be True or False, got {values[name]!r}")
     for name in ("async_scheduling", "deterministic"):

@@ -62,7 +62,8 @@ def request_output(group: SequenceGroup) -> RequestOutput:
     completions = [CompletionOutput(index, r.output_text, r.output_token_ids, r.finish_reason,
                                     r.stop_reason, r.error, list(r.traces) or None,
                                     list(r.logprobs) if params.logprobs is not None else None,
-                                    r.speculative.copy() if r.speculative is not None else None)
+                                    r.speculative.copy() if r.speculative is not None else None,
+                                    r.depth.copy() if r.depth is not None else None)
                    for index, r in enumerate(group.requests)]
     prompt_logprobs = [None, *first.prompt_logprobs] if params.prompt_logprobs is not None else None
     return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions,

@@ -186,6 +186,7 @@ class Request:
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)  # one per output token
     prompt_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)  # prompt tokens 1..
     speculative: SpeculativeStats | None = None  # its drafts, under speculative decoding
+    depth: DepthStats | None = None  # its tokens' loops and loop passes, under depth batching
     draft_len: int = 0  # what its next speculative step drafts at most (scheduler/scheduler.py); 0: not yet
     # A KVarN pool's side rows (cache/side_rows.py): the blocks whose side blocks it holds, and per block of
     # block_table the side block it may read (-1: none); under kv_sharing="last" also per generated tile its
@@ -251,10 +252,13 @@ class ScheduledBatch:
         """The batch without the rows of requests that finished since it was scheduled."""
         if not any(r.is_finished for r in self.requests):
             return self
-        keep = [i for i, r in enumerate(self.requests) if not r.is_finished]
-        return ScheduledBatch([self.requests[i] for i in keep], [self.num_new_tokens[i] for i in keep],
-                              [self.sample[i] for i in keep],
-                              [self.draft_lens[i] for i in keep] if self.draft_lens else [])
+        return self.select([i for i, r in enumerate(self.requests) if not r.is_finished])
+
+    def select(self, rows: list[int]) -> ScheduledBatch:
+        """These rows of the batch, in order."""
+        return ScheduledBatch([self.requests[i] for i in rows], [self.num_new_tokens[i] for i in rows],
+                              [self.sample[i] for i in rows],
+                              [self.draft_lens[i] for i in rows] if self.draft_lens else [])
 
     @property
     def num_seqs(self) -> int:
@@ -294,6 +298,7 @@ class CompletionOutput:
     # SamplingParams(logprobs=N): per token, {token id: Logprob}, the sampled token first, then the top N.
     logprobs: list[dict[int, Logprob]] | None = None
     speculative: SpeculativeStats | None = None  # drafts made and accepted, under speculative decoding
+    depth: DepthStats | None = None  # loops and loop passes per token, under depth batching
 
     def trace_tensors(self) -> TraceTensors:
         """The traces stacked into tensors."""
@@ -358,6 +363,34 @@ class SpeculativeStats:
         """Tokens a speculative step yields: its accepted drafts, plus the target's token where it rejected
         one (NaN before any step)."""
         return self.tokens / self.steps if self.steps else math.nan
+
+
+@dataclasses.dataclass(slots=True)
+class DepthStats:
+    """A request's generated tokens under depth batching (Engine(depth_batching=True)), summed: the loops they
+    ran, and the loop passes they spanned, from the pass each token started in to the one it finished in
+    (one pass per loop, unless a row waited a step unscheduled). A pass runs every decode row's own next
+    loop, so the engine's passes (LoopStats.decode_passes) are fewer than the requests' loops together."""
+
+    tokens: int = 0
+    loops: int = 0
+    passes: int = 0
+
+    def add(self, loops: int, passes: int) -> None:
+        self.tokens += 1
+        self.loops += loops
+        self.passes += passes
+
+    def copy(self) -> DepthStats:
+        return DepthStats(self.tokens, self.loops, self.passes)
+
+    @property
+    def loops_per_token(self) -> float:
+        return self.loops / self.tokens if self.tokens else math.nan
+
+    @property
+    def passes_per_token(self) -> float:
+        return self.passes / self.tokens if self.tokens else math.nan
 
 
 @dataclasses.dataclass(slots=True)

@@ -81,10 +81,11 @@ class Stepper(ABC):
             return self.conclude(touched, self.scheduler.take_finished())
         decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
         before = [r.num_tokens for r in batch.requests]
+        mid_token = result.mid_token_rows
         decision = self.scheduler.decide(batch, result.tokens, result.errors,
-                                         {row: a for row, (_, a) in result.drafts.items()})
+                                         {row: a for row, (_, a) in result.drafts.items()}, mid_token)
         staged = self.runner.take_staged()  # the point of no return
-        self.count_tokens(batch, set(result.errors), decode)
+        self.count_tokens(batch, set(result.errors) | mid_token, decode)
         error = self.run_parts([functools.partial(self.scheduler.apply, decision),
                                 functools.partial(self.runner.commit, result, staged, decision.appended,
                                                   decision.advances)])

@@ -2,7 +2,9 @@
 step's AttentionMetadata. Backends by name, and their selection, are attention/registry.py's.
 
 A backend is prepared once per step with `AttentionMetadata`, then called once per (loop, layer) with
-the new tokens' q, k, v and the KV slot.
+the new tokens' q, k, v and the KV slot. Under depth batching (runner/depth_passes.py) the rows of one call
+are at different loops: AttentionMetadata.slot_offsets moves each row from the call's slot to the same layer
+of its own loop.
 """
 
 from __future__ import annotations
@@ -99,6 +101,11 @@ class AttentionMetadata:
     # The one-token rows whose token is a generated one (not a prompt's); None: every one-token row. A
     # batch_invariant backend attends these the decode way and every other row the prompt way.
     decode_rows: list[int] | None = None
+    # Depth batching: row i stores and reads its K/V in slot `slot + slot_offsets[i]` of a call's `slot`
+    # (the call's layer, at the row's own loop: runner/depth_passes.py); None: every row in the call's slot.
+    # On the device [B] int32, and on the host.
+    slot_offsets: torch.Tensor | None = None
+    slot_offsets_cpu: list[int] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -137,8 +144,16 @@ class AttentionMetadata:
             self.shared_kv.select(rows, index) if self.shared_kv is not None else None,
             None if self.side_tables_cpu is None else [self.side_tables_cpu[r] for r in rows],
             None if self.side_tables is None else self.side_tables[index],
-            None if self.decode_rows is None else [i for i, r in enumerate(rows) if r in self.decode_rows])
+            None if self.decode_rows is None else [i for i, r in enumerate(rows) if r in self.decode_rows],
+            None if self.slot_offsets is None else self.slot_offsets[index],
+            None if self.slot_offsets_cpu is None else [self.slot_offsets_cpu[r] for r in rows])
         return sub, tokens
+
+    def row_slots(self, slot: int) -> list[int]:
+        """Each row's slot for a call in `slot` (slot_offsets applied)."""
+        if self.slot_offsets_cpu is None:
+            return [slot] * self.num_rows
+        return [slot + offset for offset in self.slot_offsets_cpu]
 
 
 class AttentionBackend(ABC):

@@ -78,23 +78,44 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
         meta = self.meta
+        if meta.slot_offsets is not None and self.packed_pool is not None:
+            raise ValueError("rows at their own loops (depth batching) need a dense KV pool, not a KVarN "
+                             "pool")
         if self.packed_pool is not None:
             return self._forward_kvarn(q, k, v, slot)
         if meta.shared_kv is not None:
             return self._forward_shared(q, k, v, slot)
-        key_cache, value_cache = self.key_cache[slot], self.value_cache[slot]
-        scales = self._slot_scales(slot)
-        store_kv(key_cache, value_cache, k, v, meta.slot_mapping, scales)
-        key_scales, value_scales = (None, None) if scales is None else scales
+        row_slots = meta.row_slots(slot)
+        self._store(k, v, row_slots)
         out = torch.empty_like(q)
         start = 0
         for row, (num_new, context_len) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+            row_slot = row_slots[row]
+            scales = self._slot_scales(row_slot)
+            key_scales, value_scales = (None, None) if scales is None else scales
             table = meta.block_tables[row]
-            keys = gather_context(key_cache, table, context_len, key_scales)
-            values = gather_context(value_cache, table, context_len, value_scales)
+            keys = gather_context(self.key_cache[row_slot], table, context_len, key_scales)
+            values = gather_context(self.value_cache[row_slot], table, context_len, value_scales)
             out[start:start + num_new] = self.attend_row(q[start:start + num_new], keys, values, self.scale)
             start += num_new
         return out
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, row_slots: list[int]) -> None:
+        """Every new token's K/V into its row's slot, all before any row attends (rows of one request, as a
+        speculative verify's, see each other's)."""
+        meta = self.meta
+        if len(set(row_slots)) <= 1:
+            slot = row_slots[0] if row_slots else 0
+            store_kv(self.key_cache[slot], self.value_cache[slot], k, v, meta.slot_mapping,
+                     self._slot_scales(slot))
+            return
+        starts = meta.query_starts_cpu
+        for slot in sorted(set(row_slots)):
+            tokens = [t for row, s in enumerate(row_slots) if s == slot
+                      for t in range(starts[row], starts[row + 1])]
+            index = torch.tensor(tokens, dtype=torch.int64, device=k.device)
+            store_kv(self.key_cache[slot], self.value_cache[slot], k[index], v[index],
+                     meta.slot_mapping[index], self._slot_scales(slot))
 
     def _forward_kvarn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
         """Per row: pack the blocks its new tokens fill, attend over its history read two ways, then keep
@@ -139,14 +160,16 @@ class TorchBackend(AttentionBackend):
         prompt from plane `slot` and its generated tokens from their pages. An fp8 pool's scales are the
         same in every loop of a layer here (KVPool.set_kv_scales), so the call's slot scales serve all."""
         meta, shared = self.meta, self.meta.shared_kv
-        key_cache, value_cache = self.key_cache[slot], self.value_cache[slot]
         key_flat = self.key_cache.view(-1, *self.key_cache.shape[3:])
         value_flat = self.value_cache.view(-1, *self.value_cache.shape[3:])
-        scales = self._slot_scales(slot)
-        key_scales, value_scales = (None, None) if scales is None else scales
         out = torch.empty_like(q)
         start = 0
+        row_slots = meta.row_slots(slot)  # depth batching: each row's own loop, at the call's layer
         for row, (num_new, context_len) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+            slot = row_slots[row]
+            key_cache, value_cache = self.key_cache[slot], self.value_cache[slot]
+            scales = self._slot_scales(slot)
+            key_scales, value_scales = (None, None) if scales is None else scales
             new = slice(start, start + num_new)
             prompt_len = min(context_len, shared.prompt_lens_cpu[row])
             generated = generated_flat_index(shared, row, context_len - prompt_len, slot, key_cache.shape[0],

@@ -118,7 +118,7 @@ class _Plan:
     packed_args: tuple = ()
     decode: CompiledLaunch | None = None
     decode_mid: tuple = ()
-    decode_shared: tuple = ()
+    decode_shared: tuple = ()  # kv_sharing="last"'s tables, then the rows' slot offsets (depth batching)
     shared_layers: int = 0  # kv_sharing="last": layers per loop, to pass each call its loop (slot // L)
     decode_tail: tuple = ()
     partials: torch.Tensor | None = None  # graph mode: this instance's; eager: from the workspace
@@ -260,6 +260,9 @@ class TritonBackend(AttentionBackend):
         decode = [row for row, n in enumerate(query_lens) if n == 1]
         if self.capabilities.batch_invariant and meta.decode_rows is not None:
             decode = meta.decode_rows
+        if meta.slot_offsets is not None and len(decode) != meta.num_rows:
+            raise ValueError("rows at their own loops (AttentionMetadata.slot_offsets, depth batching) must "
+                             "all be decode rows: only the decode kernel reads per-row slots")
         if self._capturing:
             if len(decode) != meta.num_rows:
                 raise ValueError("only decode steps (one new token per row) can be graph-captured")
@@ -398,6 +401,7 @@ class TritonBackend(AttentionBackend):
                                      self.decode_num_stages, not step.capturing, **self._pdl_options())
         row_map = step.row_map if step.row_map is not None else self._dummy_i32
         plan.decode_mid = (meta.block_tables, meta.context_lens, meta.slot_mapping, row_map)
+        row_slots = meta.slot_offsets is not None
         shared = meta.shared_kv
         if shared is not None:
             plan.decode_shared = (shared.generated_block_tables, shared.prompt_lens)
@@ -407,12 +411,13 @@ class TritonBackend(AttentionBackend):
         else:
             plan.decode_shared = (self._dummy_i32, self._dummy_i32)
             gen_stride, loops, layers = 0, 1, 1
+        plan.decode_shared += (meta.slot_offsets if row_slots else self._dummy_i32,)
         plan.decode_tail = (self._key_slots[0].numel(), self.scale, q.stride(0), q.stride(1), k.stride(0),
                             k.stride(1), v.stride(0), v.stride(1), meta.block_tables.stride(0), gen_stride,
                             heads, self.kv_heads, self.head_dim, self.block_d, self.block_size,
                             self.decode_block_n,
                             *step.rule.constexprs(), step.row_map is not None, shared is not None, loops,
-                            layers, self.quantized, dot_fp32, fp16_dot, self.pdl)
+                            layers, row_slots, self.quantized, dot_fp32, fp16_dot, self.pdl)
         plan.partials, plan.tickets = self._dummy_f32, self._dummy_i32
         if splits == 1:
             return

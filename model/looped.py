@@ -204,7 +204,10 @@ class LoopedModel(Protocol):
         """The RoPE tables of the tokens' positions [N], for states of `dtype`."""
 
     def loop(self, state: torch.Tensor, context: StepContext, t: int, attention: Attention) -> torch.Tensor:
-        """Loop t over the tokens of `state` [n, H] (and of context): the next state [n, H]."""
+        """Loop t over the tokens of `state` [n, H] (and of context): the next state [n, H]. Every loop runs
+        the same weights, so loop t is loop 0 with each slot moved by slot_map.slot(t, 0) - slot(0, 0): a
+        depth pass (runner/depth_passes.py) runs rows at different loops as one call of loop 0 whose attention
+        moves each row to its own loop's slots."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head: readout states [..., H] -> logits [..., vocab]."""

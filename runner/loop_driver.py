@@ -289,14 +289,22 @@ class _LiveRows:
 
 @dataclasses.dataclass(slots=True)
 class LoopStats:
-    """Loops run by decode tokens (generated tokens fed back in), summed since the engine started."""
+    """Loops run by decode tokens (generated tokens fed back in), summed since the engine started; under
+    depth batching (runner/depth_passes.py) also the loop passes that ran them, each one loop of every decode
+    row of its step."""
 
     decode_tokens: int = 0
     decode_loops: int = 0
+    decode_passes: int = 0
 
     @property
     def loops_per_token(self) -> float:
         return self.decode_loops / self.decode_tokens if self.decode_tokens else math.nan
+
+    @property
+    def loops_per_pass(self) -> float:
+        """Decode rows per loop pass: how many loops one weight read served (depth batching)."""
+        return self.decode_loops / self.decode_passes if self.decode_passes else math.nan
 
 
 class EarlyExit:

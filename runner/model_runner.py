@@ -8,6 +8,11 @@ generators, loop counters), so a step cut short (KeyboardInterrupt included) lea
 marks the point from which the step is applied and nothing is rolled back.
 A row whose readout or sampling fails ends in StepResult.errors; the other rows are sampled without it.
 
+Depth batching (config.depth_batching, runner/depth_passes.py): a step's decode rows run one loop pass, each
+at its own loop, and only those whose token finished sample; the others come back in
+StepResult.mid_token_rows, their MidToken kept here (never by the scheduler) once the step is applied. The
+step's prompt rows run every loop in the same step, as without depth batching.
+
 Async scheduling (`launch` / `finish`): a step is launched without waiting for its tokens, which stay on the
 device (a LaunchedStep) while the host copies them back; the next step can be launched before they arrive,
 its rows whose last token is still pending (request.PENDING_TOKEN) reading it from the previous step's
@@ -29,9 +34,10 @@ from engine_config import EngineConfig
 from exit_policy import FULL, ExitPolicy, LoopTrace, coda_traces, readout_logits, request_policy
 from model.exit_criteria import ExitCriterion
 from model.looped import LoopedModel, LoopStates
-from request import Logprob, Request, ScheduledBatch, SpeculativeStats
+from request import DepthStats, Logprob, Request, ScheduledBatch, SpeculativeStats
 from runner.block_tables import BlockTables
 from runner.cuda_graph import DecodeGraphs
+from runner.depth_passes import DepthPasses, MidToken
 from runner.exit_rules import CriterionExit, CriterionRows, ExitRule, GateCDFRows, check_readout
 from runner.host_to_device import upload
 from runner.initial_states import InitialStates
@@ -60,6 +66,26 @@ class StepResult:
     warm: dict[int, tuple[int, torch.Tensor]] = dataclasses.field(default_factory=dict)
     # A launched step's sampled tokens while they are still on the device: (batch rows, their tokens [rows])
     device_tokens: list[tuple[list[int], torch.Tensor]] = dataclasses.field(default_factory=list)
+    # Depth batching: per decode row, the token it carries into the next pass (None: its token finished);
+    # per row whose token finished, (the loops it ran, the passes it spanned)
+    mid_tokens: dict[int, MidToken | None] = dataclasses.field(default_factory=dict)
+    depth_tokens: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def mid_token_rows(self) -> frozenset[int]:
+        """The rows whose token is still between its loops: they yield nothing this step."""
+        return frozenset(row for row, mid in self.mid_tokens.items() if mid is not None)
+
+    def take(self, rows: list[int], part: StepResult) -> None:
+        """A step's part over these of its rows (part's row i is row rows[i]), into this result."""
+        for i, row in enumerate(rows):
+            if part.tokens[i] is not None:
+                self.tokens[row] = part.tokens[i]
+        for field in ("errors", "traces", "logprobs", "prompt_logprobs", "warm", "mid_tokens",
+                      "depth_tokens"):
+            into = getattr(self, field)
+            for i, value in getattr(part, field).items():
+                into[rows[i]] = value
 
 
 @dataclasses.dataclass(slots=True)
@@ -70,6 +96,7 @@ class _Staged:
     generators: dict[str, torch.Tensor | None]  # request_id -> generator state before (None: no generator)
     decode_tokens: int
     decode_loops: int
+    decode_passes: int
     committed: bool = False
 
 
@@ -121,7 +148,15 @@ class ModelRunner:
         self.speculation = SelfSpeculation(self, config.draft_loops) if config.draft_loops else None
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs:
+        self.mid_tokens: dict[str, MidToken] = {}  # depth batching: request id -> its token between passes
+        self.depth = DepthPasses(model, backend, layout, pool, self._exit_rule,
+                                 self.hook.readout_loop if self.hook is not None else self.loops - 1,
+                                 config.continuous_compute is not None, self.loop_stats) \
+            if config.depth_batching else None
+        # No CUDA graph of a loop pass with per-row loops yet: depth batching runs eagerly (as the start line
+        # says)
+        if self.device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs \
+                and not config.depth_batching:
             self.graphs = self._capture(scratch_block)
             # Steps with prompt tokens: piecewise, unless an exit hook must see each loop (early:Q).
             tokens = min(config.piecewise_graph_tokens, config.max_num_batched_tokens)
@@ -366,10 +401,51 @@ class ModelRunner:
                 self.rollback()
                 raise
         try:
+            if self.depth is not None:
+                return self._run_depth_step(batch)
             return self._run_loops_and_sample(batch)
         except BaseException:
             self.rollback()
             raise
+
+    def _run_depth_step(self, batch: ScheduledBatch) -> StepResult:
+        """Depth batching: the decode rows (one generated token each) run one loop pass; the other rows
+        (prompt chunks) every loop, as without it."""
+        result = StepResult([None] * batch.num_seqs)
+        decode = [row for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens))
+                  if num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens]
+        chosen = set(decode)
+        others = [row for row in range(batch.num_seqs) if row not in chosen]
+        if decode:
+            result.take(decode, self._depth_pass(batch.select(decode)))
+        if others:
+            result.take(others, self._run_loops_and_sample(batch.select(others)))
+        return result
+
+    def _depth_pass(self, batch: ScheduledBatch) -> StepResult:
+        """One loop pass over decode rows: the finished tokens' rows read out and sample; every row's MidToken
+        (or None) in StepResult.mid_tokens."""
+        requests = batch.requests
+        inputs = self.prepare(batch)
+        carried = [self.mid_tokens.get(r.request_id) for r in requests]
+        carried = [mid if mid is not None and mid.continues(r) else None for mid, r in zip(carried, requests)]
+        out = self.depth.run(inputs, requests, [self.loops_of(r) for r in requests], carried)
+        result = StepResult([None] * batch.num_seqs)
+        result.mid_tokens = dict(enumerate(out.carried))
+        if not out.finished:
+            return result
+        finished = batch.select(out.finished)
+        part = StepResult([None] * finished.num_seqs)
+        if out.states.final is not None:
+            self._warm_starts(finished, out.states.final, part)
+        sampling = [i for i, samples in enumerate(finished.sample) if samples]
+        if sampling:
+            self._isolated(finished, part, self._sample_rows, "sampling", _rows(out.states, sampling),
+                           sampling)
+        part.depth_tokens = {i: (loops, passes) for i, (loops, passes)
+                             in enumerate(zip(out.loops_run, out.passes))}
+        result.take(out.finished, part)
+        return result
 
     def _run_loops_and_sample(self, batch: ScheduledBatch, previous: LaunchedStep | None = None,
                               on_device: bool = False) -> StepResult:
@@ -465,6 +541,18 @@ class ModelRunner:
         for row, (position, warm) in result.warm.items():
             if advances[row]:
                 self.initial_states.keep(staged.batch.requests[row].request_id, position, warm)
+        for row, mid in result.mid_tokens.items():
+            request = staged.batch.requests[row]
+            if mid is None or request.is_finished:
+                self.mid_tokens.pop(request.request_id, None)
+            else:
+                self.mid_tokens[request.request_id] = mid
+        for row, (loops, passes) in result.depth_tokens.items():
+            if appended[row] > 0:
+                request = staged.batch.requests[row]
+                if request.depth is None:
+                    request.depth = DepthStats()
+                request.depth.add(loops, passes)
         for row, request in enumerate(staged.batch.requests):
             added = appended[row]
             if added > 0:
@@ -483,8 +571,9 @@ class ModelRunner:
         staged, self._staged = self._staged, None
         if staged is not None:
             self._restore_generators(staged.generators)
-            self.loop_stats.decode_tokens, self.loop_stats.decode_loops = \
-                staged.decode_tokens, staged.decode_loops
+            stats = self.loop_stats
+            stats.decode_tokens, stats.decode_loops, stats.decode_passes = \
+                staged.decode_tokens, staged.decode_loops, staged.decode_passes
 
     def _stage(self, batch: ScheduledBatch) -> None:
         generators = {}
@@ -492,7 +581,9 @@ class ModelRunner:
             if samples and request.params.seed is not None and not request.params.greedy:
                 generator = self.generators.get(request.request_id)
                 generators[request.request_id] = generator.get_state() if generator is not None else None
-        self._staged = _Staged(batch, generators, self.loop_stats.decode_tokens, self.loop_stats.decode_loops)
+        stats = self.loop_stats
+        self._staged = _Staged(batch, generators, stats.decode_tokens, stats.decode_loops,
+                               stats.decode_passes)
 
     def _restore_generators(self, states: dict[str, torch.Tensor | None]) -> None:
         for request_id, state in states.items():
@@ -505,12 +596,15 @@ class ModelRunner:
                   states: LoopStates, rows: list[int]) -> None:
         """stage(batch, result, states, rows) for all rows at once; if that raises, row by row, so that a
         row that fails ends in result.errors and the others are unaffected. A stage writes into `result` only
-        once it has computed everything."""
+        once it has computed everything. Only these rows' generators go back before the retry (a depth step's
+        other part has sampled its own already)."""
         try:
             stage(batch, result, states, rows)
             return
         except Exception:
-            self._restore_generators(self._staged.generators)
+            ids = {batch.requests[row].request_id for row in rows}
+            self._restore_generators({request_id: state for request_id, state
+                                      in self._staged.generators.items() if request_id in ids})
         for row in rows:
             try:
                 stage(batch, result, states, [row])
@@ -655,8 +749,10 @@ class ModelRunner:
         return self.generators[request.request_id]
 
     def release(self, request: Request) -> None:
-        """The request finished: forget its generator, its last state and its block-table rows."""
+        """The request finished: forget its generator, its last state, its token between passes and its
+        block-table rows."""
         self.generators.pop(request.request_id, None)
+        self.mid_tokens.pop(request.request_id, None)
         if self.initial_states is not None:
             self.initial_states.release(request.request_id)
         self.block_tables.release(request)

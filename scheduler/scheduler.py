@@ -268,24 +268,27 @@ class Scheduler:
         return max(1, room)
 
     def update(self, batch: ScheduledBatch, sampled: list[int | list[int] | None],
-               errors: dict[int, str] | None = None,
-               accepted: dict[int, int] | None = None) -> list[Request]:
+               errors: dict[int, str] | None = None, accepted: dict[int, int] | None = None,
+               mid_token: frozenset[int] = frozenset()) -> list[Request]:
         """Advance the batch's requests by one step: decide(), then apply(). Returns every request finished
         since the last hand-back, this step's included."""
-        self.apply(self.decide(batch, sampled, errors, accepted))
+        self.apply(self.decide(batch, sampled, errors, accepted, mid_token))
         return self.take_finished()
 
     def decide(self, batch: ScheduledBatch, sampled: list[int | list[int] | None],
-               errors: dict[int, str] | None = None, accepted: dict[int, int] | None = None) -> Decision:
+               errors: dict[int, str] | None = None, accepted: dict[int, int] | None = None,
+               mid_token: frozenset[int] = frozenset()) -> Decision:
         """Every row's outcome for one step, changing nothing (but the requests' cached incremental
         decoders). sampled[i] is read only where batch.sample[i]: a token, or (a speculative step) the row's
         tokens in order; errors: batch row -> why that row failed in this step (its request finishes with
         "error"); accepted: a speculative step's batch row -> how many of its drafts were accepted, for the
-        draft-length schedule."""
+        draft-length schedule; mid_token: decode rows whose token is still between its loops (depth
+        batching): they change nothing, and the next step schedules the same position again."""
         if len(sampled) != batch.num_seqs:
             raise ValueError(f"update got {len(sampled)} sampled tokens for {batch.num_seqs} rows")
         errors = errors or {}
-        outcomes = [self._decide(request, num_new, sample, token, errors.get(row))
+        outcomes = [None if row in mid_token and row not in errors else
+                    self._decide(request, num_new, sample, token, errors.get(row))
                     for row, (request, num_new, sample, token)
                     in enumerate(zip(batch.requests, batch.num_new_tokens, batch.sample, sampled))]
         return Decision(batch, outcomes, dict(accepted or {}))

@@ -41,13 +41,14 @@ INDEX_POINTERS = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "rows_
                   "query_start_loc_ptr": "*i32", "work_ptr": "*i32", "packed_ptr": "*i32",
                   "tickets_ptr": "*i32", "slot_mapping_ptr": "*i64", "partials_ptr": "*fp32",
                   "gen_tables_ptr": "*i32", "prompt_lens_ptr": "*i32", "slots_ptr": "*i64",
+                  "slot_offsets_ptr": "*i32",
                   "mask_ptr": "*i1", "scales_ptr": "*fp32"}
 CACHE_POINTERS = ("key_cache_ptr", "value_cache_ptr")
 WIDE_INTS = {"plane_elems"}  # a pool plane can exceed 2^31 elements: the launcher passes it as i64
 # What each PDL kernel may read before the wait: step inputs that no kernel of the step writes.
 PDL_EARLY_READS = {
     "decode_split_kernel": {"block_tables_ptr", "context_lens_ptr", "rows_ptr", "gen_tables_ptr",
-                            "prompt_lens_ptr"},
+                            "prompt_lens_ptr", "slot_offsets_ptr"},
     "kv_store_kernel": {"slot_mapping_ptr", "scales_ptr"},
     "prefill_paged_kernel": {"work_ptr", "query_start_loc_ptr", "context_lens_ptr", "scales_ptr"},
     "prefill_packed_kernel": {"packed_ptr"},
@@ -155,7 +156,15 @@ def variants() -> list[tuple]:
                         **DENSE, "BLOCK_SIZE": 16, "BLOCK_N": decode_tile, "SHORT_CONTEXT": 1024,
                         "SHORT_SPLIT_KEYS": 64, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16, "ROW_MAP": row_map,
                         "SHARED": shared, "LOOPS": 4 if shared else 1, "NUM_LAYERS": 24 if shared else 1,
-                        "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32", "FP16_DOT": quantized,
+                        "ROW_SLOTS": False, "QUANTIZED": quantized, "DOT_FP32": dtype == "fp32",
+                        "FP16_DOT": quantized, "PDL": True}, 4, cache, None))
+            if quantized:  # a depth pass (every row a decode row at its own loop): planes, scales per row
+                for shared in (False, True):
+                    out.append((decode_split_kernel, dtype, {
+                        **DENSE, "BLOCK_SIZE": 16, "BLOCK_N": decode_tile, "SHORT_CONTEXT": 1024,
+                        "SHORT_SPLIT_KEYS": 64, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16, "ROW_MAP": False,
+                        "SHARED": shared, "LOOPS": 4 if shared else 1, "NUM_LAYERS": 24 if shared else 1,
+                        "ROW_SLOTS": True, "QUANTIZED": True, "DOT_FP32": False, "FP16_DOT": True,
                         "PDL": True}, 4, cache, None))
             prefill = {**DENSE, "BLOCK_M": tile, "BLOCK_N": tile, "DOT_FP32": dtype == "fp32", "PDL": True}
             out.append((prefill_paged_kernel, dtype, {**prefill, "BLOCK_SIZE": 16, "QUANTIZED": quantized}, 8,
@@ -178,8 +187,8 @@ def variants() -> list[tuple]:
         out.append((decode_split_kernel, "bf16", {
             **huginn, "BLOCK_SIZE": 16, "BLOCK_N": 64 if quantized else 128, "SHORT_CONTEXT": 1024,
             "SHORT_SPLIT_KEYS": 64, "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 4, "ROW_MAP": True, "SHARED": False,
-            "LOOPS": 1, "NUM_LAYERS": 1, "QUANTIZED": quantized, "DOT_FP32": False, "FP16_DOT": quantized,
-            "PDL": True}, 4, cache, None))
+            "LOOPS": 1, "NUM_LAYERS": 1, "ROW_SLOTS": False, "QUANTIZED": quantized, "DOT_FP32": False,
+            "FP16_DOT": quantized, "PDL": True}, 4, cache, None))
     out.append((prefill_paged_kernel, "bf16", {**huginn, "BLOCK_SIZE": 16, "BLOCK_M": 128, "BLOCK_N": 64,
                                                "DOT_FP32": False, "QUANTIZED": False, "PDL": True}, 4, None,
                 None))

@@ -216,20 +216,24 @@ def _finish_split(acc, m_i, l_i, out_row, partials_ptr, tickets_ptr, split, num_
 def decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, key_cache_ptr, value_cache_ptr, scales_ptr,
     block_tables_ptr, context_lens_ptr, slot_mapping_ptr, rows_ptr, partials_ptr, tickets_ptr,
-    gen_tables_ptr, prompt_lens_ptr, loop, plane_elems,
+    gen_tables_ptr, prompt_lens_ptr, slot_offsets_ptr, loop, plane_elems,
     scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_bt, stride_gt,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SHORT_CONTEXT: tl.constexpr,
     SHORT_SPLIT_KEYS: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr, SPLIT_CAP: tl.constexpr,
     ROW_MAP: tl.constexpr, SHARED: tl.constexpr, LOOPS: tl.constexpr, NUM_LAYERS: tl.constexpr,
-    QUANTIZED: tl.constexpr, DOT_FP32: tl.constexpr, FP16_DOT: tl.constexpr, PDL: tl.constexpr,
+    ROW_SLOTS: tl.constexpr, QUANTIZED: tl.constexpr, DOT_FP32: tl.constexpr, FP16_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (grid_splits, HEADS, decode rows). Program (s, h, r) attends query head h of decode row r
     over split s of its context. With ROW_MAP, rows_ptr holds (batch row, token) pairs; without it
     decode row r is batch row r and token r. The new token goes where the slot mapping says; with SHARED a
     generated token (slot -1) goes to its generated page. gen_tables_ptr, prompt_lens_ptr, loop and
     plane_elems are read only with SHARED; scales_ptr (the slot's key then value scales) only with
-    QUANTIZED; tickets_ptr (one per (row, head), zero between launches) only with several splits."""
+    QUANTIZED; tickets_ptr (one per (row, head), zero between launches) only with several splits. With
+    ROW_SLOTS (depth batching: each row at its own loop) batch row `row` stores and reads slot_offsets[row]
+    planes (plane_elems elements each) past the call's slot, with that slot's scales (with SHARED, a whole
+    number of loops: its generated pages are addressed from its own loop)."""
     split = tl.program_id(0)
     head = tl.program_id(1)
     r = tl.program_id(2)
@@ -240,6 +244,13 @@ def decode_split_kernel(
         row = r
         token = r.to(tl.int64)
     context_len = tl.load(context_lens_ptr + row)
+    if ROW_SLOTS:  # the row's own loop: whole planes past the call's slot (its scales likewise)
+        planes = tl.load(slot_offsets_ptr + row).to(tl.int64)
+        key_cache_ptr += planes * plane_elems
+        value_cache_ptr += planes * plane_elems
+        scales_ptr += planes * (2 * KV_HEADS)
+        if SHARED:  # generated pages are addressed from the row's own loop's plane
+            loop += (planes // NUM_LAYERS).to(tl.int32)
     num_splits = row_split_count(context_len, SHORT_CONTEXT, SHORT_SPLIT_KEYS, SPLIT_MIN_KEYS, SPLIT_CAP)
     GROUP: tl.constexpr = HEADS // KV_HEADS
     kv_head = head // GROUP
