@@ -1,6 +1,6 @@
 """Exit decisions made on the device after a loop, per row, in buffers of their own: early:Q's exit CDF
-(GateCDFRows) and an exit criterion's memory of the row's last checked loop (CriterionRows); and
-CriterionExit, the loop driver's hook for the criteria (kl, entropy-diff, ...; docs/looped_controls.md).
+(GateCDFRows) and an exit criterion's memory of the row's last checked loop (CriterionRows); and RuleExit,
+the loop driver's hook that runs either over an eager step's rows (docs/looped_controls.md).
 
 A per-loop CUDA graph (runner/cuda_graph.py: DecodeGraphs) runs a rule inside each loop's capture over its
 bucket's rows, so a step reads one flag vector per loop and no shape depends on the data; an eager step runs
@@ -22,7 +22,7 @@ from cache.kv_pool import KVPool
 from cache.layout import KVLayout
 from model.exit_criteria import ExitCriterion, ExitMemory
 from model.looped import LoopedModel
-from runner.loop_driver import LoopExecutor, LoopStats, StepInputs, advance_exit_cdf
+from runner.loop_driver import LoopExecutor, LoopStats, StepInputs
 
 # coda(state [n, H]) -> [n, H]: the model's coda over the n rows being checked, from their loop output,
 # through the attention of the step that runs them (it stores those tokens' coda K/V: a later check or the
@@ -47,9 +47,19 @@ class ExitRule(Protocol):
         coda: the model's coda over these rows (None: the model has none)."""
 
 
+def advance_exit_cdf(cdf: torch.Tensor, survival: torch.Tensor, gate_logits: torch.Tensor,
+                     threshold: float) -> torch.Tensor:
+    """One loop of rows' exit CDF, in place, float64, in the order of model/exit_policy.py: exit_pdf (so
+    the decisions are the readout's): p = lambda * S, CDF += p, S *= 1 - lambda. Which rows reached
+    threshold."""
+    lam = torch.sigmoid(gate_logits.double())
+    cdf.add_(lam * survival)
+    survival.mul_(1.0 - lam)
+    return cdf >= threshold
+
+
 class GateCDFRows:
-    """early:Q: each row's exit CDF, float64, advanced every loop but the last
-    (runner/loop_driver.py: advance_exit_cdf)."""
+    """early:Q: each row's exit CDF, float64, advanced every loop but the last (advance_exit_cdf)."""
 
     def __init__(self, threshold: float, loops: int, capacity: int, device: torch.device) -> None:
         self.threshold, self.loops = threshold, loops
@@ -132,25 +142,27 @@ def compact(buffers: list[torch.Tensor], index: torch.Tensor) -> None:
         buffer[:index.shape[0]] = buffer[index]
 
 
-class CriterionExit:
-    """An exit criterion as an after-loop hook (runner/loop_driver.py: LoopHook): a generated token stops at
-    the first checked loop t < T-1 where the criterion fires, and its deeper slots get what the KV layout says
-    (as early:Q's: docs/looped_controls.md). Prompt tokens run every loop and never exit. Under per-loop
-    graphs the executor decides on the device and copies K/V forward itself (LoopOutput.reached); eagerly,
-    a CriterionRows over the step's generated rows decides, with one device-to-host read per checked loop,
-    reading a model's coda through the executor (LoopExecutor.readout) over the rows still looping.
-    readout_loop: the loop a generated token that never stops reads out (ExitCriterion.readout_loop)."""
+class RuleExit:
+    """An exit rule as an after-loop hook (runner/loop_driver.py: LoopHook): a generated token stops at the
+    first loop t < T-1 that the rule decides (ExitRule.decides) and where it fires (early:Q: the exit CDF
+    reached Q; a criterion: the checked loops settled), and its deeper slots get what the KV layout says
+    (paged: copies of its loop-t K/V; shared-last: nothing; docs/looped_controls.md). Prompt tokens run every
+    loop and never exit. Under per-loop graphs the executor decides on the device and copies K/V forward
+    itself (LoopOutput.reached); eagerly, a rule over the step's generated rows decides, compacted as rows
+    stop, with one device-to-host read per deciding loop; a criterion reads a model's coda through the
+    executor (LoopExecutor.readout) over the rows still looping.
+    readout_loop: the loop a generated token that never stops reads out (the last, or a criterion's
+    ExitCriterion.readout_loop)."""
 
-    def __init__(self, criterion: ExitCriterion, rows: Callable[[int], CriterionRows], loops: int,
-                 layout: KVLayout, pool: KVPool, stats: LoopStats) -> None:
-        """rows(capacity): a CriterionRows for that many rows (an eager step's generated rows)."""
-        self.criterion = criterion
-        self.rows_for = rows
-        self.loops = loops
+    def __init__(self, rule_for: Callable[[int], ExitRule], readout_loop: int, layout: KVLayout, pool: KVPool,
+                 stats: LoopStats) -> None:
+        """rule_for(capacity): an ExitRule for that many rows (an eager step's generated rows)."""
+        self.rule_for = rule_for
+        self.decides = rule_for(1).decides
+        self.readout_loop = readout_loop
         self.layout = layout
         self.pool = pool
         self.stats = stats
-        self.readout_loop = criterion.readout_loop(loops)
 
     def begin(self, inputs: StepInputs, executor: LoopExecutor) -> None:
         starts = inputs.meta.query_starts_cpu
@@ -162,37 +174,41 @@ class CriterionExit:
         self.rules = None
         initial_state = executor.initial_state
         if initial_state is not None and self.looping:  # eager: this step's rows, from their initial state
-            self.rules = self.rows_for(len(self.looping))
+            self.rules = self.rule_for(len(self.looping))
             self.rules.reset(len(self.looping), initial_state[self._index([starts[r] for r in self.looping])])
 
     def after_loop(self, t: int, gate_logits: torch.Tensor | None, live: list[int],
                    reached: torch.Tensor | None, state: torch.Tensor) -> list[int]:
         self.stats.decode_loops += len(self.looping)
-        if not self.looping or t >= self.loops - 1 or not self.criterion.is_checked(t):
+        if not self.looping or not self.decides(t):
             return []
         if reached is not None:  # decided on the device (generated rows only), which copied their K/V forward
             leaving = [row for row, hit in zip(live, reached.tolist()) if hit]
         else:
-            leaving = self._decide(t, live, state)
+            leaving = self._decide(t, live, state, gate_logits)
         gone = set(leaving)
         self.looping = [row for row in self.looping if row not in gone]
         return leaving
 
-    def _decide(self, t: int, live: list[int], state: torch.Tensor) -> list[int]:
+    def _decide(self, t: int, live: list[int], state: torch.Tensor,
+                gate_logits: torch.Tensor | None) -> list[int]:
         """Loop t's exits among the looping rows, from their tokens of `state` (the live rows' tokens, in
-        order), and their K/V copied forward. A model's coda reads out the looping rows only."""
+        order) and of `gate_logits` (every token's), and their K/V copied forward. A model's coda reads out
+        the looping rows only."""
         offset, at = 0, {}
         for row in live:
             at[row] = offset
             offset += self.starts[row + 1] - self.starts[row]
         looping = state[self._index([at[r] for r in self.looping])]
+        tokens = self._index([self.starts[r] for r in self.looping])
+        gates = None if gate_logits is None else gate_logits[tokens]
         index_of = {row: i for i, row in enumerate(live)}
         among_live = [index_of[r] for r in self.looping]
 
         def coda(rows_state: torch.Tensor) -> torch.Tensor:
             return self.executor.readout(among_live, rows_state)
 
-        flags = self.rules.decide(t, len(self.looping), looping, None, coda).tolist()
+        flags = self.rules.decide(t, len(self.looping), looping, gates, coda).tolist()
         leaving = [row for row, hit in zip(self.looping, flags) if hit]
         if leaving:
             tokens = self._index([self.starts[r] for r in leaving]).to(self.slot_mapping.device)

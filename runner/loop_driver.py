@@ -5,9 +5,8 @@
 either runs each loop eagerly through the model's interface (EagerLoops; model/looped.py: LoopedModel) or
 replays a captured graph of it (runner/cuda_graph.py), and keeps every sampling row's per-loop readout state
 and gate logit. After each loop an optional hook sees the gate logits and the loop's output and may stop
-rows: early:Q (EarlyExit) stops the generated tokens whose exit CDF reached Q, an exit criterion
-(runner/exit_rules.py: CriterionExit) those whose checked loops have settled, and each copies their K/V
-forward through the KV layout.
+rows: runner/exit_rules.py's RuleExit stops the generated tokens whose exit rule fires (early:Q's exit CDF
+reached Q, an exit criterion's checked loops settled) and copies their K/V forward through the KV layout.
 Without a hook every row runs every loop, with no host sync, so the whole call can itself be captured: into
 one graph (a whole decode step), or into a chain of pieces split at each attention call (a step with prompt
 tokens, runner/piecewise_graphs.py). Running loops 0..d-1, then loops d..T-1 from loop d-1's output
@@ -24,8 +23,6 @@ from typing import Callable, Protocol
 import torch
 
 from attention.base import AttentionBackend, AttentionMetadata
-from cache.kv_pool import KVPool
-from cache.layout import KVLayout
 from model.looped import Attention, LoopedModel, LoopStates
 
 
@@ -96,7 +93,7 @@ class LoopExecutor(Protocol):
 
 class LoopHook(Protocol):
     # The loop whose state a generated row that runs every loop reads out: the last, except under a criterion
-    # whose last check comes before it (runner/exit_rules.py: CriterionExit); a model's final coda reads it
+    # whose last check comes before it (runner/exit_rules.py: RuleExit); a model's final coda reads it
     readout_loop: int
 
     def begin(self, inputs: StepInputs, executor: LoopExecutor) -> None:
@@ -305,67 +302,3 @@ class LoopStats:
     def loops_per_pass(self) -> float:
         """Decode rows per loop pass: how many loops one weight read served (depth batching)."""
         return self.decode_loops / self.decode_passes if self.decode_passes else math.nan
-
-
-class EarlyExit:
-    """early:Q as an after-loop hook (docs/looped_controls.md): a generated token stops after the first loop
-    t < T-1 whose exit CDF reaches Q, and its deeper slots get what the KV layout says (paged: copies of its
-    loop-t K/V; shared-last: nothing, its shared location already holds loop t). Prompt tokens run every
-    loop. The CDF is float64, advanced loop by loop in the order of model/exit_policy.py: exit_pdf, so the
-    decisions agree with the readout's; one small device-to-host copy per loop reads them."""
-
-    def __init__(self, threshold: float, loops: int, layout: KVLayout, pool: KVPool,
-                 stats: LoopStats) -> None:
-        self.threshold = threshold
-        self.loops = loops
-        self.layout = layout
-        self.pool = pool
-        self.stats = stats
-        self.readout_loop = loops - 1
-
-    def begin(self, inputs: StepInputs, executor: LoopExecutor) -> None:
-        starts = inputs.meta.query_starts_cpu
-        self.rows = inputs.generated_rows
-        self.tokens = {row: starts[row] for row in self.rows}
-        self.device = inputs.input_ids.device
-        self.slot_mapping = inputs.meta.slot_mapping
-        self.looping = set(self.rows)
-        self.cdf = None  # made at the first loop whose decisions the executor left to this hook
-
-    def after_loop(self, t: int, gate_logits: torch.Tensor, live: list[int],
-                   reached: torch.Tensor | None, state: torch.Tensor) -> list[int]:
-        self.stats.decode_loops += len(self.looping)
-        if t >= self.loops - 1 or not self.looping:
-            return []
-        if reached is not None:  # decided on the device (generated rows only), which copied their K/V forward
-            leaving = [row for row, hit in zip(live, reached.tolist()) if hit]
-        else:
-            leaving = self._decide(t, gate_logits)
-        self.looping.difference_update(leaving)
-        return leaving
-
-    def _decide(self, t: int, gate_logits: torch.Tensor) -> list[int]:
-        """Loop t's exits, decided here from the gate logits, and their K/V copied forward."""
-        if self.cdf is None:
-            index = torch.tensor([self.tokens[r] for r in self.rows], dtype=torch.int64)
-            self.token_index = index.to(self.device, non_blocking=True)
-            self.cdf = torch.zeros(len(self.rows), dtype=torch.float64, device=self.device)
-            self.survival = torch.ones_like(self.cdf)
-        hits = advance_exit_cdf(self.cdf, self.survival, gate_logits[self.token_index], self.threshold)
-        # A row that stopped has NaN gates, so its CDF is NaN and never reaches the threshold again.
-        leaving = [row for row, hit in zip(self.rows, hits.tolist()) if hit and row in self.looping]
-        if leaving:
-            tokens = torch.tensor([self.tokens[r] for r in leaving], dtype=torch.int64)
-            self.layout.copy_forward(self.pool, self.slot_mapping[tokens.to(self.slot_mapping.device)], t)
-        return leaving
-
-
-def advance_exit_cdf(cdf: torch.Tensor, survival: torch.Tensor, gate_logits: torch.Tensor,
-                     threshold: float) -> torch.Tensor:
-    """One loop of rows' exit CDF, in place, float64, in the order of model/exit_policy.py: exit_pdf (so
-    the decisions are the readout's): p = lambda * S, CDF += p, S *= 1 - lambda. Which rows reached
-    threshold."""
-    lam = torch.sigmoid(gate_logits.double())
-    cdf.add_(lam * survival)
-    survival.mul_(1.0 - lam)
-    return cdf >= threshold

@@ -38,10 +38,10 @@ from request import DepthStats, Logprob, Request, ScheduledBatch, SpeculativeSta
 from runner.block_tables import BlockTables
 from runner.cuda_graph import DecodeGraphs
 from runner.depth_passes import DepthPasses, MidToken
-from runner.exit_rules import CriterionExit, CriterionRows, ExitRule, GateCDFRows, check_readout
+from runner.exit_rules import CriterionRows, ExitRule, GateCDFRows, RuleExit, check_readout
 from runner.host_to_device import upload
 from runner.initial_states import InitialStates
-from runner.loop_driver import EagerLoops, EarlyExit, LoopStats, StepInputs, run_loops
+from runner.loop_driver import EagerLoops, LoopStats, StepInputs, run_loops
 from runner.piecewise_graphs import PiecewiseGraphs
 from runner.request_loops import RequestLoops
 from runner.sampler import logprob_dicts, logprobs_topn, process_logits, sample
@@ -164,33 +164,31 @@ class ModelRunner:
                 self.piecewise = PiecewiseGraphs(model, backend, tokens, self.device)
                 self.piecewise.capture_all()
 
-    def _exit_hook(self, pool: KVPool | KVarNPool) -> EarlyExit | CriterionExit | None:
-        """The loop driver's hook of an exit policy that stops generated tokens early (None: every token runs
-        every loop)."""
+    def _exit_hook(self, pool: KVPool | KVarNPool) -> RuleExit | None:
+        """The loop driver's hook of an exit policy that stops generated tokens early, over the policy's exit
+        rule (None: every token runs every loop)."""
         policy = self.config.exit_policy
+        if not policy.can_exit:
+            return None
+        readout_loop = self.loops - 1
         if policy.is_criterion:
-            criterion = ExitCriterion.from_policy(policy)
-            self.check_readout = check_readout(self.model, criterion)
-            return CriterionExit(criterion, self._criterion_rows, self.loops, self.layout, pool,
-                                 self.loop_stats)
-        if policy.can_exit:
-            return EarlyExit(float(policy.value), self.loops, self.layout, pool, self.loop_stats)
-        return None
-
-    def _criterion_rows(self, capacity: int) -> CriterionRows:
-        """The exit criterion's memory for `capacity` rows. Its check reads out only the rows it is given: an
-        eager step's looping generated rows, a per-loop graph's live rows (compacted after every exit), so a
-        checked loop costs one head GEMM over the rows still looping (docs/looped_controls.md)."""
-        shape = self.model.shape
-        return CriterionRows(self.hook.criterion, self.check_readout, self.loops, capacity, shape.hidden_size,
-                             shape.vocab_size, self.device)
+            self.criterion = ExitCriterion.from_policy(policy)
+            self.check_readout = check_readout(self.model, self.criterion)
+            readout_loop = self.criterion.readout_loop(self.loops)
+        return RuleExit(self._exit_rule, readout_loop, self.layout, pool, self.loop_stats)
 
     def _exit_rule(self, capacity: int) -> ExitRule | None:
-        """The per-loop graphs' on-device exit rule for `capacity` rows (None: no exits)."""
-        if isinstance(self.hook, CriterionExit):
-            return self._criterion_rows(capacity)
-        if isinstance(self.hook, EarlyExit):
-            return GateCDFRows(self.hook.threshold, self.loops, capacity, self.device)
+        """The exit policy's rule for `capacity` rows (None: no exits): early:Q's exit CDF, or an exit
+        criterion's memory, whose check reads out only the rows it is given (an eager step's looping generated
+        rows, a per-loop graph's live rows, compacted after every exit), so that a checked loop costs one head
+        GEMM over the rows still looping (docs/looped_controls.md)."""
+        policy = self.config.exit_policy
+        if policy.is_criterion:
+            shape = self.model.shape
+            return CriterionRows(self.criterion, self.check_readout, self.loops, capacity, shape.hidden_size,
+                                 shape.vocab_size, self.device)
+        if policy.can_exit:
+            return GateCDFRows(float(policy.value), self.loops, capacity, self.device)
         return None
 
     def _capture(self, scratch_block: int) -> DecodeGraphs:
