@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -220,6 +221,24 @@ class ReferenceOuro:
             ids.append(out[-1])
         return out, traces
 
+    def layer(self, h: torch.Tensor, i: int, position: torch.Tensor, store: list,
+              seen: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
+        """Layer i on one token's state h [1, H] at `position` [1]: its K/V appended to `store`, its query
+        attending over seen() (the (K, V) pairs it reads, itself last), the sandwich norms around attention
+        and MLP."""
+        w, eps, p = self.w, self.eps, f"model.layers.{i}."
+        q, k, v = self.qkv(rms_norm(h, w[p + "input_layernorm.weight"], eps), i, position)
+        store.append((k[0], v[0]))
+        pairs = seen()
+        keys = torch.stack([k for k, _ in pairs]).repeat_interleave(self.heads // self.kv_heads, 1)
+        values = torch.stack([v for _, v in pairs]).repeat_interleave(self.heads // self.kv_heads, 1)
+        scores = torch.einsum("hd,khd->hk", q[0], keys) / math.sqrt(self.head_dim)
+        a = torch.einsum("hk,khd->hd", scores.softmax(-1), values).reshape(1, -1)
+        a = a @ w[p + "self_attn.o_proj.weight"].T
+        h = h + rms_norm(a, w[p + "input_layernorm_2.weight"], eps)
+        m = self.mlp(rms_norm(h, w[p + "post_attention_layernorm.weight"], eps), i)
+        return h + rms_norm(m, w[p + "post_attention_layernorm_2.weight"], eps)
+
     def token_loops(self, token: int, pos: int, kv: list, num_prompt: int, kv_sharing: str,
                     early_q: float | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One token's loops: post-norm states [t, H] and gate logits [t] of the loops it ran."""
@@ -229,20 +248,12 @@ class ReferenceOuro:
         states, gates = [], []
         for t in range(self.loops):
             for i in range(self.layers):
-                p = f"model.layers.{i}."
-                q, k, v = self.qkv(rms_norm(h, w[p + "input_layernorm.weight"], eps), i, position)
-                kv[t][i].append((k[0], v[0]))
-                shared = kv_sharing == "last"
-                seen = [kv[self.loops - 1][i][j] if shared and num_prompt <= j < pos else kv[t][i][j]
-                        for j in range(pos + 1)]
-                keys = torch.stack([k for k, _ in seen]).repeat_interleave(self.heads // self.kv_heads, 1)
-                values = torch.stack([v for _, v in seen]).repeat_interleave(self.heads // self.kv_heads, 1)
-                scores = torch.einsum("hd,khd->hk", q[0], keys) / math.sqrt(self.head_dim)
-                a = torch.einsum("hk,khd->hd", scores.softmax(-1), values).reshape(1, -1)
-                a = a @ w[p + "self_attn.o_proj.weight"].T
-                h = h + rms_norm(a, w[p + "input_layernorm_2.weight"], eps)
-                m = self.mlp(rms_norm(h, w[p + "post_attention_layernorm.weight"], eps), i)
-                h = h + rms_norm(m, w[p + "post_attention_layernorm_2.weight"], eps)
+                def seen(i: int = i, t: int = t) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                    shared = kv_sharing == "last"
+                    return [kv[self.loops - 1][i][j] if shared and num_prompt <= j < pos else kv[t][i][j]
+                            for j in range(pos + 1)]
+
+                h = self.layer(h, i, position, kv[t][i], seen)
             h = rms_norm(h, w["model.norm.weight"], eps)
             states.append(h[0])
             gates.append(h[0] @ w["model.early_exit_gate.weight"][0] + w["model.early_exit_gate.bias"][0])

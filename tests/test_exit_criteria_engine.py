@@ -13,7 +13,6 @@ at its checked loops), which gives a mix of tokens that exit early and tokens th
 assert that mix, so that none passes by never exiting.
 """
 
-import math
 
 import pytest
 import torch
@@ -68,17 +67,7 @@ class AdaptiveReference:
         states = []
         for t in range(ref.loops):
             for i in range(ref.layers):
-                p = f"model.layers.{i}."
-                q, k, v = ref.qkv(rms_norm(h, w[p + "input_layernorm.weight"], eps), i, torch.tensor([pos]))
-                kv[t][i].append((k[0], v[0]))
-                keys = torch.stack([k for k, _ in kv[t][i]]).repeat_interleave(ref.heads // ref.kv_heads, 1)
-                vals = torch.stack([v for _, v in kv[t][i]]).repeat_interleave(ref.heads // ref.kv_heads, 1)
-                scores = torch.einsum("hd,khd->hk", q[0], keys) / math.sqrt(ref.head_dim)
-                a = torch.einsum("hk,khd->hd", scores.softmax(-1), vals).reshape(1, -1)
-                a = a @ w[p + "self_attn.o_proj.weight"].T
-                h = h + rms_norm(a, w[p + "input_layernorm_2.weight"], eps)
-                m = ref.mlp(rms_norm(h, w[p + "post_attention_layernorm.weight"], eps), i)
-                h = h + rms_norm(m, w[p + "post_attention_layernorm_2.weight"], eps)
+                h = ref.layer(h, i, torch.tensor([pos]), kv[t][i], lambda store=kv[t][i]: store)
             h = rms_norm(h, w["model.norm.weight"], eps)
             states.append(h[0])
             if policy is None or t == ref.loops - 1 or not policy.is_checked(t):
@@ -253,22 +242,28 @@ def test_a_criterion_that_reads_logits_reads_a_coda_models_distribution_through_
     assert check_readout(WithCoda(), ExitCriterion("latent-diff", 0.03))(state, None) is state
 
 
+def graph_and_eager_exits(checkpoint, spec: str, prompts: list[str], loops: int, new_tokens: int,
+                          **options) -> None:
+    """Per-loop CUDA graphs decide the criterion on the device (rows compacted into smaller buckets as they
+    stop) and give the eager steps' tokens, exit loops and readout pdfs, in fp32; some token exits early."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, loop_trace=True)
+    results = {}
+    for eager in (False, True):
+        with Engine(checkpoint, device="cuda", dtype="float32", attention="triton", loops=loops,
+                    enforce_eager=eager, exit_policy=spec, verbose=False, **options) as engine:
+            assert engine.uses_cuda_graphs != eager
+            outputs = engine.generate(prompts, params, use_tqdm=False)
+            results[eager] = [(o.outputs[0].token_ids, [t.exit_loop for t in o.outputs[0].traces],
+                               [len(t.exit_pdf) for t in o.outputs[0].traces]) for o in outputs]
+            assert engine.loop_stats.loops_per_token < loops
+    assert results[False] == results[True]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", ["kl:0.15", "argmax-stability:1,min=1", "latent-diff:1.0,every=2"])
 def test_per_loop_graphs_give_the_eager_exit_loops_and_tokens(tiny_checkpoint, spec):
-    """Per-loop CUDA graphs decide the criterion on the device (rows compacted into smaller buckets as they
-    stop) and give the eager steps' tokens and exit loops, 8 rows in fp32."""
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, loop_trace=True)
-    results = {}
-    for eager in (False, True):
-        with Engine(tiny_checkpoint, device="cuda", dtype="float32", attention="triton", loops=LOOPS,
-                    num_kv_blocks=512, enforce_eager=eager, exit_policy=spec, verbose=False) as engine:
-            assert engine.uses_cuda_graphs != eager
-            outputs = engine.generate(PROMPTS * 2, params, use_tqdm=False)
-            results[eager] = [(o.outputs[0].token_ids, [t.exit_loop for t in o.outputs[0].traces],
-                               [len(t.exit_pdf) for t in o.outputs[0].traces]) for o in outputs]
-            assert engine.loop_stats.loops_per_token < LOOPS
-    assert results[False] == results[True]
+    """8 rows of the tiny Ouro model."""
+    graph_and_eager_exits(tiny_checkpoint, spec, PROMPTS * 2, LOOPS, NEW_TOKENS, num_kv_blocks=512)
 
 
 def test_preempted_requests_replay_their_exits_and_match_the_reference(tiny_checkpoint):

@@ -17,6 +17,7 @@ from engine import Engine, SamplingParams
 from exit_policy import ExitPolicy, parse_exit_policy
 from model.exit_criteria import ExitCriterion
 from tests.conftest import ROOT
+from tests.test_exit_criteria_engine import graph_and_eager_exits
 from tests.reference_huginn import Generation, ReferenceHuginn
 
 CHECKPOINT = ROOT / "model" / "checkpoints" / "tiny-huginn"
@@ -151,17 +152,5 @@ def test_preempted_requests_replay_their_exits_and_match_the_reference(reference
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec", ["kl:0.05", "kl:0.05,min=2,every=2", "argmax-stability:2"])
 def test_per_loop_graphs_give_the_eager_exit_loops_and_tokens(spec):
-    """Per-loop CUDA graphs run the coda and the head inside each checked loop's graph, decide on the device
-    (rows compacted into smaller buckets as they stop) and give the eager steps' tokens and exit loops, 6
-    rows in fp32."""
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, loop_trace=True)
-    results = {}
-    for eager in (False, True):
-        with Engine(CHECKPOINT, device="cuda", dtype="float32", attention="triton", loops=LOOPS, init_scale=0,
-                    enforce_eager=eager, exit_policy=spec, verbose=False) as engine:
-            assert engine.uses_cuda_graphs != eager
-            outputs = engine.generate(PROMPTS * 2, params, use_tqdm=False)
-            results[eager] = [(o.outputs[0].token_ids, [t.exit_loop for t in o.outputs[0].traces],
-                               [len(t.exit_pdf) for t in o.outputs[0].traces]) for o in outputs]
-            assert engine.loop_stats.loops_per_token < LOOPS
-    assert results[False] == results[True]
+    """The coda and the head run inside each checked loop's graph; 6 rows of the tiny Huginn model."""
+    graph_and_eager_exits(CHECKPOINT, spec, PROMPTS * 2, LOOPS, NEW_TOKENS, init_scale=0)
