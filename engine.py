@@ -159,10 +159,16 @@ class Engine:
         kv = "" if config.kv_cache_dtype == "auto" else f", kv_cache_dtype={config.kv_cache_dtype}"
         kv += "" if config.kv_rotation else " (no rotation)"
         depth = ""
-        if config.depth_batching:  # no CUDA graph of a pass with per-row loops yet
-            eager = config.device.type == "cuda" and not config.enforce_eager
-            depth = ", depth_batching (eager: no CUDA graphs for a loop pass yet)" if eager else \
-                ", depth_batching"
+        if config.depth_batching:
+            depth = ", depth_batching"
+            graphs = self.runner.depth.graphs
+            if graphs is not None and graphs.captured:
+                prompts = "piecewise graphs" if self.runner.piecewise is not None else "eager"
+                depth += (f" (CUDA graphs: a loop pass's layer stack, {len(graphs.buckets)} batch sizes up "
+                          f"to {graphs.buckets[-1]}; eager: a token's start, exits, coda, readout; prompt "
+                          f"steps: {prompts})")
+            elif config.device.type == "cuda":
+                depth += " (eager)"
         print(f"loop-engine: {config.loops} loops x {self.model.slot_map.loop_layers} layers, "
               f"{config.dtype}{kv}, {config.device}, attention={self.backend.name}, "
               f"exit_policy={config.exit_policy}{speculation}{depth}; "

@@ -14,6 +14,11 @@ lockstep's early exit does), reads out (a coda, then the head) and samples; its 
 at loop 0 in a later pass, once this one is appended. The finished rows' LoopStates are those lockstep gives
 (loops not run repeat the last one's state, with NaN gates), so the runner reads them out and samples them
 exactly as it does a lockstep step's.
+
+On CUDA the layer stack and the exit gate (one call over every row) replay a graph captured per batch bucket
+(runner/pass_graphs.py: PassGraphs, which DepthPasses.graphs holds); everything else here runs eagerly: the
+starting rows' embedding, prelude and initial states, the exit rules' decisions, copy-forward, the coda and
+the finished rows' LoopStates.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from model.looped import LoopedModel, LoopStates, StepContext
 from request import Request
 from runner.exit_rules import ExitRule
 from runner.loop_driver import LoopStats, StepInputs
+from runner.pass_graphs import PassGraphs
 
 
 @dataclasses.dataclass(slots=True)
@@ -84,6 +90,9 @@ class DepthPasses:
         self.readout_loop = readout_loop
         self.keep_final = keep_final
         self.stats = stats
+        # The layer stack over static buffers, captured per batch bucket on CUDA (runner/pass_graphs.py; the
+        # runner sets it); None: eager calls
+        self.graphs: PassGraphs | None = None
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs, requests: list[Request], loops: list[int],
@@ -97,18 +106,17 @@ class DepthPasses:
         starting = [i for i, mid in enumerate(carried) if mid is None]
         started = self._start(inputs, requests, starting) if starting else {}
         rows = [mid if mid is not None else started[i] for i, mid in enumerate(carried)]
-        state = torch.stack([row.state for row in rows])
-        context = model.step_context(inputs.positions, state.dtype)
-        if model.prelude is not None:
-            context = StepContext(context.cos, context.sin, torch.stack([row.injection for row in rows]))
+        states = [row.state for row in rows]
+        injections = [row.injection for row in rows] if model.prelude is not None else None
         slot_map = model.slot_map
         offsets = [slot_map.slot(row.loop, 0) - slot_map.slot(0, 0) for row in rows]
-        self.backend.prepare(dataclasses.replace(
-            meta, slot_offsets=torch.tensor(offsets, dtype=torch.int32).to(state.device, non_blocking=True),
-            slot_offsets_cpu=offsets))
-        h = model.loop(state, context, 0, self.backend.forward)
-        gate_of = model.exit_gate
-        gate = gate_of(h) if gate_of is not None else h.new_zeros(h.shape[0])
+        graphs = self.graphs
+        if graphs is not None and graphs.bucket_for(len(rows)):
+            h, gate = graphs.run(states, injections, inputs.positions, meta, offsets)
+        else:
+            h, gate = self._eager_pass(states, injections, inputs.positions, meta, offsets)
+        # what a coda reads (an exit check's readout, the finished rows' readout)
+        context = self._context(inputs.positions, h.dtype, injections) if model.coda is not None else None
         memory = [list(row.memory) for row in rows]
         done = {i for i, row in enumerate(rows) if row.loop == loops[i] - 1}
         done |= self._exits(rows, done, h, gate, memory, meta, context)
@@ -123,6 +131,27 @@ class DepthPasses:
         states = self._finished_states(finished, rows, h, gate, meta, context) if finished else None
         return PassResult(out, finished, [rows[i].loop + 1 for i in finished],
                           [self.stats.decode_passes - rows[i].first_pass + 1 for i in finished], states)
+
+    def _context(self, positions: torch.Tensor, dtype: torch.dtype,
+                 injections: list[torch.Tensor] | None) -> StepContext:
+        context = self.model.step_context(positions, dtype)
+        if injections is not None:
+            context.injection = torch.stack(injections)
+        return context
+
+    def _eager_pass(self, states: list[torch.Tensor], injections: list[torch.Tensor] | None,
+                    positions: torch.Tensor, meta: AttentionMetadata, offsets: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows through loop 0's layer stack, each at its own loop's slots (offsets): the loop's output
+        and gate logits (zeros for a model without a gate)."""
+        state = torch.stack(states)
+        context = self._context(positions, state.dtype, injections)
+        self.backend.prepare(dataclasses.replace(
+            meta, slot_offsets=torch.tensor(offsets, dtype=torch.int32).to(state.device, non_blocking=True),
+            slot_offsets_cpu=offsets))
+        h = self.model.loop(state, context, 0, self.backend.forward)
+        gate_of = self.model.exit_gate
+        return h, gate_of(h) if gate_of is not None else h.new_zeros(h.shape[0])
 
     def _start(self, inputs: StepInputs, requests: list[Request], starting: list[int]) -> dict[int, MidToken]:
         """The rows that start a token: loop 0's state (the embedding, a prelude's output, or the initial
@@ -154,7 +183,8 @@ class DepthPasses:
                 for j, i in enumerate(starting)}
 
     def _exits(self, rows: list[MidToken], done: set[int], h: torch.Tensor, gate: torch.Tensor,
-               memory: list[list[torch.Tensor]], meta: AttentionMetadata, context: StepContext) -> set[int]:
+               memory: list[list[torch.Tensor]], meta: AttentionMetadata, context: StepContext | None
+               ) -> set[int]:
         """The rows (not done) whose exit rule fires after the loop each ran; their memory updated in place.
         The rule runs once per loop among the rows, over the rows that ran it."""
         if self.decides is None:
@@ -193,7 +223,7 @@ class DepthPasses:
             self.layout.copy_forward(self.pool, meta.slot_mapping[index], loop)
 
     def _finished_states(self, finished: list[int], rows: list[MidToken], h: torch.Tensor, gate: torch.Tensor,
-                         meta: AttentionMetadata, context: StepContext) -> LoopStates:
+                         meta: AttentionMetadata, context: StepContext | None) -> LoopStates:
         """The finished rows' LoopStates, as lockstep gives them: loops not run repeat the last state and
         have NaN gates; a model's coda reads out each row's readout-loop state."""
         hidden, gates, last = [], [], []

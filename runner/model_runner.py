@@ -11,7 +11,9 @@ A row whose readout or sampling fails ends in StepResult.errors; the other rows 
 Depth batching (config.depth_batching, runner/depth_passes.py): a step's decode rows run one loop pass, each
 at its own loop, and only those whose token finished sample; the others come back in
 StepResult.mid_token_rows, their MidToken kept here (never by the scheduler) once the step is applied. The
-step's prompt rows run every loop in the same step, as without depth batching.
+step's prompt rows run every loop in the same step, as without depth batching. On CUDA a pass's layer stack
+replays a graph per batch bucket (runner/pass_graphs.py) instead of the whole-step or per-loop decode graphs;
+steps with prompt tokens take piecewise graphs where lockstep would.
 
 Async scheduling (`launch` / `finish`): a step is launched without waiting for its tokens, which stay on the
 device (a LaunchedStep) while the host copies them back; the next step can be launched before they arrive,
@@ -42,6 +44,7 @@ from runner.exit_rules import CriterionRows, ExitRule, GateCDFRows, RuleExit, ch
 from runner.host_to_device import upload
 from runner.initial_states import InitialStates
 from runner.loop_driver import EagerLoops, LoopStats, StepInputs, run_loops
+from runner.pass_graphs import PassGraphs
 from runner.piecewise_graphs import PiecewiseGraphs
 from runner.request_loops import RequestLoops
 from runner.sampler import logprob_dicts, logprobs_topn, process_logits, sample
@@ -153,11 +156,14 @@ class ModelRunner:
                                  self.hook.readout_loop if self.hook is not None else self.loops - 1,
                                  config.continuous_compute is not None, self.loop_stats) \
             if config.depth_batching else None
-        # No CUDA graph of a loop pass with per-row loops yet: depth batching runs eagerly (as the start line
-        # says)
-        if self.device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs \
-                and not config.depth_batching:
-            self.graphs = self._capture(scratch_block)
+        self.scratch_block = scratch_block
+        if self.device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs:
+            self._reserve_fused_workspace()
+            if self.depth is not None:  # decode steps are loop passes: their layer stack, per bucket
+                self.depth.graphs = self.pass_graphs()
+                self.depth.graphs.capture_all()
+            else:
+                self.graphs = self._capture(scratch_block)
             # Steps with prompt tokens: piecewise, unless an exit hook must see each loop (early:Q).
             tokens = min(config.piecewise_graph_tokens, config.max_num_batched_tokens)
             if tokens and self.hook is None:
@@ -194,13 +200,7 @@ class ModelRunner:
     def _capture(self, scratch_block: int) -> DecodeGraphs:
         """One graph per decode bucket for the whole step; one per (bucket, loop) when rows can stop early or
         a step may run some loops only (speculative decoding, whose verify pass has k rows per request)."""
-        if self.model.fused_kernels:
-            from model.kernels.gemv import reserve_workspace
-
-            reserve_workspace(self.device)  # the skinny GEMM's split-K tickets, made outside any capture
         config = self.config
-        shared = (self.loops, self.model.slot_map.loop_layers, self.max_pages) \
-            if self.generated_tables is not None else None
         hook, layout = self.hook, self.layout
         rows = config.max_num_seqs * max(1, config.speculative_tokens)
         copy_forward = None
@@ -209,14 +209,34 @@ class ModelRunner:
                 layout.copy_forward(hook.pool, slots, loop, mask)
         per_loop = hook is not None or self.speculation is not None
         graphs = DecodeGraphs(self.model, self.backend, "loop" if per_loop else "step", rows,
-                              self.block_tables.width, config.block_size, scratch_block, self.device, shared,
-                              self._exit_rule(rows), copy_forward, self.scratch_side_block)
+                              self.block_tables.width, config.block_size, scratch_block, self.device,
+                              self._shared_kv(), self._exit_rule(rows), copy_forward, self.scratch_side_block)
         graphs.capture_all()
         return graphs
 
+    def _reserve_fused_workspace(self) -> None:
+        """The skinny GEMM's split-K tickets, made outside any capture (a model with fused kernels)."""
+        if self.model.fused_kernels:
+            from model.kernels.gemv import reserve_workspace
+
+            reserve_workspace(self.device)
+
+    def _shared_kv(self) -> tuple[int, int, int] | None:
+        """The graphs' kv_sharing="last" shape: (loops, layers a loop, generated pages a sequence)."""
+        if self.generated_tables is None:
+            return None
+        return self.loops, self.model.slot_map.loop_layers, self.max_pages
+
+    def pass_graphs(self) -> PassGraphs:
+        """Depth batching's loop pass over static buffers (runner/pass_graphs.py), not captured yet: until its
+        capture_all runs, DepthPasses given it runs the graphs' body eagerly."""
+        return PassGraphs(self.model, self.backend, self.config.max_num_seqs, self.block_tables.width,
+                          self.config.block_size, self.scratch_block, self.device, self._shared_kv())
+
     @property
     def uses_cuda_graphs(self) -> bool:
-        return self.graphs is not None
+        depth_graphs = self.depth is not None and self.depth.graphs is not None and self.depth.graphs.captured
+        return self.graphs is not None or depth_graphs
 
     def prepare(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> StepInputs:
         """Flatten the batch: token ids, positions, slot mapping, per-row lengths and block tables. A row

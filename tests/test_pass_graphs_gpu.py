@@ -1,0 +1,89 @@
+"""CUDA-only: depth batching with captured loop passes (runner/pass_graphs.py). Every decode pass replays its
+bucket's graph, and a request's tokens are those of the eager depth-batched engine and of the lockstep
+engine, under full depth and early:0.5 with mixed exits (fp32, the Triton backend), over kv_sharing="last"
+and an fp8 cache, for Huginn; in deterministic mode bit for bit. The same code without the capture runs on
+CPU in tests/test_pass_graphs.py."""
+
+import pytest
+
+from engine import Engine
+from tests.test_depth_batching import HUGINN, HUGINN_PROMPTS, PROMPTS, assert_same_completions, greedy
+
+pytestmark = pytest.mark.gpu
+
+# 5 rows: passes of 5 rows replay the 8-row bucket; 16 rows at most, so the capture stays small
+FIVE_PROMPTS = PROMPTS + ["Once upon a time"]
+
+
+def run(checkpoint, prompts, params, depth_batching: bool, enforce_eager: bool, **engine_args):
+    """Completions on CUDA (fp32, Triton, chunked prefill of 16 tokens: prompt chunks share steps with
+    decode passes), and the engine's LoopStats. Under depth batching with graphs, every decode pass is a
+    replay."""
+    engine_args = {"device": "cuda", "dtype": "float32", "attention": "triton", "max_num_seqs": 16,
+                   "num_kv_blocks": 512, "max_num_batched_tokens": 16, "verbose": False, **engine_args}
+    with Engine(checkpoint, depth_batching=depth_batching, enforce_eager=enforce_eager,
+                **engine_args) as engine:
+        assert engine.uses_cuda_graphs != enforce_eager
+        outputs = engine.generate(prompts, params, use_tqdm=False)
+        stats = engine.loop_stats
+        if depth_batching:
+            graphs = engine.runner.depth.graphs
+            if enforce_eager:
+                assert graphs is None
+            else:
+                assert graphs.captured and graphs.replays == graphs.passes == stats.decode_passes > 0
+            assert not engine.runner.mid_tokens
+        assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
+    return [out.outputs[0] for out in outputs], stats
+
+
+@pytest.mark.parametrize("policy", ["full", "early:0.5"])
+@pytest.mark.parametrize("prompts", [PROMPTS * 2, FIVE_PROMPTS], ids=["8 rows", "5 rows"])
+def test_replayed_passes_give_the_eager_depth_and_lockstep_tokens(tiny_checkpoint, policy, prompts):
+    """early:0.5 on the random tiny gate in fp32 exits tokens after mixed loops, so passes hold rows at
+    different loops, each reading its own slots through the captured per-row-slot decode kernel."""
+    params = greedy(max_tokens=12, loop_trace=True)
+    graphs, stats = run(tiny_checkpoint, prompts, params, True, False, loops=4, exit_policy=policy)
+    eager, eager_stats = run(tiny_checkpoint, prompts, params, True, True, loops=4, exit_policy=policy)
+    lockstep, _ = run(tiny_checkpoint, prompts, params, False, False, loops=4, exit_policy=policy)
+    assert_same_completions(eager, graphs)
+    assert_same_completions(lockstep, graphs)
+    assert stats.decode_loops == eager_stats.decode_loops
+    assert stats.decode_passes < stats.decode_loops  # rows at different loops shared passes
+    if policy == "early:0.5":
+        assert len({t.exit_loop for c in graphs for t in c.traces[1:]}) >= 2
+
+
+@pytest.mark.parametrize("engine_args", [dict(kv_sharing="last"), dict(kv_cache_dtype="fp8_e4m3")],
+                         ids=["kv_sharing=last", "fp8"])
+def test_replayed_passes_over_kv_options_give_the_eager_depth_tokens(tiny_checkpoint, engine_args):
+    params = greedy(max_tokens=12)
+    args = dict(loops=4, exit_policy="early:0.5", **engine_args)
+    graphs, _ = run(tiny_checkpoint, FIVE_PROMPTS, params, True, False, **args)
+    eager, _ = run(tiny_checkpoint, FIVE_PROMPTS, params, True, True, **args)
+    assert_same_completions(eager, graphs)
+
+
+def test_replayed_passes_in_deterministic_mode_give_the_eager_depth_logprobs_bit_for_bit(tiny_checkpoint):
+    params = greedy(max_tokens=12)
+    args = dict(loops=4, exit_policy="early:0.5", deterministic=True)
+    graphs, _ = run(tiny_checkpoint, FIVE_PROMPTS, params, True, False, **args)
+    eager, _ = run(tiny_checkpoint, FIVE_PROMPTS, params, True, True, **args)
+    assert_same_completions(eager, graphs, bitwise=True)
+
+
+def test_huginn_replayed_passes_read_their_injection_and_give_the_eager_depth_tokens():
+    params = [greedy(max_tokens=6, seed=s, loops=k) for s, k in zip(range(3), (4, 2, 3))]
+    args = dict(loops=4, init_scale=1.0)
+    graphs, _ = run(HUGINN, HUGINN_PROMPTS, params, True, False, **args)
+    eager, _ = run(HUGINN, HUGINN_PROMPTS, params, True, True, **args)
+    assert_same_completions(eager, graphs)
+
+
+def test_start_line_says_what_is_captured(tiny_checkpoint, capsys):
+    with Engine(tiny_checkpoint, device="cuda", attention="triton", max_num_seqs=4, num_kv_blocks=64,
+                depth_batching=True):
+        pass
+    line = capsys.readouterr().err
+    assert "depth_batching (CUDA graphs: a loop pass's layer stack, 3 batch sizes up to 4;" in line
+    assert "prompt steps: piecewise graphs)" in line
