@@ -242,7 +242,8 @@ def report(rows: list[dict], calibrations: list[dict], args: argparse.Namespace,
     compare(rows)
     env = environment()
     kept = [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]
-    write_results(args.out, {**env, "checkpoint": path, "dtype": args.dtype, "q": args.q,
+    dtype = rows[0]["dtype"] if rows else args.dtype
+    write_results(args.out, {**env, "checkpoint": path, "dtype": dtype, "q": args.q,
                              "prompt": args.prompt, "steps": args.steps, "warm": args.warm,
                              "copy_bandwidth_bytes_per_s": bandwidth,
                              "calibration": calibrations, "rows": kept},

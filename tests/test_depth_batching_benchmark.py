@@ -48,7 +48,7 @@ def test_a_fresh_engine_at_the_calibrated_bias_runs_the_target_loops(run, tiny_c
 def test_every_row_is_timed_and_depth_batching_gives_locksteps_tokens(run):
     returned, written, table = run
     rows = written["rows"]
-    assert rows == returned["rows"]
+    assert rows == returned["rows"] and written["dtype"] == "float32"
     assert [(r["row"], r["target_loops"], r["batch"]) for r in rows] == [
         (FULL, None, 1), (FULL, None, 4),
         *[(label, target, batch) for label in (LOCKSTEP, DEPTH) for target in (2.0, 3.0) for batch in (1, 4)]]
