@@ -87,15 +87,22 @@ def checkpoint(model: str | None, preset: str | None, cache_dir: str = "/tmp/loo
 
 
 def weight_bytes_per_step(engine) -> int:
-    """Bytes a decode step must read: the weights one loop runs, once per loop, plus those a step runs once
-    (Ouro: the final norm, the exit gate and lm_head; Huginn: the prelude, the coda, ln_f and the head, tied
-    to the embedding); the embedding itself counts only as the head, since a step reads its rows' vectors."""
-    model, loops = engine.model, engine.loops
+    """Bytes a decode step must read: the weights one loop runs, once per loop, plus those a step runs
+    once."""
+    per_loop, once = loop_and_step_weight_bytes(engine)
+    return engine.loops * per_loop + once
+
+
+def loop_and_step_weight_bytes(engine) -> tuple[int, int]:
+    """(the weights one loop runs, those a step runs once) in bytes: Ouro's once are the final norm, the exit
+    gate and lm_head; Huginn's the prelude, the coda, ln_f and the head, tied to the embedding. The embedding
+    itself counts only as the head, since a step reads its rows' vectors."""
+    model = engine.model
     if hasattr(model, "core_blocks"):  # Huginn-0125 (model/huginn.py)
         head = model.wte if model.lm_head is None else model.lm_head
-        return loops * _bytes(model.adapter, model.core_blocks) + _bytes(model.prelude_blocks,
-                                                                         model.coda_blocks, model.ln_f, head)
-    return loops * _bytes(model.layers) + _bytes(model.lm_head, model.norm, model.early_exit_gate)
+        return (_bytes(model.adapter, model.core_blocks),
+                _bytes(model.prelude_blocks, model.coda_blocks, model.ln_f, head))
+    return _bytes(model.layers), _bytes(model.lm_head, model.norm, model.early_exit_gate)
 
 
 def kv_bytes_read_per_token(engine) -> float:

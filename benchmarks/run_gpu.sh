@@ -9,7 +9,8 @@
 #   throughput  nano-vllm's throughput workload (async scheduling on and off), prefill MFU, mixed steps
 #               (piecewise graphs against eager)
 #   loops       early exit and kv_sharing against full (early_exit), self-speculative decoding (the tiny
-#               model's acceptance, then TPOT at 0% and 100% forced)
+#               model's acceptance, then TPOT at 0% and 100% forced), depth batching against lockstep early
+#               exit and full depth at 1, 16, 64 x 2K (64 rows fit only a card of more than 80 GB)
 #   kv          TPOT of the KV formats in KV_FORMATS at 16 x 8K and 64 x 2K (pages of 64), the KVarN kernels
 #   kernels     the kernels alone: skinny GEMM (cold L2) against cuBLAS, decode attention, fused elementwise
 #               kernels, the norm epilogue by row count
@@ -64,10 +65,11 @@ throughput)
   ;;
 loops)
   wait
-  step 150 python -m benchmarks.early_exit --model "$CK" --out "$OUT/early_exit.json"
-  step 150 python -m benchmarks.speculative --acceptance --out "$OUT/speculative_acceptance.json"
-  step 200 python -m benchmarks.speculative --model "$CK" \
+  step 130 python -m benchmarks.early_exit --model "$CK" --out "$OUT/early_exit.json"
+  step 60 python -m benchmarks.speculative --acceptance --out "$OUT/speculative_acceptance.json"
+  step 170 python -m benchmarks.speculative --model "$CK" \
     --acceptance-json "$OUT/speculative_acceptance.json" --out "$OUT/speculative.json"
+  step 230 python -m benchmarks.depth_batching --model "$CK" --out "$OUT/depth_batching.json"
   ;;
 kv)
   wait
