@@ -5,6 +5,7 @@ for prompt steps), (c) with chunked prefill, (d) on a prefix-cache hit, (e) pree
 with async scheduling and without, (g) as a self-speculative verify row, (h) after other batches; and the GEMM
 kernels give a row the same bits at every row count. tests/test_deterministic.py covers the CPU."""
 
+import os
 import random
 
 import pytest
@@ -174,3 +175,24 @@ def test_fp32_requests_keep_their_bits_alone_and_eager(tiny_checkpoint):
     with Engine(tiny_checkpoint, enforce_eager=True, **options) as engine:
         eager = [_bits(o) for o in engine.generate(prompts, params, use_tqdm=False)]
     assert alone == together[:2] and eager == together
+
+
+def test_engines_one_after_another_under_host_load_keep_their_bits(ouro_shape, batch):
+    """Engines built one after another in one process, while other processes keep every CPU core busy, give
+    the first engine's bits: a probe once saw engines late in such a sequence, under host load, give other
+    tokens (one of them token 0 from its second token on), in the mode and out of it."""
+    import subprocess
+    import sys
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+               for _ in range(os.cpu_count() or 1)]
+    try:
+        configs = [("chunks of 40", dict(max_num_batched_tokens=40)), ("eager", dict(enforce_eager=True)),
+                   ("synchronous", dict(async_scheduling=False)), ("defaults", {}),
+                   ("eager again", dict(enforce_eager=True))]
+        runs = {name: _run(ouro_shape, **options) for name, options in configs}
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert {name: bits == batch[0] for name, bits in runs.items()} == {name: True for name in runs}
