@@ -3,7 +3,7 @@
 # GPU; every step is bounded in time, and results land in $OUT as JSON with a markdown table beside it.
 #   OUT=/tmp/out PART=latency bash benchmarks/run_gpu.sh
 # docs/performance.md says what each part measures and which figures of the docs it reproduces.
-#   tests       every gpu-marked test, in one process (-n 0: one GPU), with the failures and the 25 slowest
+#   tests       every gpu-marked test, in four workers sharing the GPU, with the failures and the 25 slowest
 #   latency     the speed table: TPOT with CUDA graphs at 512 and 2K x batch 1, 16, 64; eager at batch 1;
 #               async scheduling on and off at batch 1 and 16; the batch-1 decode-step profile
 #   throughput  nano-vllm's throughput workload (async scheduling on and off), prefill MFU, mixed steps
@@ -42,7 +42,9 @@ if [ "$PART" != tests ] && [ "$PART" != kernels ] && [ ! -d "$CK" ]; then
 fi
 case "$PART" in
 tests)
-  timeout -k 10 "${TEST_LIMIT:-560}" python -m pytest -q -m gpu -n 0 tests/ --timeout 150 -rfE --durations=25 \
+  # four workers share the GPU (tests/gpu_share.py gives each a quarter of its memory): 150 tests in ~4 min
+  timeout -k 10 "${TEST_LIMIT:-560}" python -m pytest -q -m gpu -n 4 --dist load -p tests.gpu_share tests/ \
+    --timeout 300 -rfE --durations=25 \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 60
   ;;
 latency)
