@@ -164,3 +164,25 @@ def test_sampled_requests_are_refused_by_name():
         assert_clean(engine)
     message = str(err.value)
     assert "temperature=0.8" in message and "depth_batching=True" in message and "speculative=" in message
+
+
+def test_pass_graphs_static_path_carries_both_phases_and_keeps_tokens(plain):
+    """The loop pass's static buffers (runner/pass_graphs.py, the code a CUDA capture records, run eagerly
+    here) take a pipelined pass as any other: verifying and drafting rows of one request in one call, each at
+    its own slot offset; every pass goes through them, and the tokens stay plain decoding's."""
+    sizes = []
+    with engine_of(TRAINED, True) as engine:
+        graphs = engine.runner.pass_graphs()
+        engine.runner.depth.graphs = graphs
+        run_pass = graphs.run
+
+        def recorded(states, *args):
+            sizes.append(len(states))
+            return run_pass(states, *args)
+
+        graphs.run = recorded
+        outputs = [o.outputs[0] for o in engine.generate(PROMPTS, greedy(), use_tqdm=False)]
+        assert graphs.passes == len(sizes) == engine.loop_stats.decode_passes and graphs.replays == 0
+        assert_clean(engine)
+    assert [o.token_ids for o in outputs] == plain
+    assert max(sizes) > len(PROMPTS)  # more rows than requests: tokens in flight shared passes
