@@ -39,11 +39,6 @@ def checked_params(params: SamplingParams | None, config: EngineConfig, has_exit
                 raise ValueError(f"SamplingParams.{name}={getattr(params, name)!r} cannot be combined with "
                                  f"speculative={config.speculative!r} yet: it changes each position's logits "
                                  f"by the tokens before it, which a draft does not know yet")
-    if config.pipelines_speculation and not params.greedy:
-        raise ValueError(f"SamplingParams.temperature={params.temperature!r} cannot be combined with "
-                         f"depth_batching=True and speculative={config.speculative!r} yet: pipelined drafts "
-                         "are accepted by token equality only; use temperature=0, or leave "
-                         "depth_batching=False for speculative sampling")
     vocab_size = config.model.shape.vocab_size
     for name in ("logprobs", "prompt_logprobs"):
         if (getattr(params, name) or 0) > vocab_size:

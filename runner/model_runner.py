@@ -471,6 +471,14 @@ class ModelRunner:
         self.pipelined.run(batch, result)
         return result
 
+    def finished_readout(self, finished: ScheduledBatch, states: LoopStates
+                         ) -> tuple[torch.Tensor, list[LoopTrace | None]]:
+        """The raw readout logits [F, V] (fp32) of a pass's finished rows (`finished`, states in order), and
+        their traces where asked for."""
+        rows = list(range(finished.num_seqs))
+        return self._readout(states, self._readout_policies(finished, rows),
+                             [r.params.loop_trace for r in finished.requests], finished.requests)
+
     def sample_finished(self, finished: ScheduledBatch, out: PassResult) -> StepResult:
         """A pass's finished tokens (their rows: `finished`, in out.finished's order) read out and sampled,
         with their warm starts and (loops run, passes spanned)."""

@@ -18,7 +18,10 @@ in flight started from. Greedy: on equality the draft was the request's token, e
 was the full model's computation of it, and it goes on as the first in flight; otherwise every token in flight
 after the finished one is discarded, and the request continues from the corrected token, which starts at
 loop 0 in the next pass. So a greedy request's tokens are plain decoding's (and depth batching's without
-speculation), token for token. Sampled requests are refused for now (request_checks.py).
+speculation), token for token. Sampled: a draft is drawn from q (loop d-1's logits under the request's
+temperature and filters, kept with it), and the finished token is the draft with probability min(1, p/q),
+else a draw from the residual max(0, p - q), renormalized (runner/speculative.py's rule, the request's seeded
+generator), so it follows the full model's p; it goes on exactly when that token is the draft.
 
 The scheduler's view. A request is one decode row, at num_computed_tokens, as under depth batching: a pass
 appends at most one token a row (its first in flight finished) or none (the row is left mid-token), so
@@ -54,22 +57,25 @@ import dataclasses
 
 import torch
 
+from model.looped import LoopStates
 from request import Request, ScheduledBatch
-from runner.depth_passes import DepthPasses, MidToken
+from runner.depth_passes import DepthPasses, MidToken, PassResult
+from runner.sampler import apply_filters
 
 
 @dataclasses.dataclass(slots=True)
 class InFlight:
     """One of a request's tokens in flight: its position and input token (the request's own for the first, a
     draft for the others), the request's preemptions when it started, its MidToken between passes (None:
-    it starts at loop 0 in the next pass) and the pass in which the token before it finished (None: not
-    since this one started)."""
+    it starts at loop 0 in the next pass), the pass in which the token before it finished (None: not
+    since this one started) and, for a sampled draft, the distribution q [V] it was drawn from."""
 
     position: int
     token: int
     preemptions: int
     mid: MidToken | None = None
     after_pass: int | None = None
+    q: torch.Tensor | None = None
 
 
 class PipelinedSpeculation:
@@ -92,8 +98,14 @@ class PipelinedSpeculation:
         finished = [flat[i][0] for i in out.finished]
         if any(flat[i][1] is not chains[flat[i][0]][0] for i in out.finished):
             raise AssertionError("a token in flight finished before the one ahead of it")
-        if finished:
-            result.take(finished, runner.sample_finished(batch.select(finished), out))
+        verifying = [j for j, row in enumerate(finished) if chains[row][1:] and chains[row][1].q is not None]
+        plain = [j for j in range(len(finished)) if j not in verifying]
+        if plain:
+            rows = [finished[j] for j in plain]
+            result.take(rows, runner.sample_finished(batch.select(rows), _subset(out, plain)))
+        if verifying:
+            self._verify_sampled(batch, [finished[j] for j in verifying], _subset(out, verifying), chains,
+                                 result)
         moved = iter(out.carried)
         after = [[dataclasses.replace(entry, mid=next(moved)) for entry in chain] for chain in chains]
         drafting: list[tuple[int, torch.Tensor]] = []
@@ -106,9 +118,39 @@ class PipelinedSpeculation:
                 drafting.append((row, last.hidden[-1]))
         if drafting:
             logits = runner.model.compute_logits(torch.stack([state for _, state in drafting])).float()
-            for (row, _), token in zip(drafting, logits.argmax(dim=-1).tolist()):
+            rows = [row for row, _ in drafting]
+            probs: list[list[torch.Tensor]] = [[] for _ in rows]
+            tokens = runner.speculation.draft_tokens(logits, [batch.requests[row] for row in rows], probs,
+                                                     list(range(len(rows))))
+            for row, token, q in zip(rows, tokens.tolist(), probs):
                 chain = result.in_flight[row]
-                chain.append(InFlight(chain[-1].position + 1, token, chain[-1].preemptions))
+                chain.append(InFlight(chain[-1].position + 1, token, chain[-1].preemptions,
+                                      q=q[0] if q else None))
+
+    def _verify_sampled(self, batch: ScheduledBatch, rows: list[int], out: PassResult,
+                        chains: list[list[InFlight]], result) -> None:
+        """Sampled rows whose finished token has a draft behind it: the token is that draft, accepted with
+        probability min(1, p/q), else a draw from the residual max(0, p - q) (runner/speculative.py:
+        SelfSpeculation's rule and the request's seeded generator), so it follows the full model's p."""
+        runner = self.runner
+        finished = batch.select(rows)
+        logits, traces = runner.finished_readout(finished, out.states)
+        for i, (row, request) in enumerate(zip(rows, finished.requests)):
+            try:
+                draft = chains[row][1]
+                p = apply_filters(logits[i:i + 1], [request.params]).softmax(-1)
+                accepted, resampled = runner.speculation._accept_sampled(request, [draft.token], [draft.q], p)
+                token = draft.token if accepted else resampled
+                entry = runner.logprobs_of([request], logits[i:i + 1], logits.new_tensor([token]).long())[0]
+            except Exception as err:  # this row alone fails
+                result.errors[row] = f"sampling failed: {type(err).__name__}: {err}"
+                continue
+            result.tokens[row] = token
+            result.depth_tokens[row] = (out.loops_run[i], out.passes[i])
+            if traces[i] is not None:
+                result.traces[row] = [traces[i]]
+            if entry is not None:
+                result.logprobs[row] = [entry]
 
     def _continued(self, request: Request, room: int) -> list[InFlight]:
         """The request's tokens in flight for this pass: those it kept, within its reserved positions, if the
@@ -138,3 +180,15 @@ class PipelinedSpeculation:
             return [dataclasses.replace(rest[0], after_pass=self.runner.loop_stats.decode_passes)] + rest[1:]
         result.drafts[row] = (len(rest), 0)
         return []
+
+
+def _subset(out: PassResult, among: list[int]) -> PassResult:
+    """These of a pass's finished tokens (indices into out.finished), with their states."""
+    states = out.states
+    index = torch.tensor(among, dtype=torch.int64, device=states.hidden.device)
+    return PassResult(out.carried, [out.finished[j] for j in among], [out.loops_run[j] for j in among],
+                      [out.passes[j] for j in among],
+                      LoopStates(states.hidden[:, index],
+                                 None if states.gate_logits is None else states.gate_logits[:, index],
+                                 None if states.readout is None else states.readout[index],
+                                 None if states.final is None else states.final[index]))

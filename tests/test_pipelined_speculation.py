@@ -5,6 +5,8 @@ stops and max_tokens inside a run of tokens in flight, an abort and preemption (
 left behind); the stats count verifications and passes per token; what it does not take yet is refused by
 name. All on CPU, fp32, the torch backend."""
 
+import math
+
 import pytest
 
 from engine import DEFAULT_MODEL, Engine, SamplingParams
@@ -157,13 +159,39 @@ def test_huginn_is_refused_by_name():
     assert "Huginn" in str(err.value)
 
 
-def test_sampled_requests_are_refused_by_name():
-    with engine_of(TRAINED, True) as engine:
-        with pytest.raises(ValueError) as err:
-            engine.add_request("Hello", SamplingParams(temperature=0.8, seed=1))
-        assert_clean(engine)
-    message = str(err.value)
-    assert "temperature=0.8" in message and "depth_batching=True" in message and "speculative=" in message
+def test_sampled_output_follows_the_plain_distribution():
+    """Seeded sampling: a finished token with a sampled draft behind it is that draft, accepted with
+    probability min(1, p/q), else a draw from the residual (runner/speculative.py's rule). Three sampled
+    tokens (top_k=2: 8 outcomes) of 480 sequences, pipelined against plain decoding, as a two-sample
+    chi-square test of homogeneity; drafts are both accepted and rejected. Seeds make it deterministic."""
+    params = SamplingParams(temperature=1.5, top_k=2, max_tokens=3, ignore_eos=True, n=480, seed=7)
+
+    def histogram(pipelined: bool):
+        sizes = {"max_num_seqs": 256, "max_num_batched_tokens": 512}
+        with engine_of(TRAINED, pipelined, d=1, **sizes) as engine:
+            out = engine.generate(["Hello"], params, use_tqdm=False)[0]
+            stats = engine.speculative_stats
+            assert_clean(engine)
+        counts: dict[tuple[int, ...], int] = {}
+        for completion in out.outputs:
+            key = tuple(completion.token_ids)
+            counts[key] = counts.get(key, 0) + 1
+        return counts, stats
+
+    base, _ = histogram(False)
+    spec, stats = histogram(True)
+    assert 0 < stats.num_accepted < stats.num_drafted
+    outcomes = sorted(set(base) | set(spec))
+    assert len(outcomes) > 2
+    chi2 = 0.0
+    for outcome in outcomes:
+        a, b = base.get(outcome, 0), spec.get(outcome, 0)
+        expected = (a + b) / 2
+        chi2 += (a - expected) ** 2 / expected + (b - expected) ** 2 / expected
+    dof = len(outcomes) - 1
+    # Wilson-Hilferty: the chi-square 0.999 quantile for dof degrees of freedom.
+    quantile = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < quantile
 
 
 def test_pass_graphs_static_path_carries_both_phases_and_keeps_tokens(plain):
