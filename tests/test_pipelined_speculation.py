@@ -66,6 +66,21 @@ def test_greedy_tokens_equal_plain_decoding(plain, d):
     assert all(o.depth.passes_per_token >= d for o in outputs)
 
 
+@pytest.mark.parametrize("policy", ["step:1", "weighted", "threshold:0.5"])
+def test_readout_policies_and_logprobs_as_plain_decoding(policy):
+    """A finished token reads out under the request's policy from all its loops' states, the loops it ran as
+    a draft included; its logprobs are plain decoding's, to fp32 rounding."""
+    params = greedy(exit_policy=policy, logprobs=2, max_tokens=6)
+    base, _, _ = run(TRAINED, params, False, prompts=PROMPTS[:2])
+    outputs, stats, _ = run(TRAINED, params, True, prompts=PROMPTS[:2])
+    assert stats.num_drafted > 0
+    for want, got in zip(base, outputs, strict=True):
+        assert got.token_ids == want.token_ids
+        for w, g in zip(want.logprobs, got.logprobs, strict=True):
+            assert list(g) == list(w)
+            assert all(abs(g[t].logprob - w[t].logprob) <= 1e-4 for t in w)
+
+
 def test_drafts_are_both_accepted_and_rejected_on_the_trained_model(plain):
     _, stats, _ = run(TRAINED, greedy(), True, d=1)
     assert 0 < stats.num_accepted < stats.num_drafted
