@@ -11,6 +11,8 @@ import pytest
 
 from engine import DEFAULT_MODEL, Engine, SamplingParams
 from tests.conftest import ROOT
+from tests.test_step_faults import Faults, drive as drive_workload, small_engine, summary, workload
+from tests.test_step_faults import assert_clean as assert_released
 
 PROMPTS = ["12+7=19\n31+5=", "Hello", "4821+337=5158\n96+4=100\n7+", "0123456789 + - * / = 42"]
 NEW_TOKENS = 10
@@ -229,3 +231,33 @@ def test_pass_graphs_static_path_carries_both_phases_and_keeps_tokens(plain):
         assert_clean(engine)
     assert [o.token_ids for o in outputs] == plain
     assert max(sizes) > len(PROMPTS)  # more rows than requests: tokens in flight shared passes
+
+
+# the hook points a decode pass reaches (a pass reads out and samples; the step's outcome is decided, applied
+# and committed; a finished request is released); tests/test_step_faults.py covers the rest of a step
+PASS_HOOKS = ["readout", "sample", "decide", "apply", "commit", "release"]
+
+
+@pytest.mark.parametrize("hook", PASS_HOOKS)
+def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatch, hook):
+    """tests/test_step_faults.py's workload (preemption, logprobs, prompt logprobs, a trace, a stop string, a
+    seeded row): a KeyboardInterrupt at a hook point of a step with tokens in flight applies nothing of it
+    (the tokens in flight stay as they were, the seeded generator too), and stepping on gives the outputs of
+    a pipelined run without faults."""
+    stop = "e"
+    options = {"depth_batching": True, "speculative": "loops:2"}
+    with small_engine(tiny_checkpoint, **options) as engine:
+        drive_workload(engine, workload(stop))
+        expected, _ = drive_workload(engine, workload(stop))
+    with small_engine(tiny_checkpoint, **options) as engine:
+        faults = Faults(engine, monkeypatch)
+        drive_workload(engine, workload(stop))  # fills the prefix cache as the next runs find it
+        faults.calls.clear()
+        drive_workload(engine, workload(stop))
+        counts = dict(faults.calls)
+        faults.armed = (hook, -(-counts[hook] // 2))
+        outputs, interrupts = drive_workload(engine, workload(stop))
+        assert interrupts == 1 and faults.armed is None
+        assert {i: summary(o) for i, o in outputs.items()} == {i: summary(o) for i, o in expected.items()}
+        assert_released(engine)
+        assert not engine.runner.in_flight and engine.speculative_stats.num_drafted > 0
