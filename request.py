@@ -375,7 +375,9 @@ class DepthStats:
     """A request's generated tokens under depth batching (Engine(depth_batching=True)), summed: the loops they
     ran, and the loop passes they spanned, from the pass each token started in to the one it finished in
     (one pass per loop, unless a row waited a step unscheduled). A pass runs every decode row's own next
-    loop, so the engine's passes (LoopStats.decode_passes) are fewer than the requests' loops together."""
+    loop, so the engine's passes (LoopStats.decode_passes) are fewer than the requests' loops together. Under
+    pipelined speculation a token's passes count from the later of its start and its predecessor's finish
+    (runner/pipelined_speculation.py), so an accepted draft's token counts d passes, not T."""
 
     tokens: int = 0
     loops: int = 0

@@ -162,6 +162,7 @@ def test_preemption_drops_tokens_in_flight_and_keeps_greedy_tokens():
 
 @pytest.mark.parametrize("engine_args, names", [
     ({"kv_layout": "latest"}, ["depth_batching=True", "speculative='loops:2'", "kv_layout='latest'"]),
+    ({"exit_policy": "early:0.5"}, ["speculative='loops:2'", "exit_policy='early:0.5'"]),  # as today's
 ])
 def test_unsupported_engine_options_are_refused_by_name(engine_args, names):
     with pytest.raises(ValueError) as err:
