@@ -132,7 +132,7 @@ class Engine:
                           "num_kv_blocks, or lower max_model_len", stacklevel=2)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, self.tokenizer, config.speculative_tokens,
-                                   config.admission)
+                                   config.admission, pipelined=config.pipelines_speculation)
         self.runner = ModelRunner(config, self.model, self.backend, self.kv_pool, self.layout,
                                   scratch_block=num_blocks, token_text=self.tokenizer.token_text,
                                   scratch_side_block=kv_format.scratch_side_block(side_rows))

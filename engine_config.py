@@ -156,10 +156,14 @@ class EngineConfig:
         """depth_batching=True against the options it does not run with yet, each refused by name."""
         if not self.depth_batching:
             return
+        speculative = f"speculative={self.speculative!r} and"
         refused = [
-            (self.speculative is not None,
-             f"speculative={self.speculative!r}: a draft runs its first loops in one step, a loop pass one "
-             "loop a row"),
+            (self.speculative is not None and self.model.init_scale is not None,
+             f"{speculative} a checkpoint with a prelude, a coda and drawn initial states (Huginn): "
+             "pipelined drafts read out through loop d-1's state alone"),
+            (self.speculative is not None and self.kv_layout not in (None, "full"),
+             f"{speculative} kv_layout={self.kv_layout!r}: a rejected draft's slots are rewritten in place, "
+             "which only the full layout is checked for"),
             (self.kv_format.kind == "kvarn",
              f"kv_cache_dtype={self.kv_cache_dtype!r}: the KVarN kernels read one slot per call, not one per "
              "row"),
@@ -254,6 +258,11 @@ class EngineConfig:
         if self.speculative is None:
             return 0
         return 4 if self.num_speculative_tokens is None else self.num_speculative_tokens
+
+    @property
+    def pipelines_speculation(self) -> bool:
+        """Does self-speculation run pipelined in depth-batched passes (runner/pipelined_speculation.py)?"""
+        return self.depth_batching and self.speculative is not None
 
     @property
     def overlaps_steps(self) -> bool:

@@ -247,6 +247,10 @@ class ScheduledBatch:
     # A speculative decode step (docs/speculative.md) only: every row decodes, and row i drafts up to
     # draft_lens[i] tokens, whose positions its block table already covers. Empty: an ordinary step.
     draft_lens: list[int] = dataclasses.field(default_factory=list)
+    # Speculation pipelined in depth-batched passes (runner/pipelined_speculation.py) only: per row, how many
+    # positions from num_computed_tokens on its block table covers in this step, which bounds the tokens it
+    # may have in flight. Empty: an ordinary step.
+    reserved: list[int] = dataclasses.field(default_factory=list)
 
     def without_finished(self) -> ScheduledBatch:
         """The batch without the rows of requests that finished since it was scheduled."""
@@ -258,7 +262,8 @@ class ScheduledBatch:
         """These rows of the batch, in order."""
         return ScheduledBatch([self.requests[i] for i in rows], [self.num_new_tokens[i] for i in rows],
                               [self.sample[i] for i in rows],
-                              [self.draft_lens[i] for i in rows] if self.draft_lens else [])
+                              [self.draft_lens[i] for i in rows] if self.draft_lens else [],
+                              [self.reserved[i] for i in rows] if self.reserved else [])
 
     @property
     def num_seqs(self) -> int:
@@ -370,7 +375,9 @@ class DepthStats:
     """A request's generated tokens under depth batching (Engine(depth_batching=True)), summed: the loops they
     ran, and the loop passes they spanned, from the pass each token started in to the one it finished in
     (one pass per loop, unless a row waited a step unscheduled). A pass runs every decode row's own next
-    loop, so the engine's passes (LoopStats.decode_passes) are fewer than the requests' loops together."""
+    loop, so the engine's passes (LoopStats.decode_passes) are fewer than the requests' loops together. Under
+    pipelined speculation a token's passes count from the later of its start and its predecessor's finish
+    (runner/pipelined_speculation.py), so an accepted draft's token counts d passes, not T."""
 
     tokens: int = 0
     loops: int = 0

@@ -96,15 +96,18 @@ class DepthPasses:
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs, requests: list[Request], loops: list[int],
-            carried: list[MidToken | None]) -> PassResult:
+            carried: list[MidToken | None], positions: list[int] | None = None) -> PassResult:
         """One pass over these decode rows (inputs: their one token each, runner/model_runner.py: prepare);
         loops[i]: the loops row i's request runs; carried[i]: its token's MidToken, None to start the token
-        at loop 0."""
+        at loop 0; positions[i]: row i's position (None: each request's num_computed_tokens; a request may
+        fill several rows at other positions, runner/pipelined_speculation.py)."""
         model, meta = self.model, inputs.meta
         self.stats.decode_passes += 1
         self.stats.decode_loops += len(requests)
         starting = [i for i, mid in enumerate(carried) if mid is None]
-        started = self._start(inputs, requests, starting) if starting else {}
+        if positions is None:
+            positions = [r.num_computed_tokens for r in requests]
+        started = self._start(inputs, requests, positions, starting) if starting else {}
         rows = [mid if mid is not None else started[i] for i, mid in enumerate(carried)]
         states = [row.state for row in rows]
         injections = [row.injection for row in rows] if model.prelude is not None else None
@@ -153,7 +156,8 @@ class DepthPasses:
         gate_of = self.model.exit_gate
         return h, gate_of(h) if gate_of is not None else h.new_zeros(h.shape[0])
 
-    def _start(self, inputs: StepInputs, requests: list[Request], starting: list[int]) -> dict[int, MidToken]:
+    def _start(self, inputs: StepInputs, requests: list[Request], positions: list[int],
+               starting: list[int]) -> dict[int, MidToken]:
         """The rows that start a token: loop 0's state (the embedding, a prelude's output, or the initial
         state the runner drew: inputs.hidden), a prelude's injection, and the exit rule's fresh memory."""
         model = self.model
@@ -177,7 +181,7 @@ class DepthPasses:
             rule.reset(len(starting), state)
             buffers = rule.buffers
         passes = self.stats.decode_passes
-        return {i: MidToken(requests[i].num_computed_tokens, requests[i].num_preemptions, 0, state[j],
+        return {i: MidToken(positions[i], requests[i].num_preemptions, 0, state[j],
                             None if injection is None else injection[j], [], [],
                             [buffer[j].clone() for buffer in buffers], passes)
                 for j, i in enumerate(starting)}

@@ -39,12 +39,13 @@ from model.looped import LoopedModel, LoopStates
 from request import DepthStats, Logprob, Request, ScheduledBatch, SpeculativeStats
 from runner.block_tables import BlockTables
 from runner.cuda_graph import DecodeGraphs
-from runner.depth_passes import DepthPasses, MidToken
+from runner.depth_passes import DepthPasses, MidToken, PassResult
 from runner.exit_rules import CriterionRows, ExitRule, GateCDFRows, RuleExit, check_readout
 from runner.host_to_device import upload
 from runner.initial_states import InitialStates
 from runner.loop_driver import EagerLoops, LoopStats, StepInputs, run_loops
 from runner.pass_graphs import PassGraphs
+from runner.pipelined_speculation import InFlight, PipelinedSpeculation
 from runner.piecewise_graphs import PiecewiseGraphs
 from runner.request_loops import RequestLoops
 from runner.sampler import logprob_dicts, logprobs_topn, process_logits, sample
@@ -73,11 +74,15 @@ class StepResult:
     # per row whose token finished, (the loops it ran, the passes it spanned)
     mid_tokens: dict[int, MidToken | None] = dataclasses.field(default_factory=dict)
     depth_tokens: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # Speculation pipelined in depth passes (runner/pipelined_speculation.py): per decode row, its request's
+    # tokens in flight after the pass ([] where none is)
+    in_flight: dict[int, list[InFlight]] = dataclasses.field(default_factory=dict)
 
     @property
     def mid_token_rows(self) -> frozenset[int]:
         """The rows whose token is still between its loops: they yield nothing this step."""
-        return frozenset(row for row, mid in self.mid_tokens.items() if mid is not None)
+        rows = {row for row, mid in self.mid_tokens.items() if mid is not None}
+        return frozenset(rows | {row for row in self.in_flight if self.tokens[row] is None})
 
     def take(self, rows: list[int], part: StepResult) -> None:
         """A step's part over these of its rows (part's row i is row rows[i]), into this result."""
@@ -85,7 +90,7 @@ class StepResult:
             if part.tokens[i] is not None:
                 self.tokens[row] = part.tokens[i]
         for field in ("errors", "traces", "logprobs", "prompt_logprobs", "warm", "mid_tokens",
-                      "depth_tokens"):
+                      "depth_tokens", "in_flight", "drafts"):
             into = getattr(self, field)
             for i, value in getattr(part, field).items():
                 into[rows[i]] = value
@@ -156,6 +161,10 @@ class ModelRunner:
                                  self.hook.readout_loop if self.hook is not None else self.loops - 1,
                                  config.continuous_compute is not None, self.loop_stats) \
             if config.depth_batching else None
+        # speculation pipelined in depth passes: request id -> its tokens in flight between passes
+        self.in_flight: dict[str, list[InFlight]] = {}
+        self.pipelined = PipelinedSpeculation(self, self.depth, config.draft_loops) \
+            if config.pipelines_speculation else None
         self.scratch_block = scratch_block
         if self.device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs:
             self._reserve_fused_workspace()
@@ -230,7 +239,8 @@ class ModelRunner:
     def pass_graphs(self) -> PassGraphs:
         """Depth batching's loop pass over static buffers (runner/pass_graphs.py), not captured yet: until its
         capture_all runs, DepthPasses given it runs the graphs' body eagerly."""
-        return PassGraphs(self.model, self.backend, self.config.max_num_seqs, self.block_tables.width,
+        rows = self.config.max_num_seqs * (self.config.speculative_tokens if self.config.speculative else 1)
+        return PassGraphs(self.model, self.backend, rows, self.block_tables.width,
                           self.config.block_size, self.scratch_block, self.device, self._shared_kv())
 
     @property
@@ -435,7 +445,8 @@ class ModelRunner:
         chosen = set(decode)
         others = [row for row in range(batch.num_seqs) if row not in chosen]
         if decode:
-            result.take(decode, self._depth_pass(batch.select(decode)))
+            run_pass = self._depth_pass if self.pipelined is None else self._pipelined_pass
+            result.take(decode, run_pass(batch.select(decode)))
         if others:
             result.take(others, self._run_loops_and_sample(batch.select(others)))
         return result
@@ -450,9 +461,27 @@ class ModelRunner:
         out = self.depth.run(inputs, requests, [self.loops_of(r) for r in requests], carried)
         result = StepResult([None] * batch.num_seqs)
         result.mid_tokens = dict(enumerate(out.carried))
-        if not out.finished:
-            return result
-        finished = batch.select(out.finished)
+        if out.finished:
+            result.take(out.finished, self.sample_finished(batch.select(out.finished), out))
+        return result
+
+    def _pipelined_pass(self, batch: ScheduledBatch) -> StepResult:
+        """One loop pass over decode rows with their tokens in flight (runner/pipelined_speculation.py)."""
+        result = StepResult([None] * batch.num_seqs)
+        self.pipelined.run(batch, result)
+        return result
+
+    def finished_readout(self, finished: ScheduledBatch, states: LoopStates
+                         ) -> tuple[torch.Tensor, list[LoopTrace | None]]:
+        """The raw readout logits [F, V] (fp32) of a pass's finished rows (`finished`, states in order), and
+        their traces where asked for."""
+        rows = list(range(finished.num_seqs))
+        return self._readout(states, self._readout_policies(finished, rows),
+                             [r.params.loop_trace for r in finished.requests], finished.requests)
+
+    def sample_finished(self, finished: ScheduledBatch, out: PassResult) -> StepResult:
+        """A pass's finished tokens (their rows: `finished`, in out.finished's order) read out and sampled,
+        with their warm starts and (loops run, passes spanned)."""
         part = StepResult([None] * finished.num_seqs)
         if out.states.final is not None:
             self._warm_starts(finished, out.states.final, part)
@@ -462,8 +491,7 @@ class ModelRunner:
                            sampling)
         part.depth_tokens = {i: (loops, passes) for i, (loops, passes)
                              in enumerate(zip(out.loops_run, out.passes))}
-        result.take(out.finished, part)
-        return result
+        return part
 
     def _run_loops_and_sample(self, batch: ScheduledBatch, previous: LaunchedStep | None = None,
                               on_device: bool = False) -> StepResult:
@@ -565,6 +593,12 @@ class ModelRunner:
                 self.mid_tokens.pop(request.request_id, None)
             else:
                 self.mid_tokens[request.request_id] = mid
+        for row, chain in result.in_flight.items():
+            request = staged.batch.requests[row]
+            if chain and not request.is_finished:
+                self.in_flight[request.request_id] = chain
+            else:
+                self.in_flight.pop(request.request_id, None)
         for row, (loops, passes) in result.depth_tokens.items():
             if appended[row] > 0:
                 request = staged.batch.requests[row]
@@ -771,6 +805,7 @@ class ModelRunner:
         block-table rows."""
         self.generators.pop(request.request_id, None)
         self.mid_tokens.pop(request.request_id, None)
+        self.in_flight.pop(request.request_id, None)
         if self.initial_states is not None:
             self.initial_states.release(request.request_id)
         self.block_tables.release(request)

@@ -141,11 +141,15 @@ class Scheduler:
         detokenizer: Detokenizer,
         num_speculative_tokens: int = 0,
         admission: str = "reserve",
+        pipelined: bool = False,
     ) -> None:
         """admission: "greedy" admits a waiting request whenever its next chunk fits, and preempts when the
         running requests outgrow the pool (vLLM's rule); "reserve" admits one only if the free blocks also
         cover what the running requests and it are expected to claim (RESERVE_* above), so that a
-        recompute of all T loops is rarely needed."""
+        recompute of all T loops is rarely needed. pipelined: speculation runs pipelined in depth-batched
+        passes (runner/pipelined_speculation.py): decode rows reserve the positions of up to k tokens in
+        flight as above (ScheduledBatch.reserved says how many), each step appends at most one token a row,
+        and no step is a speculative one."""
         for name, value in [
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -163,6 +167,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.detokenizer = detokenizer
         self.num_speculative_tokens = num_speculative_tokens  # k: the most drafts per decode row and step
+        self.pipelined = pipelined
         # Under early:Q and kv_sharing="last" a generated token must finish its loops before the next one
         # starts, so a recomputed request replays its generated tokens one per step, after its prompt.
         self.replay_generated_singly = block_manager.layout.replay_generated_singly
@@ -249,12 +254,13 @@ class Scheduler:
             self.reserve_ratio = RESERVE_INIT if preempted else max(
                 RESERVE_FLOOR, self.reserve_ratio - (RESERVE_INIT - RESERVE_FLOOR) / RESERVE_DECAY_STEPS)
         # Speculative only when every row decodes (a prefill chunk runs every loop of its tokens anyway).
-        speculative = bool(rows) and len(drafts) == len(rows)
+        speculative = bool(rows) and len(drafts) == len(rows) and not self.pipelined
         return ScheduledBatch(
             requests=list(rows),
             num_new_tokens=list(rows.values()),
             sample=[r.num_computed_tokens + n == r.num_tokens for r, n in rows.items()],
             draft_lens=[drafts[r] for r in rows] if speculative else [],
+            reserved=[drafts.get(r, n) for r, n in rows.items()] if self.pipelined else [],
         )
 
     def _draft_len(self, request: Request, budget: int) -> int:

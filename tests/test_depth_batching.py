@@ -283,7 +283,6 @@ def test_triton_backend_gives_the_lockstep_tokens(tiny_checkpoint, engine_args):
 
 
 @pytest.mark.parametrize("option, name", [
-    (dict(speculative="loops:1"), "speculative='loops:1'"),
     (dict(kv_cache_dtype="kvarn_k4v2_g64", block_size=64), "kv_cache_dtype='kvarn_k4v2_g64'"),
     (dict(async_scheduling=True), "async_scheduling=True"),
 ])

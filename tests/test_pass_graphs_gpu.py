@@ -1,12 +1,12 @@
 """CUDA-only: depth batching with captured loop passes (runner/pass_graphs.py). Every decode pass replays its
 bucket's graph, and a request's tokens are those of the eager depth-batched engine and of the lockstep
 engine, under full depth and early:0.5 with mixed exits (fp32, the Triton backend), over kv_sharing="last"
-and an fp8 cache, for Huginn; in deterministic mode bit for bit. The same code without the capture runs on
-CPU in tests/test_pass_graphs.py."""
+and an fp8 cache, for Huginn; in deterministic mode bit for bit; pipelined self-speculation's passes too.
+The same code without the capture runs on CPU in tests/test_pass_graphs.py."""
 
 import pytest
 
-from engine import Engine
+from engine import DEFAULT_MODEL, Engine
 from tests.test_depth_batching import HUGINN, HUGINN_PROMPTS, PROMPTS, assert_same_completions, greedy
 
 pytestmark = pytest.mark.gpu
@@ -87,3 +87,17 @@ def test_start_line_says_what_is_captured(tiny_checkpoint, capsys):
     line = capsys.readouterr().err
     assert "depth_batching (CUDA graphs: a loop pass's layer stack, 3 batch sizes up to 4;" in line
     assert "prompt steps: piecewise graphs)" in line
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_replayed_pipelined_speculation_gives_plain_tokens(d):
+    """Pipelined self-speculation (runner/pipelined_speculation.py): verifying and drafting rows of one
+    request replay one bucket's graph, each at its own slot offset; the trained tiny model accepts most
+    drafts. The tokens are the eager pipelined engine's and the lockstep engine's without speculation."""
+    params = greedy(max_tokens=12)
+    spec = {"speculative": f"loops:{d}", "loops": 4}
+    graphs, stats = run(DEFAULT_MODEL, FIVE_PROMPTS, params, True, False, **spec)
+    eager, _ = run(DEFAULT_MODEL, FIVE_PROMPTS, params, True, True, **spec)
+    plain, _ = run(DEFAULT_MODEL, FIVE_PROMPTS, params, False, False, loops=4)
+    assert [c.token_ids for c in graphs] == [c.token_ids for c in eager] == [c.token_ids for c in plain]
+    assert sum(c.depth.passes for c in graphs) < 4 * sum(c.depth.tokens for c in graphs)

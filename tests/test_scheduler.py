@@ -689,3 +689,26 @@ def test_the_reserve_ratio_decays_per_step_to_its_floor_and_returns_to_its_start
 def test_an_unknown_admission_policy_is_named():
     with pytest.raises(ValueError, match="admission must be one of reserve, greedy"):
         Scheduler(BlockManager(8), 4, 16, 64, Letters(), admission="fifo")
+
+
+def test_pipelined_speculation_reserves_tokens_in_flight_without_speculative_steps():
+    """Scheduler(pipelined=True) (runner/pipelined_speculation.py): a decode row reserves the positions of up
+    to k tokens in flight (fewer where max_tokens leaves less room), says how many in ScheduledBatch.reserved,
+    and its step is never a speculative one; a row left mid-token is scheduled again with its reservation."""
+    bm = BlockManager(64, 4, True)
+    scheduler = Scheduler(bm, 8, 32, 256, Letters(), num_speculative_tokens=4, admission="greedy",
+                          pipelined=True)
+    short, long = make_request("short", [1, 2, 3, 4, 5], max_tokens=3), make_request("long", [6, 7, 8])
+    scheduler.add(short)
+    scheduler.add(long)
+    batch = scheduler.schedule()
+    assert batch.reserved == [5, 3] and batch.draft_lens == []  # prompt chunks reserve their own tokens
+    scheduler.update(batch, [9, 10])
+    batch = scheduler.schedule()
+    assert batch.num_new_tokens == [1, 1] and batch.draft_lens == []
+    assert batch.reserved == [2, 4]  # short: two more tokens to go; long: k
+    assert len(short.block_table) == bm.num_blocks_for(short.num_computed_tokens + 2)
+    assert len(long.block_table) == bm.num_blocks_for(long.num_computed_tokens + 4)
+    scheduler.update(batch, [None, None], mid_token=frozenset({0, 1}))
+    again = scheduler.schedule()
+    assert again.reserved == [2, 4] and [r.num_computed_tokens for r in again.requests] == [5, 3]

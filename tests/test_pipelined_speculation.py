@@ -1,0 +1,264 @@
+"""Self-speculation pipelined in depth-batched passes (Engine(depth_batching=True, speculative="loops:d"),
+runner/pipelined_speculation.py): greedy tokens equal plain decoding's for d = 1, 2, 3 of 4 loops, with
+drafts accepted (the trained tiny model) and rejected (random weights), chunked prefill, staggered arrivals,
+stops and max_tokens inside a run of tokens in flight, an abort and preemption (no block or token in flight
+left behind); the stats count verifications and passes per token; what it does not take yet is refused by
+name. All on CPU, fp32, the torch backend."""
+
+import math
+
+import pytest
+
+from engine import DEFAULT_MODEL, Engine, SamplingParams
+from tests.conftest import ROOT
+from tests.test_step_faults import Faults, drive as drive_workload, small_engine, summary, workload
+from tests.test_step_faults import assert_clean as assert_released
+
+PROMPTS = ["12+7=19\n31+5=", "Hello", "4821+337=5158\n96+4=100\n7+", "0123456789 + - * / = 42"]
+NEW_TOKENS = 10
+TRAINED = DEFAULT_MODEL
+LOOPS = 4
+
+
+def greedy(**extra) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": NEW_TOKENS, "ignore_eos": True, **extra})
+
+
+def engine_of(checkpoint, pipelined: bool, d: int = 2, **engine_args) -> Engine:
+    """Chunked prefill (12 tokens a step): prompt chunks and decode rows share steps."""
+    if pipelined:
+        engine_args = {"depth_batching": True, "speculative": f"loops:{d}", **engine_args}
+    engine_args = {"device": "cpu", "dtype": "float32", "max_num_batched_tokens": 12, "verbose": False,
+                   "loops": LOOPS, **engine_args}
+    return Engine(checkpoint, **engine_args)
+
+
+def assert_clean(engine: Engine) -> None:
+    """Nothing in flight, no block held."""
+    assert not engine.runner.in_flight and not engine.runner.mid_tokens
+    assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def run(checkpoint, params, pipelined: bool, prompts=PROMPTS, d: int = 2, **engine_args):
+    with engine_of(checkpoint, pipelined, d, **engine_args) as engine:
+        outputs = [o.outputs[0] for o in engine.generate(prompts, params, use_tqdm=False)]
+        stats = engine.speculative_stats
+        preemptions = engine.scheduler.num_preemptions
+        assert_clean(engine)
+    return outputs, stats, preemptions
+
+
+@pytest.fixture(scope="module")
+def plain():
+    outputs, _, _ = run(TRAINED, greedy(), False)
+    return [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_greedy_tokens_equal_plain_decoding(plain, d):
+    outputs, stats, _ = run(TRAINED, greedy(), True, d=d)
+    assert [o.token_ids for o in outputs] == plain
+    assert 0 < stats.num_accepted <= stats.num_drafted  # the trained model's drafts are mostly accepted
+    for out in outputs:
+        # the first token comes from the prompt's last chunk; the others from passes
+        assert out.depth.tokens == NEW_TOKENS - 1 and out.depth.loops_per_token == LOOPS
+        assert out.speculative is not None and out.speculative.num_drafted > 0
+    # tokens in flight overlap: fewer passes a token than loops (d a token when every draft is accepted)
+    assert sum(o.depth.passes for o in outputs) < LOOPS * sum(o.depth.tokens for o in outputs)
+    assert all(o.depth.passes_per_token >= d for o in outputs)
+
+
+@pytest.mark.parametrize("policy", ["step:1", "weighted", "threshold:0.5"])
+def test_readout_policies_and_logprobs_as_plain_decoding(policy):
+    """A finished token reads out under the request's policy from all its loops' states, the loops it ran as
+    a draft included; its logprobs are plain decoding's, to fp32 rounding."""
+    params = greedy(exit_policy=policy, logprobs=2, max_tokens=6)
+    base, _, _ = run(TRAINED, params, False, prompts=PROMPTS[:2])
+    outputs, stats, _ = run(TRAINED, params, True, prompts=PROMPTS[:2])
+    assert stats.num_drafted > 0
+    for want, got in zip(base, outputs, strict=True):
+        assert got.token_ids == want.token_ids
+        for w, g in zip(want.logprobs, got.logprobs, strict=True):
+            assert list(g) == list(w)
+            assert all(abs(g[t].logprob - w[t].logprob) <= 1e-4 for t in w)
+
+
+def test_drafts_are_both_accepted_and_rejected_on_the_trained_model(plain):
+    _, stats, _ = run(TRAINED, greedy(), True, d=1)
+    assert 0 < stats.num_accepted < stats.num_drafted
+
+
+def test_random_weights_reject_and_still_equal(tiny_checkpoint):
+    """Random weights: loop d-1's readout rarely agrees with the full model's, so nearly every draft is
+    discarded, with its K/V, and the request goes on from the corrected token."""
+    base, _, _ = run(tiny_checkpoint, greedy(), False, prompts=PROMPTS[:3])
+    outputs, stats, _ = run(tiny_checkpoint, greedy(), True, prompts=PROMPTS[:3])
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in base]
+    assert stats.num_drafted > 0 and stats.num_accepted < stats.num_drafted / 4
+
+
+def test_stops_and_max_tokens_inside_tokens_in_flight(plain):
+    """A stop token, or max_tokens, reached while drafts are in flight ends the sequence there, as plain
+    decoding ends it; the drafts behind it go with the request."""
+    params = [greedy(max_tokens=1), greedy(max_tokens=3), greedy(stop_token_ids=[plain[2][5]]),
+              greedy(max_tokens=6)]
+    base, _, _ = run(TRAINED, params, False)
+    outputs, _, _ = run(TRAINED, params, True)
+    for want, got in zip(base, outputs, strict=True):
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
+            (want.token_ids, want.text, want.finish_reason, want.stop_reason)
+    assert len(outputs[1].token_ids) == 3 and outputs[2].finish_reason == "stop"
+
+
+def drive(engine: Engine, arrivals: dict[int, list[str]], abort_when=None) -> dict[str, list[int]]:
+    """Add each step's arrivals, step until done; abort_when(engine) -> a request id to abort now (or None).
+    The tokens of every request that finished without an abort."""
+    tokens, step = {}, 0
+    while engine.has_unfinished() or step <= max(arrivals):
+        for prompt in arrivals.get(step, []):
+            engine.add_request(prompt, greedy(), request_id=prompt)
+        if abort_when is not None and (victim := abort_when(engine)) is not None:
+            engine.abort(victim)
+        for out in engine.step():
+            if out.finished and out.outputs[0].finish_reason != "abort":
+                tokens[out.request_id] = out.outputs[0].token_ids
+        step += 1
+        assert step < 400
+    return tokens
+
+
+def test_staggered_arrivals_and_an_abort_mid_flight_keep_tokens_and_leak_nothing(plain):
+    """Requests arrive while others have tokens in flight; one is aborted while it has two in flight: its
+    blocks and tokens in flight go, and the others' tokens are plain decoding's."""
+    arrivals = {0: [PROMPTS[0]], 2: [PROMPTS[1]], 5: [PROMPTS[2], PROMPTS[3]]}
+    aborted = []
+
+    def abort_when(engine):
+        chain = engine.runner.in_flight.get(PROMPTS[1])
+        if not aborted and chain is not None and len(chain) > 1:
+            aborted.append(PROMPTS[1])
+            return PROMPTS[1]
+        return None
+
+    with engine_of(TRAINED, True) as engine:
+        tokens = drive(engine, arrivals, abort_when)
+        assert_clean(engine)
+    assert aborted and PROMPTS[1] not in tokens
+    assert tokens == {p: plain[i] for i, p in enumerate(PROMPTS) if i != 1}
+
+
+def test_preemption_drops_tokens_in_flight_and_keeps_greedy_tokens():
+    """A pool too small for every sequence at once preempts: a preempted request's tokens in flight are
+    dropped and its recompute starts at loop 0; no block is left behind and the tokens stay plain's."""
+    prefix = "A long prefix shared by every request, long enough to fill blocks: "
+    prompts = [prefix + p for p in PROMPTS]
+    params = greedy(max_tokens=20)
+    small = {"num_kv_blocks": 20, "block_size": 4, "admission": "greedy"}
+    base, _, _ = run(TRAINED, params, False, prompts=prompts, **small)
+    outputs, stats, preemptions = run(TRAINED, params, True, prompts=prompts, **small)
+    assert preemptions > 0 and stats.num_accepted > 0
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in base]
+
+
+@pytest.mark.parametrize("engine_args, names", [
+    ({"kv_layout": "latest"}, ["depth_batching=True", "speculative='loops:2'", "kv_layout='latest'"]),
+    ({"exit_policy": "early:0.5"}, ["speculative='loops:2'", "exit_policy='early:0.5'"]),  # as today's
+])
+def test_unsupported_engine_options_are_refused_by_name(engine_args, names):
+    with pytest.raises(ValueError) as err:
+        engine_of(TRAINED, True, **engine_args)
+    assert all(name in str(err.value) for name in names)
+
+
+def test_huginn_is_refused_by_name():
+    with pytest.raises(ValueError) as err:
+        engine_of(ROOT / "model" / "checkpoints" / "tiny-huginn", True, loops=None)
+    assert "depth_batching=True" in str(err.value) and "speculative='loops:2'" in str(err.value)
+    assert "Huginn" in str(err.value)
+
+
+def test_sampled_output_follows_the_plain_distribution():
+    """Seeded sampling: a finished token with a sampled draft behind it is that draft, accepted with
+    probability min(1, p/q), else a draw from the residual (runner/speculative.py's rule). Three sampled
+    tokens (top_k=2: 8 outcomes) of 480 sequences, pipelined against plain decoding, as a two-sample
+    chi-square test of homogeneity; drafts are both accepted and rejected. Seeds make it deterministic."""
+    params = SamplingParams(temperature=1.5, top_k=2, max_tokens=3, ignore_eos=True, n=480, seed=7)
+
+    def histogram(pipelined: bool):
+        sizes = {"max_num_seqs": 256, "max_num_batched_tokens": 512}
+        with engine_of(TRAINED, pipelined, d=1, **sizes) as engine:
+            out = engine.generate(["Hello"], params, use_tqdm=False)[0]
+            stats = engine.speculative_stats
+            assert_clean(engine)
+        counts: dict[tuple[int, ...], int] = {}
+        for completion in out.outputs:
+            key = tuple(completion.token_ids)
+            counts[key] = counts.get(key, 0) + 1
+        return counts, stats
+
+    base, _ = histogram(False)
+    spec, stats = histogram(True)
+    assert 0 < stats.num_accepted < stats.num_drafted
+    outcomes = sorted(set(base) | set(spec))
+    assert len(outcomes) > 2
+    chi2 = 0.0
+    for outcome in outcomes:
+        a, b = base.get(outcome, 0), spec.get(outcome, 0)
+        expected = (a + b) / 2
+        chi2 += (a - expected) ** 2 / expected + (b - expected) ** 2 / expected
+    dof = len(outcomes) - 1
+    # Wilson-Hilferty: the chi-square 0.999 quantile for dof degrees of freedom.
+    quantile = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < quantile
+
+
+def test_pass_graphs_static_path_carries_both_phases_and_keeps_tokens(plain):
+    """The loop pass's static buffers (runner/pass_graphs.py, the code a CUDA capture records, run eagerly
+    here) take a pipelined pass as any other: verifying and drafting rows of one request in one call, each at
+    its own slot offset; every pass goes through them, and the tokens stay plain decoding's."""
+    sizes = []
+    with engine_of(TRAINED, True) as engine:
+        graphs = engine.runner.pass_graphs()
+        engine.runner.depth.graphs = graphs
+        run_pass = graphs.run
+
+        def recorded(states, *args):
+            sizes.append(len(states))
+            return run_pass(states, *args)
+
+        graphs.run = recorded
+        outputs = [o.outputs[0] for o in engine.generate(PROMPTS, greedy(), use_tqdm=False)]
+        assert graphs.passes == len(sizes) == engine.loop_stats.decode_passes and graphs.replays == 0
+        assert_clean(engine)
+    assert [o.token_ids for o in outputs] == plain
+    assert max(sizes) > len(PROMPTS)  # more rows than requests: tokens in flight shared passes
+
+
+# the hook points a decode pass reaches (a pass reads out and samples; the step's outcome is decided, applied
+# and committed; a finished request is released); tests/test_step_faults.py covers the rest of a step
+PASS_HOOKS = ["readout", "sample", "decide", "apply", "commit", "release"]
+
+
+@pytest.mark.parametrize("hook", PASS_HOOKS)
+def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatch, hook):
+    """tests/test_step_faults.py's workload (preemption, logprobs, prompt logprobs, a trace, a stop string, a
+    seeded row): a KeyboardInterrupt at a hook point of a step with tokens in flight applies nothing of it
+    (the tokens in flight stay as they were, the seeded generator too), and stepping on gives the outputs of
+    a pipelined run without faults."""
+    stop = "e"
+    options = {"depth_batching": True, "speculative": "loops:2"}
+    with small_engine(tiny_checkpoint, **options) as engine:
+        drive_workload(engine, workload(stop))
+        expected, _ = drive_workload(engine, workload(stop))
+    with small_engine(tiny_checkpoint, **options) as engine:
+        faults = Faults(engine, monkeypatch)
+        drive_workload(engine, workload(stop))  # fills the prefix cache as the next runs find it
+        faults.calls.clear()
+        drive_workload(engine, workload(stop))
+        counts = dict(faults.calls)
+        faults.armed = (hook, -(-counts[hook] // 2))
+        outputs, interrupts = drive_workload(engine, workload(stop))
+        assert interrupts == 1 and faults.armed is None
+        assert {i: summary(o) for i, o in outputs.items()} == {i: summary(o) for i, o in expected.items()}
+        assert_released(engine)
+        assert not engine.runner.in_flight and engine.speculative_stats.num_drafted > 0
