@@ -28,15 +28,7 @@ def run(checkpoint, prompts, params, static: bool, **engine_args):
     sizes = []
     with Engine(checkpoint, depth_batching=True, **engine_args) as engine:
         if static:
-            graphs = engine.runner.pass_graphs()
-            engine.runner.depth.graphs = graphs
-            run_pass = graphs.run
-
-            def recorded(states, *args):
-                sizes.append(len(states))
-                return run_pass(states, *args)
-
-            graphs.run = recorded
+            graphs = static_pass_graphs(engine, sizes)
         outputs = engine.generate(prompts, params, use_tqdm=False)
         if static:
             assert graphs.passes == len(sizes) == engine.loop_stats.decode_passes and graphs.replays == 0
@@ -127,3 +119,18 @@ def test_triton_decode_kernel_over_the_static_buffers_gives_the_eager_pass_token
     _, sizes = static_against_eager(tiny_checkpoint, PROMPTS[:3], greedy(max_tokens=5), loops=3,
                                     exit_policy="early:0.5", attention="triton", kv_sharing="last")
     assert 3 in sizes
+
+
+def static_pass_graphs(engine: Engine, sizes: list[int]):
+    """The engine's loop passes through the pass graphs' static buffers, uncaptured (runner/pass_graphs.py),
+    each pass's row count appended to `sizes`; the PassGraphs."""
+    graphs = engine.runner.pass_graphs()
+    engine.runner.depth.graphs = graphs
+    run_pass = graphs.run
+
+    def recorded(states, *args):
+        sizes.append(len(states))
+        return run_pass(states, *args)
+
+    graphs.run = recorded
+    return graphs

@@ -5,11 +5,12 @@ stops and max_tokens inside a run of tokens in flight, an abort and preemption (
 left behind); the stats count verifications and passes per token; what it does not take yet is refused by
 name. All on CPU, fp32, the torch backend."""
 
-import math
 
 import pytest
 
 from engine import DEFAULT_MODEL, Engine, SamplingParams
+from tests.test_pass_graphs import static_pass_graphs
+from tests.test_speculative import assert_same_distribution
 from tests.conftest import ROOT
 from tests.test_step_faults import Faults, drive as drive_workload, small_engine, summary, workload
 from tests.test_step_faults import assert_clean as assert_released
@@ -199,17 +200,7 @@ def test_sampled_output_follows_the_plain_distribution():
     base, _ = histogram(False)
     spec, stats = histogram(True)
     assert 0 < stats.num_accepted < stats.num_drafted
-    outcomes = sorted(set(base) | set(spec))
-    assert len(outcomes) > 2
-    chi2 = 0.0
-    for outcome in outcomes:
-        a, b = base.get(outcome, 0), spec.get(outcome, 0)
-        expected = (a + b) / 2
-        chi2 += (a - expected) ** 2 / expected + (b - expected) ** 2 / expected
-    dof = len(outcomes) - 1
-    # Wilson-Hilferty: the chi-square 0.999 quantile for dof degrees of freedom.
-    quantile = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
-    assert chi2 < quantile
+    assert_same_distribution(base, spec)
 
 
 def test_pass_graphs_static_path_carries_both_phases_and_keeps_tokens(plain):
@@ -218,15 +209,7 @@ def test_pass_graphs_static_path_carries_both_phases_and_keeps_tokens(plain):
     its own slot offset; every pass goes through them, and the tokens stay plain decoding's."""
     sizes = []
     with engine_of(TRAINED, True) as engine:
-        graphs = engine.runner.pass_graphs()
-        engine.runner.depth.graphs = graphs
-        run_pass = graphs.run
-
-        def recorded(states, *args):
-            sizes.append(len(states))
-            return run_pass(states, *args)
-
-        graphs.run = recorded
+        graphs = static_pass_graphs(engine, sizes)
         outputs = [o.outputs[0] for o in engine.generate(PROMPTS, greedy(), use_tqdm=False)]
         assert graphs.passes == len(sizes) == engine.loop_stats.decode_passes and graphs.replays == 0
         assert_clean(engine)

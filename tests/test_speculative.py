@@ -194,17 +194,7 @@ def test_sampled_engine_output_follows_the_non_speculative_distribution(tiny_che
 
     base = histogram()
     spec = histogram(speculative="loops:1", num_speculative_tokens=2)
-    outcomes = sorted(set(base) | set(spec))
-    assert len(outcomes) > 2
-    chi2 = 0.0
-    for outcome in outcomes:
-        a, b = base.get(outcome, 0), spec.get(outcome, 0)
-        expected = (a + b) / 2
-        chi2 += (a - expected) ** 2 / expected + (b - expected) ** 2 / expected
-    dof = len(outcomes) - 1
-    # Wilson-Hilferty: the chi-square 0.999 quantile for dof degrees of freedom.
-    quantile = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
-    assert chi2 < quantile
+    assert_same_distribution(base, spec)
 
 
 def test_stats_per_position():
@@ -299,3 +289,19 @@ def test_a_failing_speculative_step_falls_back_and_isolates_the_row(monkeypatch)
     assert done[bad].finish_reason == "error" and "injected sampling failure" in done[bad].error
     assert len(done[bad].token_ids) == 1  # its prefill token, before any speculative step
     assert done[good].token_ids == base[0].token_ids
+
+
+def assert_same_distribution(base: dict, spec: dict) -> None:
+    """Two histograms of outcomes (outcome -> count, the same number of draws each) pass a chi-square test of
+    one distribution at the 0.999 level, over more than two outcomes."""
+    outcomes = sorted(set(base) | set(spec))
+    assert len(outcomes) > 2
+    chi2 = 0.0
+    for outcome in outcomes:
+        a, b = base.get(outcome, 0), spec.get(outcome, 0)
+        expected = (a + b) / 2
+        chi2 += (a - expected) ** 2 / expected + (b - expected) ** 2 / expected
+    dof = len(outcomes) - 1
+    # Wilson-Hilferty: the chi-square 0.999 quantile for dof degrees of freedom.
+    quantile = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < quantile
