@@ -35,24 +35,44 @@ from cache.layout import KVLayout
 from model.looped import LoopedModel, LoopStates, StepContext
 from request import Request
 from runner.exit_rules import ExitRule
+from runner.host_to_device import to_device, upload
 from runner.loop_driver import LoopStats, StepInputs
 from runner.pass_graphs import PassGraphs
 
 
 @dataclasses.dataclass(slots=True)
+class PassRows:
+    """Per-row tensors of a set of rows between passes, one row per token: the loop input `state` [n, H], a
+    prelude's `injection` [n, H] (Huginn; None without a prelude), each loop's output `hidden` [n, T, H] and
+    exit gate logit `gates` [n, T] (0 for a model without a gate; loops not run yet hold zeros and NaN), and
+    the exit rule's per-row buffers `memory` (ExitRule.buffers, [n, ...] each; [] without a rule). A pass
+    gathers its rows out of these (a row's MidToken names its PassRows and index), so a pass costs the same
+    few tensor operations whatever its row count."""
+
+    state: torch.Tensor
+    injection: torch.Tensor | None
+    hidden: torch.Tensor
+    gates: torch.Tensor
+    memory: list[torch.Tensor]
+
+
+@dataclasses.dataclass(slots=True)
 class MidToken:
-    """A generated token between loop passes. It belongs to its request's position `position` as long as the
-    request was not preempted since (`preemptions`); a preempted request restarts the token at loop 0."""
+    """A generated token between loop passes: row `index` of `rows`. It belongs to its request's position
+    `position` as long as the request was not preempted since (`preemptions`); a preempted request restarts
+    the token at loop 0."""
 
     position: int
     preemptions: int
     loop: int  # the loop its next pass runs
-    state: torch.Tensor  # [H]: that loop's input
-    injection: torch.Tensor | None  # [H]: a prelude's output, which every loop of the token reads (Huginn)
-    hidden: list[torch.Tensor]  # per loop run, its output [H]
-    gates: list[torch.Tensor]  # per loop run, its exit gate logit [] (0 for a model without a gate)
-    memory: list[torch.Tensor]  # its row of each exit rule buffer (ExitRule.buffers); [] without a rule
     first_pass: int  # LoopStats.decode_passes of the pass it started in
+    rows: PassRows
+    index: int
+
+    @property
+    def state(self) -> torch.Tensor:
+        """[H]: the input of its next loop (the output of the last loop it ran)."""
+        return self.rows.state[self.index]
 
     def continues(self, request: Request) -> bool:
         """Is this the token the request computes next, never preempted since it started?"""
@@ -101,63 +121,90 @@ class DepthPasses:
         loops[i]: the loops row i's request runs; carried[i]: its token's MidToken, None to start the token
         at loop 0; positions[i]: row i's position (None: each request's num_computed_tokens; a request may
         fill several rows at other positions, runner/pipelined_speculation.py)."""
-        model, meta = self.model, inputs.meta
+        meta, n = inputs.meta, len(requests)
         self.stats.decode_passes += 1
-        self.stats.decode_loops += len(requests)
-        starting = [i for i, mid in enumerate(carried) if mid is None]
+        self.stats.decode_loops += n
+        passes = self.stats.decode_passes
         if positions is None:
             positions = [r.num_computed_tokens for r in requests]
-        started = self._start(inputs, requests, positions, starting) if starting else {}
-        rows = [mid if mid is not None else started[i] for i, mid in enumerate(carried)]
-        states = [row.state for row in rows]
-        injections = [row.injection for row in rows] if model.prelude is not None else None
-        slot_map = model.slot_map
-        offsets = [slot_map.slot(row.loop, 0) - slot_map.slot(0, 0) for row in rows]
+        starting = [i for i, mid in enumerate(carried) if mid is None]
+        fresh = self._start(inputs, starting) if starting else None
+        seat = iter(range(len(starting)))
+        where = [(fresh, next(seat)) if mid is None else (mid.rows, mid.index) for mid in carried]
+        rows = self._gather(where, meta.slot_mapping.device)
+        ran = [0 if mid is None else mid.loop for mid in carried]  # the loop each row runs now
+        slot_map = self.model.slot_map
+        offsets = [slot_map.slot(loop, 0) - slot_map.slot(0, 0) for loop in ran]
         graphs = self.graphs
-        if graphs is not None and graphs.bucket_for(len(rows)):
-            h, gate = graphs.run(states, injections, inputs.positions, meta, offsets)
+        if graphs is not None and graphs.bucket_for(n):
+            h, gate = graphs.run(rows.state, rows.injection, inputs.positions, meta, offsets)
         else:
-            h, gate = self._eager_pass(states, injections, inputs.positions, meta, offsets)
+            h, gate = self._eager_pass(rows.state, rows.injection, inputs.positions, meta, offsets)
+        loop_index = to_device(torch.tensor(ran, dtype=torch.int64), h.device)
+        every = torch.arange(n, device=h.device)
+        rows.hidden[every, loop_index] = h
+        rows.gates[every, loop_index] = gate.to(rows.gates.dtype)
+        after = PassRows(h, rows.injection, rows.hidden, rows.gates, rows.memory)
         # what a coda reads (an exit check's readout, the finished rows' readout)
-        context = self._context(inputs.positions, h.dtype, injections) if model.coda is not None else None
-        memory = [list(row.memory) for row in rows]
-        done = {i for i, row in enumerate(rows) if row.loop == loops[i] - 1}
-        done |= self._exits(rows, done, h, gate, memory, meta, context)
+        context = self._context(inputs.positions, h.dtype, rows.injection) if self.model.coda is not None \
+            else None
+        done = {i for i in range(n) if ran[i] == loops[i] - 1}
+        done |= self._exits(ran, done, after, gate, meta, context)
         finished = sorted(done)
-        self._copy_forward([i for i in finished if rows[i].loop < self.loops - 1], rows, meta)
+        self._copy_forward([i for i in finished if ran[i] < self.loops - 1], ran, meta)
         self.stats.decode_tokens += len(finished)
-        out = []
-        for i, row in enumerate(rows):
-            out.append(None if i in done else dataclasses.replace(
-                row, loop=row.loop + 1, state=h[i], hidden=row.hidden + [h[i]], gates=row.gates + [gate[i]],
-                memory=memory[i]))
-        states = self._finished_states(finished, rows, h, gate, meta, context) if finished else None
-        return PassResult(out, finished, [rows[i].loop + 1 for i in finished],
-                          [self.stats.decode_passes - rows[i].first_pass + 1 for i in finished], states)
+        out = [None if i in done else
+               MidToken(positions[i], requests[i].num_preemptions if mid is None else mid.preemptions,
+                        ran[i] + 1, passes if mid is None else mid.first_pass, after, i)
+               for i, mid in enumerate(carried)]
+        states = self._finished_states(finished, ran, after, meta, context) if finished else None
+        first = [passes if carried[i] is None else carried[i].first_pass for i in finished]
+        return PassResult(out, finished, [ran[i] + 1 for i in finished],
+                          [passes - start + 1 for start in first], states)
 
-    def _context(self, positions: torch.Tensor, dtype: torch.dtype,
-                 injections: list[torch.Tensor] | None) -> StepContext:
+    @staticmethod
+    def _gather(where: list[tuple[PassRows, int]], device: torch.device) -> PassRows:
+        """The pass's rows, in order, out of the PassRows they come from (row i: where[i]): fresh tensors,
+        so a pass never writes those its MidTokens hold (a failed step leaves them as they were)."""
+        sources: dict[int, int] = {}  # id of a PassRows -> its first row in the concatenation
+        parts: list[PassRows] = []
+        order = []
+        for source, index in where:
+            first = sources.get(id(source))
+            if first is None:
+                first = sources[id(source)] = sum(part.state.shape[0] for part in parts)
+                parts.append(source)
+            order.append(first + index)
+        index = to_device(torch.tensor(order, dtype=torch.int64), device)
+
+        def rows(field: list[torch.Tensor]) -> torch.Tensor:
+            return (field[0] if len(field) == 1 else torch.cat(field))[index]
+
+        return PassRows(rows([p.state for p in parts]),
+                        None if parts[0].injection is None else rows([p.injection for p in parts]),
+                        rows([p.hidden for p in parts]), rows([p.gates for p in parts]),
+                        [rows([p.memory[b] for p in parts]) for b in range(len(parts[0].memory))])
+
+    def _context(self, positions: torch.Tensor, dtype: torch.dtype, injection: torch.Tensor | None
+                 ) -> StepContext:
         context = self.model.step_context(positions, dtype)
-        if injections is not None:
-            context.injection = torch.stack(injections)
+        if injection is not None:
+            context.injection = injection
         return context
 
-    def _eager_pass(self, states: list[torch.Tensor], injections: list[torch.Tensor] | None,
-                    positions: torch.Tensor, meta: AttentionMetadata, offsets: list[int]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eager_pass(self, state: torch.Tensor, injection: torch.Tensor | None, positions: torch.Tensor,
+                    meta: AttentionMetadata, offsets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows through loop 0's layer stack, each at its own loop's slots (offsets): the loop's output
         and gate logits (zeros for a model without a gate)."""
-        state = torch.stack(states)
-        context = self._context(positions, state.dtype, injections)
+        context = self._context(positions, state.dtype, injection)
         self.backend.prepare(dataclasses.replace(
-            meta, slot_offsets=torch.tensor(offsets, dtype=torch.int32).to(state.device, non_blocking=True),
+            meta, slot_offsets=to_device(torch.tensor(offsets, dtype=torch.int32), state.device),
             slot_offsets_cpu=offsets))
         h = self.model.loop(state, context, 0, self.backend.forward)
         gate_of = self.model.exit_gate
         return h, gate_of(h) if gate_of is not None else h.new_zeros(h.shape[0])
 
-    def _start(self, inputs: StepInputs, requests: list[Request], positions: list[int],
-               starting: list[int]) -> dict[int, MidToken]:
+    def _start(self, inputs: StepInputs, starting: list[int]) -> PassRows:
         """The rows that start a token: loop 0's state (the embedding, a prelude's output, or the initial
         state the runner drew: inputs.hidden), a prelude's injection, and the exit rule's fresh memory."""
         model = self.model
@@ -175,74 +222,79 @@ class DepthPasses:
             injection = context.injection
             if given is not None:
                 state = given
-        rule = self.exit_rule(len(starting))
-        buffers = []
+        n = len(starting)
+        rule = self.exit_rule(n)
         if rule is not None:
-            rule.reset(len(starting), state)
-            buffers = rule.buffers
-        passes = self.stats.decode_passes
-        return {i: MidToken(positions[i], requests[i].num_preemptions, 0, state[j],
-                            None if injection is None else injection[j], [], [],
-                            [buffer[j].clone() for buffer in buffers], passes)
-                for j, i in enumerate(starting)}
+            rule.reset(n, state)
+        hidden = state.new_zeros((n, self.loops, state.shape[-1]), dtype=model.dtype)
+        gates = state.new_full((n, self.loops), math.nan, dtype=model.dtype)
+        return PassRows(state, injection, hidden, gates, [] if rule is None else list(rule.buffers))
 
-    def _exits(self, rows: list[MidToken], done: set[int], h: torch.Tensor, gate: torch.Tensor,
-               memory: list[list[torch.Tensor]], meta: AttentionMetadata, context: StepContext | None
-               ) -> set[int]:
-        """The rows (not done) whose exit rule fires after the loop each ran; their memory updated in place.
-        The rule runs once per loop among the rows, over the rows that ran it."""
+    def _exits(self, ran: list[int], done: set[int], rows: PassRows, gate: torch.Tensor,
+               meta: AttentionMetadata, context: StepContext | None) -> set[int]:
+        """The rows (not done) whose exit rule fires after the loop each ran (ran[i]); their memory (in rows)
+        updated in place. The rule runs once per loop among the rows, over the rows that ran it; the flags
+        come to the host in one read."""
         if self.decides is None:
             return set()
         deciding: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            if i not in done and self.decides(row.loop):
-                deciding.setdefault(row.loop, []).append(i)
-        exits = set()
-        for loop, group in sorted(deciding.items()):
+        for i, loop in enumerate(ran):
+            if i not in done and self.decides(loop):
+                deciding.setdefault(loop, []).append(i)
+        if not deciding:
+            return set()
+        device = rows.state.device
+        groups = sorted(deciding.items())
+        indices = dict(zip((loop for loop, _ in groups),
+                           upload([group for _, group in groups], torch.int64, device)))
+        flags = []
+        for loop, group in groups:
+            index = indices[loop]
             rule = self.exit_rule(len(group))
-            for b, buffer in enumerate(rule.buffers):
-                buffer[:len(group)] = torch.stack([memory[i][b] for i in group])
-            index = torch.tensor(group, dtype=torch.int64, device=h.device)
+            for buffer, memory in zip(rule.buffers, rows.memory):
+                buffer[:len(group)] = memory[index]
 
             def coda(rows_state: torch.Tensor, group: list[int] = group) -> torch.Tensor:
                 sub, tokens = meta.select(group)
                 self.backend.prepare(sub)
                 return self.model.coda(rows_state, context.select(tokens), self.backend.forward)
 
-            flags = rule.decide(loop, len(group), h[index], gate[index],
-                                coda if self.model.coda is not None else None).tolist()
-            for j, i in enumerate(group):
-                memory[i] = [buffer[j].clone() for buffer in rule.buffers]
-                if flags[j]:
-                    exits.add(i)
-        return exits
+            flags.append(rule.decide(loop, len(group), rows.state[index], gate[index],
+                                     coda if self.model.coda is not None else None))
+            for buffer, memory in zip(rule.buffers, rows.memory):
+                memory.index_copy_(0, index, buffer[:len(group)])
+        fired = torch.cat(flags).tolist()
+        order = [i for _, group in groups for i in group]
+        return {i for i, hit in zip(order, fired) if hit}
 
-    def _copy_forward(self, rows: list[int], mid: list[MidToken], meta: AttentionMetadata) -> None:
+    def _copy_forward(self, finished: list[int], ran: list[int], meta: AttentionMetadata) -> None:
         """Rows that finished before the last loop: their K/V into the deeper slots, per the KV layout."""
         by_loop: dict[int, list[int]] = {}
-        for i in rows:
-            by_loop.setdefault(mid[i].loop, []).append(i)
-        for loop, group in sorted(by_loop.items()):
-            index = torch.tensor(group, dtype=torch.int64).to(meta.slot_mapping.device, non_blocking=True)
+        for i in finished:
+            by_loop.setdefault(ran[i], []).append(i)
+        if not by_loop:
+            return
+        groups = sorted(by_loop.items())
+        device = meta.slot_mapping.device
+        for (loop, _), index in zip(groups, upload([group for _, group in groups], torch.int64, device)):
             self.layout.copy_forward(self.pool, meta.slot_mapping[index], loop)
 
-    def _finished_states(self, finished: list[int], rows: list[MidToken], h: torch.Tensor, gate: torch.Tensor,
-                         meta: AttentionMetadata, context: StepContext | None) -> LoopStates:
+    def _finished_states(self, finished: list[int], ran: list[int], rows: PassRows, meta: AttentionMetadata,
+                         context: StepContext | None) -> LoopStates:
         """The finished rows' LoopStates, as lockstep gives them: loops not run repeat the last state and
         have NaN gates; a model's coda reads out each row's readout-loop state."""
-        hidden, gates, last = [], [], []
-        for i in finished:
-            ran = rows[i].hidden + [h[i]]
-            missing = self.loops - len(ran)
-            hidden.append(torch.stack(ran + [h[i]] * missing))
-            gates.append(torch.stack(rows[i].gates + [gate[i]] + [gate.new_tensor(math.nan)] * missing))
-            last.append(h[i])
-        states = LoopStates(torch.stack(hidden, dim=1), torch.stack(gates, dim=1))
+        device = rows.state.device
+        index, last = upload([finished, [ran[i] for i in finished]], torch.int64, device)
+        state = rows.state[index]
+        later = torch.arange(self.loops, device=device)[None, :] > last[:, None]  # [F, T]: loops not run
+        hidden = torch.where(later[..., None], state[:, None, :], rows.hidden[index])
+        gates = rows.gates[index].masked_fill(later, math.nan)
+        states = LoopStates(hidden.transpose(0, 1).contiguous(), gates.transpose(0, 1).contiguous())
         if self.model.coda is not None:
             sub, tokens = meta.select(finished)
             self.backend.prepare(sub)
             states.readout = self.model.coda(states.hidden[self.readout_loop], context.select(tokens),
                                              self.backend.forward)
         if self.keep_final:
-            states.final = torch.stack(last)
+            states.final = state
         return states

@@ -12,8 +12,10 @@ Depth batching (config.depth_batching, runner/depth_passes.py): a step's decode 
 at its own loop, and only those whose token finished sample; the others come back in
 StepResult.mid_token_rows, their MidToken kept here (never by the scheduler) once the step is applied. The
 step's prompt rows run every loop in the same step, as without depth batching. On CUDA a pass's layer stack
-replays a graph per batch bucket (runner/pass_graphs.py) instead of the whole-step or per-loop decode graphs;
-steps with prompt tokens take piecewise graphs where lockstep would.
+replays a graph per batch bucket (runner/pass_graphs.py); steps with prompt tokens take piecewise graphs where
+lockstep would. A lone decode row at the start of its token shares a pass with nobody: it runs its loops back
+to back in one step, as without depth batching (the decode graphs of one row), so batch 1 pays no per-pass
+step.
 
 Async scheduling (`launch` / `finish`): a step is launched without waiting for its tokens, which stay on the
 device (a LaunchedStep) while the host copies them back; the next step can be launched before they arrive,
@@ -171,8 +173,10 @@ class ModelRunner:
             if self.depth is not None:  # decode steps are loop passes: their layer stack, per bucket
                 self.depth.graphs = self.pass_graphs()
                 self.depth.graphs.capture_all()
-            else:
+            if self.depth is None:
                 self.graphs = self._capture(scratch_block)
+            elif self.pipelined is None:  # a lone decode row's token (_lone_token)
+                self.graphs = self._capture(scratch_block, 1)
             # Steps with prompt tokens: piecewise, unless an exit hook must see each loop (early:Q).
             tokens = min(config.piecewise_graph_tokens, config.max_num_batched_tokens)
             if tokens and self.hook is None:
@@ -206,12 +210,13 @@ class ModelRunner:
             return GateCDFRows(float(policy.value), self.loops, capacity, self.device)
         return None
 
-    def _capture(self, scratch_block: int) -> DecodeGraphs:
+    def _capture(self, scratch_block: int, rows: int | None = None) -> DecodeGraphs:
         """One graph per decode bucket for the whole step; one per (bucket, loop) when rows can stop early or
-        a step may run some loops only (speculative decoding, whose verify pass has k rows per request)."""
+        a step may run some loops only (speculative decoding, whose verify pass has k rows per request).
+        rows: the largest bucket (None: every row a step can decode)."""
         config = self.config
         hook, layout = self.hook, self.layout
-        rows = config.max_num_seqs * max(1, config.speculative_tokens)
+        rows = rows or config.max_num_seqs * max(1, config.speculative_tokens)
         copy_forward = None
         if hook is not None and layout.copies_forward:
             def copy_forward(slots: torch.Tensor, mask: torch.Tensor, loop: int) -> None:
@@ -444,11 +449,31 @@ class ModelRunner:
                   if num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens]
         chosen = set(decode)
         others = [row for row in range(batch.num_seqs) if row not in chosen]
+        if len(decode) == 1 and self.pipelined is None and not self._mid_token(batch.requests[decode[0]]):
+            return self._lone_token(batch, decode[0])
         if decode:
             run_pass = self._depth_pass if self.pipelined is None else self._pipelined_pass
             result.take(decode, run_pass(batch.select(decode)))
         if others:
             result.take(others, self._run_loops_and_sample(batch.select(others)))
+        return result
+
+    def _mid_token(self, request: Request) -> bool:
+        """Is the request's next token between loop passes?"""
+        mid = self.mid_tokens.get(request.request_id)
+        return mid is not None and mid.continues(request)
+
+    def _lone_token(self, batch: ScheduledBatch, row: int) -> StepResult:
+        """Depth batching with one decode row, at the start of its token: with no other row to share a pass,
+        the token runs its loops back to back in this step, as without depth batching (the per-loop or
+        whole-step graphs of one row), one pass per loop it runs."""
+        stats = self.loop_stats
+        before = stats.decode_loops
+        result = self._run_loops_and_sample(batch)
+        ran = stats.decode_loops - before
+        stats.decode_passes += ran
+        result.mid_tokens[row] = None
+        result.depth_tokens[row] = (ran, ran)
         return result
 
     def _depth_pass(self, batch: ScheduledBatch) -> StepResult:

@@ -121,12 +121,13 @@ class PassGraphs:
                 self.pool = graph.pool()
         torch.cuda.synchronize()
 
-    def run(self, states: list[torch.Tensor], injections: list[torch.Tensor] | None, positions: torch.Tensor,
+    def run(self, states: torch.Tensor, injections: torch.Tensor | None, positions: torch.Tensor,
             meta: AttentionMetadata, slot_offsets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass over the rows (at most the largest bucket): states[i] [H], row i's loop input; injections
-        (a model with a prelude), its injection; positions [rows], its token's position; meta, the rows'
-        attention metadata (one token each); slot_offsets[i], its loop's slot offset. Returns the loop's
-        output [rows, H] and gate logits [rows] (zeros without a gate), fresh tensors of their own."""
+        """One pass over the rows (at most the largest bucket): states [rows, H], each row's loop input;
+        injections [rows, H] (a model with a prelude), its injection; positions [rows], its token's position;
+        meta, the rows' attention metadata (one token each); slot_offsets[i], row i's loop's slot offset.
+        Returns the loop's output [rows, H] and gate logits [rows] (zeros without a gate), fresh tensors of
+        their own."""
         n = meta.num_rows
         bs = self.bucket_for(n)
         self._load(states, injections, positions, meta, slot_offsets, bs)
@@ -141,14 +142,14 @@ class PassGraphs:
                                       prompt_lens + [PADDING_PROMPT_LEN] * pad))
         return self.output[:n].clone(), self.gate_logits[:n].clone()
 
-    def _load(self, states: list[torch.Tensor], injections: list[torch.Tensor] | None,
+    def _load(self, states: torch.Tensor, injections: torch.Tensor | None,
               positions: torch.Tensor, meta: AttentionMetadata, slot_offsets: list[int], bs: int) -> None:
         """The pass's rows into the static buffers, and rows n..bs as padding rows (restored here in case a
         larger pass used them)."""
         n = meta.num_rows
-        torch.stack(states, out=self.state[:n])
+        self.state[:n].copy_(states)
         if self.injection is not None:
-            torch.stack(injections, out=self.injection[:n])
+            self.injection[:n].copy_(injections)
         self.positions[:n].copy_(positions)
         self.slot_offsets[:n].copy_(to_device(torch.tensor(slot_offsets, dtype=torch.int32), self.device))
         self.slot_mapping[:n].copy_(meta.slot_mapping)

@@ -115,7 +115,7 @@ class PipelinedSpeculation:
             last = chain[-1].mid if chain else None
             room = batch.requests[row].num_computed_tokens + batch.reserved[row]
             if last is not None and last.loop == self.d and chain[-1].position + 1 < room:
-                drafting.append((row, last.hidden[-1]))
+                drafting.append((row, last.state))
         if drafting:
             logits = runner.model.compute_logits(torch.stack([state for _, state in drafting])).float()
             rows = [row for row, _ in drafting]
