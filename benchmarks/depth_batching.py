@@ -19,8 +19,8 @@ its tokens need when each loop's weights are read once for the whole batch, over
 (a) beside its bound T / (loops a token), and whether (c)'s tokens equal (b)'s. 64 rows of 2K need about
 110 GB of KV (an 80 GB card holds about 38): a row that does not fit is recorded as such.
 
-Issue 43's self-speculation rows (d = 2, k = 4, forced acceptance) are benchmarks/speculative.py's for
-today's path; pipelined self-speculation (depth_batching=True with speculative) has no rows here yet.
+Self-speculation's rows (d = 2, k = 4, acceptance forced to 100% and 0%), the speculative step's and
+pipelined in depth-batched passes (depth_batching=True with speculative), are benchmarks/speculative.py's.
 """
 
 from __future__ import annotations

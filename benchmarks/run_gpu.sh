@@ -9,8 +9,9 @@
 #   throughput  nano-vllm's throughput workload (async scheduling on and off), prefill MFU, mixed steps
 #               (piecewise graphs against eager)
 #   loops       early exit and kv_sharing against full (early_exit), self-speculative decoding (the tiny
-#               model's acceptance, then TPOT at 0% and 100% forced), depth batching against lockstep early
-#               exit and full depth at 1, 16, 64 x 2K (64 rows fit only a card of more than 80 GB)
+#               model's acceptance, then TPOT at 0% and 100% forced, the speculative step and pipelined on
+#               depth-batched passes), depth batching against lockstep early exit and full depth at 1, 16,
+#               64 x 2K (64 rows fit only a card of more than 80 GB)
 #   kv          TPOT of the KV formats in KV_FORMATS at 16 x 8K and 64 x 2K (pages of 64), the KVarN kernels
 #   kernels     the kernels alone: skinny GEMM (cold L2) against cuBLAS, decode attention, fused elementwise
 #               kernels, the norm epilogue by row count

@@ -14,14 +14,15 @@ its K/V before any row of it attends.
 
 Acceptance. Only the first token in flight can finish in a pass (the others are at least d loops behind). Its
 full-model token (read out and sampled as any depth-batched token) is compared with the draft the next token
-in flight started from. Greedy: on equality the draft was the request's token, every loop the next token ran
-was the full model's computation of it, and it goes on as the first in flight; otherwise every token in flight
-after the finished one is discarded, and the request continues from the corrected token, which starts at
-loop 0 in the next pass. So a greedy request's tokens are plain decoding's (and depth batching's without
-speculation), token for token. Sampled: a draft is drawn from q (loop d-1's logits under the request's
-temperature and filters, kept with it), and the finished token is the draft with probability min(1, p/q),
-else a draw from the residual max(0, p - q), renormalized (runner/speculative.py's rule, the request's seeded
-generator), so it follows the full model's p; it goes on exactly when that token is the draft.
+in flight started from. Greedy: on equality (SelfSpeculation.accept, a speculative step's rule) the draft was
+the request's token, every loop the next token ran was the full model's computation of it, and it goes on as
+the first in flight; otherwise every token in flight after the finished one is discarded, and the request
+continues from the corrected token, which starts at loop 0 in the next pass. So a greedy request's tokens are
+plain decoding's (and depth batching's without speculation), token for token. Sampled: a draft is drawn from q
+(loop d-1's logits under the request's temperature and filters, kept with it), and the finished token is the
+draft with probability min(1, p/q), else a draw from the residual max(0, p - q), renormalized
+(runner/speculative.py's rule, the request's seeded generator), so it follows the full model's p; it goes on
+exactly when that token is the draft.
 
 The scheduler's view. A request is one decode row, at num_computed_tokens, as under depth batching: a pass
 appends at most one token a row (its first in flight finished) or none (the row is left mid-token), so
@@ -164,8 +165,10 @@ class PipelinedSpeculation:
 
     def _resolved(self, row: int, chain: list[InFlight], result) -> list[InFlight]:
         """The row's tokens in flight once its finished token (if any) is checked against the draft behind
-        it: the rest on acceptance, none on a rejection or a failed row; its verification in result.drafts
-        and the finished token's passes (since the token before it finished) in result.depth_tokens."""
+        it (SelfSpeculation.accept, the one greedy rule of both paths; a sampled token is the draft exactly
+        when it was accepted): the rest on acceptance, none on a rejection or a failed row; its verification
+        in result.drafts and the finished token's passes (since the token before it finished) in
+        result.depth_tokens."""
         if chain[0].mid is not None:
             return chain
         if row in result.depth_tokens and chain[0].after_pass is not None:
@@ -175,7 +178,8 @@ class PipelinedSpeculation:
         rest, token = chain[1:], result.tokens[row]
         if not rest or row in result.errors:
             return []
-        if rest[0].token == token:
+        if self.runner.speculation.accept([rest[0].token], [token]):
+            result.tokens[row] = rest[0].token  # an accepted draft is the token, as a speculative step's are
             result.drafts[row] = (1, 1)
             return [dataclasses.replace(rest[0], after_pass=self.runner.loop_stats.decode_passes)] + rest[1:]
         result.drafts[row] = (len(rest), 0)

@@ -98,6 +98,38 @@ def test_random_weights_reject_and_still_equal(tiny_checkpoint):
     assert stats.num_drafted > 0 and stats.num_accepted < stats.num_drafted / 4
 
 
+def forced(checkpoint, pipelined: bool, accept: int, d: int = 2):
+    """Outputs of a greedy run whose acceptance answer (SelfSpeculation.accept, asked by the speculative step
+    and by pipelined speculation) is forced: every draft kept (accept=1) or none (accept=0). A token budget
+    wide enough that every row reserves its k positions."""
+    with engine_of(checkpoint, pipelined, d, speculative=f"loops:{d}", max_num_batched_tokens=512) as engine:
+        engine.runner.speculation.accept = lambda drafts, targets: accept * len(drafts)
+        outputs = [o.outputs[0] for o in engine.generate(PROMPTS, greedy(), use_tqdm=False)]
+        assert_clean(engine)
+    return outputs
+
+
+def test_acceptance_is_self_speculations_greedy_rule_and_an_accepted_draft_is_the_token(plain):
+    """Pipelined speculation asks SelfSpeculation.accept whether a finished token confirms the draft behind
+    it, as a speculative step does. Answered never: the trained model's drafts are all discarded, each token
+    runs its T passes and the tokens stay plain decoding's. Answered always: each draft is the request's
+    token, as a speculative step's accepted drafts are (the same tokens: both are the first d loops' greedy
+    readout of the token before; the last token has no draft behind it, being no token's input, so it is the
+    full model's), and every token after the first in flight takes d passes."""
+    d = 2
+    rejected = forced(TRAINED, True, accept=0, d=d)
+    assert [o.token_ids for o in rejected] == plain
+    for out in rejected:
+        assert out.speculative.num_accepted == 0 < out.speculative.num_drafted
+        assert out.depth.passes == LOOPS * out.depth.tokens
+    pipelined, stepwise = forced(TRAINED, True, accept=1, d=d), forced(TRAINED, False, accept=1, d=d)
+    assert [o.token_ids[:-1] for o in pipelined] == [o.token_ids[:-1] for o in stepwise]
+    assert [o.token_ids for o in pipelined] != plain
+    for out in pipelined:
+        assert out.speculative.num_accepted == out.speculative.num_drafted == out.depth.tokens - 1
+        assert out.depth.passes == LOOPS + d * (out.depth.tokens - 1)
+
+
 def test_stops_and_max_tokens_inside_tokens_in_flight(plain):
     """A stop token, or max_tokens, reached while drafts are in flight ends the sequence there, as plain
     decoding ends it; the drafts behind it go with the request."""

@@ -1,0 +1,73 @@
+"""benchmarks/speculative.py's TPOT rows on CPU with the tiny model, in a few seconds: every path's rows at
+every batch, speed-ups against the non-speculative row, and the forced acceptance doing what the rows say: the
+speculative step appends k tokens a step at 100% and one at 0%; pipelined, a token every d passes after the
+first token's T at 100%, T passes a token at 0%, as depth batching at full depth."""
+
+import json
+
+import pytest
+
+from benchmarks.speculative import DEPTH_FULL, NON_SPECULATIVE, main
+
+BATCHES, TOKENS, D, K, LOOPS = (1, 2), 8, 2, 4, 4  # TOKENS <= 8: no warm-up run
+
+
+@pytest.fixture(scope="module")
+def run(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("speculative") / "speculative.json"
+    returned = main(["--model", str(tiny_checkpoint), "--device", "cpu", "--dtype", "float32",
+                     "--batches", *map(str, BATCHES), "--prompt", "8", "--tokens", str(TOKENS),
+                     "--d", str(D), "--k", str(K), "--out", str(out)])
+    return returned, json.loads(out.read_text()), out.with_suffix(".md").read_text()
+
+
+def rows_of(run) -> dict[tuple[str, int], dict]:
+    returned, written, _ = run
+    assert written["rows"] == returned["rows"] and written["rows"]["projected"] is None
+    return {(r["mode"], r["batch"]): r for r in written["rows"]["measured"]}
+
+
+def test_every_path_has_its_rows_with_speedups_over_non_speculative(run):
+    rows = rows_of(run)
+    step, pipelined = f"loops:{D}, k={K}", f"pipelined loops:{D}, k={K}"
+    modes = [NON_SPECULATIVE, DEPTH_FULL, *[f"{path}, acceptance forced {share}" for path in (step, pipelined)
+                                           for share in ("100%", "0%")]]
+    assert list(rows) == [(mode, batch) for mode in modes for batch in BATCHES]
+    for (mode, batch), r in rows.items():
+        assert r["tpot_ms"] > 0 and r["step_ms"] > 0 and r["cuda_graphs"] is False
+        assert r["speedup"] == pytest.approx(rows[NON_SPECULATIVE, batch]["tpot_ms"] / r["tpot_ms"], rel=1e-2)
+        assert r["tpot_ms"] == pytest.approx(r["step_ms"] / r["tokens_per_step"], rel=1e-2)
+    _, _, table = run
+    assert f"| {pipelined}, acceptance forced 100% | 2 |" in table and "| passes / token |" in table
+
+
+def test_forced_acceptance_gives_each_path_its_exact_tokens_per_step(run):
+    """N timed tokens a row: the speculative step appends k a step at 100% and one at 0%; pipelined
+    speculation takes T + d(N - 1) passes at 100% (the first token's T, then one token every d), T a token at
+    0%, as depth batching without speculation; under depth batching a step is a pass."""
+    rows = rows_of(run)
+    pipelined = f"pipelined loops:{D}, k={K}, acceptance forced"
+    for batch in BATCHES:
+        assert rows[NON_SPECULATIVE, batch]["tokens_per_step"] == 1
+        assert rows[NON_SPECULATIVE, batch]["passes_per_token"] is None
+        for share, accepted, per_step in (("100%", 1, K), ("0%", 0, 1)):
+            r = rows[f"loops:{D}, k={K}, acceptance forced {share}", batch]
+            assert (r["accepted"], r["tokens_per_step"], r["passes_per_token"]) == (accepted, per_step, None)
+        for mode, accepted, passes in ((DEPTH_FULL, None, LOOPS * TOKENS),
+                                       (f"{pipelined} 100%", 1, LOOPS + D * (TOKENS - 1)),
+                                       (f"{pipelined} 0%", 0, LOOPS * TOKENS)):
+            r = rows[mode, batch]
+            assert r["accepted"] == accepted
+            assert r["passes_per_token"] == round(passes / TOKENS, 3)
+            assert r["tokens_per_step"] == round(TOKENS / passes, 3)
+
+
+def test_the_bound_at_forced_100_percent_is_loops_over_the_loops_a_token_costs(run):
+    rows = rows_of(run)
+    for (mode, _), r in rows.items():
+        if mode.startswith("pipelined") and mode.endswith("100%"):
+            assert r["bound"] == LOOPS / D
+        elif mode.endswith("100%"):
+            assert r["bound"] == round(K * LOOPS / (K * D + LOOPS - D), 3)
+        else:
+            assert r["bound"] is None
