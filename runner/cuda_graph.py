@@ -44,10 +44,20 @@ def collect_garbage() -> None:
     torch.cuda.empty_cache()
 
 
+def side_stream_after_current(stream: torch.cuda.Stream):
+    """`stream` as the current stream, its work ordered after everything queued on the stream current now.
+    A capture's warm-up runs on a side stream; without the order it would overlap a graph just replayed on
+    the main stream, and two launches of the skinny GEMM at once share its split-K tickets
+    (model/kernels/gemv.py), which then stay off by one for every later launch in the process."""
+    stream.wait_stream(torch.cuda.current_stream())
+    return torch.cuda.stream(stream)
+
+
 def capture(graph: torch.cuda.CUDAGraph, run: Callable[[], object], pool, stream: torch.cuda.Stream,
             collect: Callable[[], None] = collect_garbage) -> object:
-    """Warm up `run` outside capture, collect garbage, then capture it into `graph`."""
-    with torch.cuda.stream(stream):
+    """Warm up `run` outside capture, collect garbage, then capture it into `graph`. The warm-up runs on
+    `stream` once the current stream's work is done (side_stream_after_current)."""
+    with side_stream_after_current(stream):
         run()
     torch.cuda.synchronize()
     collect()

@@ -39,7 +39,7 @@ import torch
 
 from attention.base import AttentionBackend
 from model.looped import Attention, LoopedModel, LoopStates
-from runner.cuda_graph import collect_garbage
+from runner.cuda_graph import collect_garbage, side_stream_after_current
 from runner.loop_driver import EagerLoops, StepInputs, run_loops
 
 
@@ -110,7 +110,8 @@ class PiecewiseGraphs:
         stream = torch.cuda.Stream()
         self.pool = torch.cuda.graph_pool_handle()
         for n in reversed(self.buckets):  # largest first: later chains reuse its pool memory
-            with torch.cuda.stream(stream):  # the warm-up: compiles and allocator growth outside capture
+            # the warm-up: compiles and allocator growth outside capture, after the last chain's replays
+            with side_stream_after_current(stream):
                 self.run_model(n, lambda q, k, v, slot, n=n: self._stash(n, q, k, v))
             torch.cuda.synchronize()
             collect()
