@@ -583,6 +583,6 @@ def test_prefill_at_the_tiny_models_shape_with_bf16_rows(first, new):
     """The engine test's shape (8 heads, 8 kv heads, head_dim 32, g64, sink 16, tail 32, bf16) in its chunks
     of 40 tokens, the prefill kernel alone. With its high-precision loop software-pipelined, Triton 3.6 on the
     H200 got this shape wrong (and the bf16 engine test's first tokens with it); unpipelined it passes
-    (benchmarks/results/gpu-tests-2026-12-03-bfdee90.md)."""
+    (benchmarks/results/kvarn_kernels-2026-12-03-bfdee90.md, its gpu-tests section)."""
     case = prefill_case(parse_kv_cache_dtype("kvarn_k4v2_g64"), 8, 8, 32, 16, 32, first, new, torch.bfloat16)
     assert relative_error(prefill(case, 128), case.want) <= 2e-3
