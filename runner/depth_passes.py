@@ -259,7 +259,8 @@ class DepthPasses:
                 self.backend.prepare(sub)
                 return self.model.coda(rows_state, context.select(tokens), self.backend.forward)
 
-            flags.append(rule.decide(loop, len(group), rows.state[index], gate[index],
+            gates = gate[index] if rule.reads_gates else None
+            flags.append(rule.decide(loop, len(group), rows.state[index], gates,
                                      coda if self.model.coda is not None else None))
             for buffer, memory in zip(rule.buffers, rows.memory):
                 memory.index_copy_(0, index, buffer[:len(group)])

@@ -34,6 +34,7 @@ Readout = Callable[[torch.Tensor, Coda | None], torch.Tensor]
 
 class ExitRule(Protocol):
     buffers: list[torch.Tensor]  # per-row state, [capacity, ...] each: compacted with the rows
+    reads_gates: bool  # does decide read the exit gate's logits? (else callers may pass None)
 
     def decides(self, t: int) -> bool:
         """Does loop t decide exits? (Known on the host: a captured loop includes the decision or not.)"""
@@ -60,6 +61,8 @@ def advance_exit_cdf(cdf: torch.Tensor, survival: torch.Tensor, gate_logits: tor
 
 class GateCDFRows:
     """early:Q: each row's exit CDF, float64, advanced every loop but the last (advance_exit_cdf)."""
+
+    reads_gates = True
 
     def __init__(self, threshold: float, loops: int, capacity: int, device: torch.device) -> None:
         self.threshold, self.loops = threshold, loops
@@ -104,6 +107,8 @@ class CriterionRows:
     checked loop's log-probs [capacity, V] (kl, minp-kl), entropy (entropy-diff), argmax and run length
     (argmax-stability) or state [capacity, H] (latent-diff, cosine), updated in place at each checked loop.
     `readout` (check_readout) turns a loop's output into what the criterion observes."""
+
+    reads_gates = False
 
     def __init__(self, criterion: ExitCriterion, readout: Readout, loops: int,
                  capacity: int, hidden_size: int, vocab_size: int, device: torch.device) -> None:
@@ -200,8 +205,9 @@ class RuleExit:
             at[row] = offset
             offset += self.starts[row + 1] - self.starts[row]
         looping = state[self._index([at[r] for r in self.looping])]
-        tokens = self._index([self.starts[r] for r in self.looping])
-        gates = None if gate_logits is None else gate_logits[tokens]
+        gates = None
+        if gate_logits is not None and self.rules.reads_gates:
+            gates = gate_logits[self._index([self.starts[r] for r in self.looping])]
         index_of = {row: i for i, row in enumerate(live)}
         among_live = [index_of[r] for r in self.looping]
 
