@@ -47,7 +47,8 @@ class PassRows:
     exit gate logit `gates` [n, T] (0 for a model without a gate; loops not run yet hold zeros and NaN), and
     the exit rule's per-row buffers `memory` (ExitRule.buffers, [n, ...] each; [] without a rule). A pass
     gathers its rows out of these (a row's MidToken names its PassRows and index), so a pass costs the same
-    few tensor operations whatever its row count."""
+    few tensor operations whatever its row count. A PassRows lives while a MidToken names it: the last pass's,
+    and an older one only while some of its rows wait unscheduled."""
 
     state: torch.Tensor
     injection: torch.Tensor | None
