@@ -1,5 +1,5 @@
 """Shared fixtures. Without CUDA, Triton kernels run in the interpreter (TRITON_INTERPRET=1), set
-before anything imports triton."""
+before anything imports triton, and patched once per launch (tests/interpreter_patching.py)."""
 
 import os
 import sys
@@ -15,6 +15,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import pytest  # noqa: E402
+
+from tests.interpreter_patching import patch_language_once_per_launch  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_language_once_per_launch()
 
 
 def pytest_collection_modifyitems(config, items):
