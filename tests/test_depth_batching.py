@@ -311,24 +311,44 @@ def test_cli_depth_batching_flag_gives_the_lockstep_text(tiny_checkpoint, capsys
     assert depth == lockstep and "depth_batching" in err
 
 
-@pytest.mark.parametrize("hook", HOOKS)
-def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatch, hook):
-    """tests/test_step_faults.py's workload (preemption, logprobs, a trace, a seeded row) under early:0.5:
-    a KeyboardInterrupt at a hook point of a step with rows between their loops applies nothing of it
-    (their tokens stay where they were), and stepping on gives the outputs of a run without faults."""
-    stop = "e"
+STOP = "e"
+
+
+@pytest.fixture(scope="module")
+def lockstep_outputs(tiny_checkpoint):
+    """tests/test_step_faults.py's workload under early:0.5 on a lockstep engine, without faults, as a run
+    finds the prefix cache that an earlier run filled."""
     with small_engine(tiny_checkpoint, exit_policy="early:0.5") as engine:
-        drive(engine, workload(stop))
-        expected, _ = drive(engine, workload(stop))
+        drive(engine, workload(STOP))
+        outputs, _ = drive(engine, workload(STOP))
+    return {i: summary(o) for i, o in outputs.items()}
+
+
+@pytest.fixture(scope="module")
+def hook_calls(tiny_checkpoint):
+    """Each hook point's calls in a depth-batched run of the workload that finds the prefix cache filled."""
+    with pytest.MonkeyPatch.context() as monkeypatch, \
+            small_engine(tiny_checkpoint, exit_policy="early:0.5", depth_batching=True) as engine:
+        faults = Faults(engine, monkeypatch)
+        drive(engine, workload(STOP))
+        faults.calls.clear()
+        drive(engine, workload(STOP))
+        return dict(faults.calls)
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatch, lockstep_outputs,
+                                                      hook_calls, hook):
+    """tests/test_step_faults.py's workload (preemption, logprobs, a trace, a seeded row) under early:0.5:
+    a KeyboardInterrupt at a hook point of a step with rows between their loops (the middle one of its calls
+    in a run, hook_calls) applies nothing of it (their tokens stay where they were), and stepping on gives the
+    outputs of a lockstep run without faults."""
     with small_engine(tiny_checkpoint, exit_policy="early:0.5", depth_batching=True) as engine:
         faults = Faults(engine, monkeypatch)
-        drive(engine, workload(stop))  # fills the prefix cache as the next runs find it
-        faults.calls.clear()
-        drive(engine, workload(stop))
-        counts = dict(faults.calls)
-        faults.armed = (hook, -(-counts[hook] // 2))
-        outputs, interrupts = drive(engine, workload(stop))
+        drive(engine, workload(STOP))  # fills the prefix cache as hook_calls' run found it
+        faults.armed = (hook, -(-hook_calls[hook] // 2))
+        outputs, interrupts = drive(engine, workload(STOP))
         assert interrupts == 1 and faults.armed is None
-        assert {i: summary(o) for i, o in outputs.items()} == {i: summary(o) for i, o in expected.items()}
+        assert {i: summary(o) for i, o in outputs.items()} == lockstep_outputs
         assert_clean(engine)
         assert not engine.runner.mid_tokens

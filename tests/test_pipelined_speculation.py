@@ -222,26 +222,35 @@ def test_pass_graphs_static_path_carries_both_phases_and_keeps_tokens(plain):
 PASS_HOOKS = ["readout", "sample", "decide", "apply", "commit", "release"]
 
 
-@pytest.mark.parametrize("hook", PASS_HOOKS)
-def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatch, hook):
-    """tests/test_step_faults.py's workload (preemption, logprobs, prompt logprobs, a trace, a stop string, a
-    seeded row): a KeyboardInterrupt at a hook point of a step with tokens in flight applies nothing of it
-    (the tokens in flight stay as they were, the seeded generator too), and stepping on gives the outputs of
-    a pipelined run without faults."""
-    stop = "e"
-    options = {"depth_batching": True, "speculative": "loops:2"}
-    with small_engine(tiny_checkpoint, **options) as engine:
-        drive_workload(engine, workload(stop))
-        expected, _ = drive_workload(engine, workload(stop))
-    with small_engine(tiny_checkpoint, **options) as engine:
+STOP = "e"
+PIPELINED = {"depth_batching": True, "speculative": "loops:2"}
+
+
+@pytest.fixture(scope="module")
+def fault_free(tiny_checkpoint):
+    """tests/test_step_faults.py's workload, pipelined, without faults, as a run finds the prefix cache that
+    an earlier run filled: its outputs, and each hook point's calls in it."""
+    with pytest.MonkeyPatch.context() as monkeypatch, small_engine(tiny_checkpoint, **PIPELINED) as engine:
         faults = Faults(engine, monkeypatch)
-        drive_workload(engine, workload(stop))  # fills the prefix cache as the next runs find it
+        drive_workload(engine, workload(STOP))
         faults.calls.clear()
-        drive_workload(engine, workload(stop))
-        counts = dict(faults.calls)
-        faults.armed = (hook, -(-counts[hook] // 2))
-        outputs, interrupts = drive_workload(engine, workload(stop))
+        outputs, _ = drive_workload(engine, workload(STOP))
+        return {i: summary(o) for i, o in outputs.items()}, dict(faults.calls)
+
+
+@pytest.mark.parametrize("hook", PASS_HOOKS)
+def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatch, fault_free, hook):
+    """tests/test_step_faults.py's workload (preemption, logprobs, prompt logprobs, a trace, a stop string, a
+    seeded row): a KeyboardInterrupt at a hook point of a step with tokens in flight (the middle one of its
+    calls in a run) applies nothing of it (the tokens in flight stay as they were, the seeded generator too),
+    and stepping on gives the outputs of a pipelined run without faults."""
+    expected, calls = fault_free
+    with small_engine(tiny_checkpoint, **PIPELINED) as engine:
+        faults = Faults(engine, monkeypatch)
+        drive_workload(engine, workload(STOP))  # fills the prefix cache as fault_free's run found it
+        faults.armed = (hook, -(-calls[hook] // 2))
+        outputs, interrupts = drive_workload(engine, workload(STOP))
         assert interrupts == 1 and faults.armed is None
-        assert {i: summary(o) for i, o in outputs.items()} == {i: summary(o) for i, o in expected.items()}
+        assert {i: summary(o) for i, o in outputs.items()} == expected
         assert_released(engine)
         assert not engine.runner.in_flight and engine.speculative_stats.num_drafted > 0
