@@ -26,10 +26,18 @@ def patch_language_once_per_launch() -> bool:
         return False
     patched = [_NOT_LAUNCHING]  # inside a launch: the sets of language modules it has patched
 
+    seen: dict[int, tuple[int, frozenset[int]]] = {}  # id(globals) -> (their count, the languages)
+
     def languages_of(fn) -> frozenset[int]:
-        """The modules upstream patches for fn: those of its globals that are triton.language or its core."""
-        return frozenset(id(value) for value in fn.__globals__.values()
-                         if inspect.ismodule(value) and value in (tl, tl.core))
+        """The modules upstream patches for fn: those of its globals that are triton.language or its core
+        (looked up again when the globals grow, as the interpreter's first rewrite of a function does)."""
+        names = fn.__globals__
+        count, languages = seen.get(id(names), (-1, frozenset()))
+        if count != len(names):
+            languages = frozenset(id(value) for value in names.values()
+                                  if inspect.ismodule(value) and value in (tl, tl.core))
+            seen[id(names)] = len(names), languages
+        return languages
 
     def launch_once(self, *args, **kwargs):
         outer, patched[0] = patched[0], set()
