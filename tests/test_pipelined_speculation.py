@@ -55,9 +55,23 @@ def plain():
     return [o.token_ids for o in outputs]
 
 
+@pytest.fixture(scope="module")
+def pipelined():
+    """The pipelined greedy run of PROMPTS at draft depth d (outputs, stats), each d run once."""
+    runs = {}
+
+    def of(d: int):
+        if d not in runs:
+            outputs, stats, _ = run(TRAINED, greedy(), True, d=d)
+            runs[d] = outputs, stats
+        return runs[d]
+
+    return of
+
+
 @pytest.mark.parametrize("d", [1, 2, 3])
-def test_greedy_tokens_equal_plain_decoding(plain, d):
-    outputs, stats, _ = run(TRAINED, greedy(), True, d=d)
+def test_greedy_tokens_equal_plain_decoding(plain, pipelined, d):
+    outputs, stats = pipelined(d)
     assert [o.token_ids for o in outputs] == plain
     assert 0 < stats.num_accepted <= stats.num_drafted  # the trained model's drafts are mostly accepted
     for out in outputs:
@@ -84,8 +98,8 @@ def test_readout_policies_and_logprobs_as_plain_decoding(policy):
             assert all(abs(g[t].logprob - w[t].logprob) <= 1e-4 for t in w)
 
 
-def test_drafts_are_both_accepted_and_rejected_on_the_trained_model(plain):
-    _, stats, _ = run(TRAINED, greedy(), True, d=1)
+def test_drafts_are_both_accepted_and_rejected_on_the_trained_model(pipelined):
+    _, stats = pipelined(1)
     assert 0 < stats.num_accepted < stats.num_drafted
 
 
