@@ -12,7 +12,8 @@ from engine import DEFAULT_MODEL, Engine, SamplingParams
 from tests.test_pass_graphs import static_pass_graphs
 from tests.test_speculative import assert_same_distribution
 from tests.conftest import ROOT
-from tests.test_step_faults import Faults, drive as drive_workload, small_engine, summary, workload
+from tests.test_step_faults import Faults, drive as drive_workload, hook_calls, outputs_without_faults
+from tests.test_step_faults import small_engine, summary, workload
 from tests.test_step_faults import assert_clean as assert_released
 
 PROMPTS = ["12+7=19\n31+5=", "Hello", "4821+337=5158\n96+4=100\n7+", "0123456789 + - * / = 42"]
@@ -242,29 +243,27 @@ PIPELINED = {"depth_batching": True, "speculative": "loops:2"}
 
 @pytest.fixture(scope="module")
 def fault_free(tiny_checkpoint):
-    """tests/test_step_faults.py's workload, pipelined, without faults, as a run finds the prefix cache that
-    an earlier run filled: its outputs, and each hook point's calls in it."""
-    with pytest.MonkeyPatch.context() as monkeypatch, small_engine(tiny_checkpoint, **PIPELINED) as engine:
-        faults = Faults(engine, monkeypatch)
-        drive_workload(engine, workload(STOP))
-        faults.calls.clear()
-        outputs, _ = drive_workload(engine, workload(STOP))
-        return {i: summary(o) for i, o in outputs.items()}, dict(faults.calls)
+    return outputs_without_faults(tiny_checkpoint, STOP, **PIPELINED)
+
+
+@pytest.fixture(scope="module")
+def pipelined_hook_calls(tiny_checkpoint):
+    return hook_calls(tiny_checkpoint, STOP, **PIPELINED)
 
 
 @pytest.mark.parametrize("hook", PASS_HOOKS)
-def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatch, fault_free, hook):
+def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatch, fault_free,
+                                                      pipelined_hook_calls, hook):
     """tests/test_step_faults.py's workload (preemption, logprobs, prompt logprobs, a trace, a stop string, a
     seeded row): a KeyboardInterrupt at a hook point of a step with tokens in flight (the middle one of its
     calls in a run) applies nothing of it (the tokens in flight stay as they were, the seeded generator too),
     and stepping on gives the outputs of a pipelined run without faults."""
-    expected, calls = fault_free
     with small_engine(tiny_checkpoint, **PIPELINED) as engine:
         faults = Faults(engine, monkeypatch)
-        drive_workload(engine, workload(STOP))  # fills the prefix cache as fault_free's run found it
-        faults.armed = (hook, -(-calls[hook] // 2))
+        drive_workload(engine, workload(STOP))  # fills the prefix cache as the next run finds it
+        faults.armed = (hook, -(-pipelined_hook_calls[hook] // 2))
         outputs, interrupts = drive_workload(engine, workload(STOP))
         assert interrupts == 1 and faults.armed is None
-        assert {i: summary(o) for i, o in outputs.items()} == expected
+        assert {i: summary(o) for i, o in outputs.items()} == fault_free
         assert_released(engine)
         assert not engine.runner.in_flight and engine.speculative_stats.num_drafted > 0
