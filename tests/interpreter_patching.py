@@ -12,9 +12,9 @@ _NOT_LAUNCHING = None
 
 
 def patch_language_once_per_launch() -> bool:
-    """Wraps the interpreter's launch (GridExecutor.__call__) and `_patch_lang` as the module docstring says;
-    False (nothing changed) where triton is missing or its interpreter lacks either (written against triton
-    3.6 to 3.8)."""
+    """Wraps the interpreter's launch (GridExecutor.__call__) and `_patch_lang` as the module docstring says
+    (read against triton 3.8's interpreter); False (nothing changed) where triton is missing or its
+    interpreter lacks either."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter
