@@ -15,7 +15,8 @@ from engine import Engine, SamplingParams
 from exit_policy import ExitPolicy, parse_exit_policy
 from runner.loop_driver import LoopStats
 from tests.conftest import ROOT
-from tests.test_step_faults import HOOKS, Faults, assert_clean, drive, small_engine, summary, workload
+from tests.test_step_faults import (HOOKS, Faults, assert_clean, drive, hook_calls, outputs_without_faults,
+                                    small_engine, summary, workload)
 
 PROMPTS = ["A looped language model", "Hello", "The quick brown fox jumps over the lazy dog again and again",
            "0123456789 + - * / = 42"]
@@ -333,24 +334,32 @@ def test_cli_depth_batching_flag_gives_the_lockstep_text(tiny_checkpoint, capsys
     assert depth == lockstep and "depth_batching" in err
 
 
+STOP = "e"
+
+
+@pytest.fixture(scope="module")
+def lockstep_outputs(tiny_checkpoint):
+    return outputs_without_faults(tiny_checkpoint, STOP, exit_policy="early:0.5")
+
+
+@pytest.fixture(scope="module")
+def depth_hook_calls(tiny_checkpoint):
+    return hook_calls(tiny_checkpoint, STOP, exit_policy="early:0.5", depth_batching=True)
+
+
 @pytest.mark.parametrize("hook", HOOKS)
-def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatch, hook):
+def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatch, lockstep_outputs,
+                                                      depth_hook_calls, hook):
     """tests/test_step_faults.py's workload (preemption, logprobs, a trace, a seeded row) under early:0.5:
-    a KeyboardInterrupt at a hook point of a step with rows between their loops applies nothing of it
-    (their tokens stay where they were), and stepping on gives the outputs of a run without faults."""
-    stop = "e"
-    with small_engine(tiny_checkpoint, exit_policy="early:0.5") as engine:
-        drive(engine, workload(stop))
-        expected, _ = drive(engine, workload(stop))
+    a KeyboardInterrupt at a hook point of a step with rows between their loops (the middle one of its calls
+    in a run) applies nothing of it (their tokens stay where they were), and stepping on gives the outputs of
+    a lockstep run without faults."""
     with small_engine(tiny_checkpoint, exit_policy="early:0.5", depth_batching=True) as engine:
         faults = Faults(engine, monkeypatch)
-        drive(engine, workload(stop))  # fills the prefix cache as the next runs find it
-        faults.calls.clear()
-        drive(engine, workload(stop))
-        counts = dict(faults.calls)
-        faults.armed = (hook, -(-counts[hook] // 2))
-        outputs, interrupts = drive(engine, workload(stop))
+        drive(engine, workload(STOP))  # fills the prefix cache as the next run finds it
+        faults.armed = (hook, -(-depth_hook_calls[hook] // 2))
+        outputs, interrupts = drive(engine, workload(STOP))
         assert interrupts == 1 and faults.armed is None
-        assert {i: summary(o) for i, o in outputs.items()} == {i: summary(o) for i, o in expected.items()}
+        assert {i: summary(o) for i, o in outputs.items()} == lockstep_outputs
         assert_clean(engine)
         assert not engine.runner.mid_tokens

@@ -321,7 +321,7 @@ def test_kvarn_engine_greedy_tokens_equal_the_one_sequence_reference(tiny_checkp
         outputs = engine.generate(KVARN_PROMPTS, params, use_tqdm=False)
         config = engine.config
         slots = config.total_ut_steps * config.num_hidden_layers
-        differs = 0
+        differs = False
         for prompt, output in zip(KVARN_PROMPTS, outputs):
             ids = engine.tokenizer.encode(prompt)
 
@@ -332,7 +332,8 @@ def test_kvarn_engine_greedy_tokens_equal_the_one_sequence_reference(tiny_checkp
 
             tokens = output.outputs[0].token_ids
             assert tokens == reference(name, sink=sink, tail=tail, rotate=rotate)
-            differs += tokens != (reference("auto") if rotate else reference(name, sink=sink, tail=tail))
+            if not differs:  # until a row shows it
+                differs = tokens != (reference("auto") if rotate else reference(name, sink=sink, tail=tail))
         side = engine.block_manager.side_rows
         assert not side.users and len(side.free) + len(side.side_of) == side.capacity  # all given back
     assert differs or name == "kvarn_k5v5_g64"  # k5v5 with a wide side pool may match dense here
@@ -410,7 +411,7 @@ def test_kvarn_shared_last_engine_gives_the_one_sequence_reference_bits(tiny_che
     with kvarn_engine(tiny_checkpoint, name, sink, tail, kv_sharing="last", loops=2,
                       max_num_batched_tokens=40, deterministic=True) as engine:
         outputs = engine.generate(SHARED_PROMPTS, params, use_tqdm=False)
-        differs = 0
+        differs = False
         for prompt, output in zip(SHARED_PROMPTS, outputs):
             ids = engine.tokenizer.encode(prompt)
             completion, logprobs = output.outputs[0], []
@@ -418,8 +419,9 @@ def test_kvarn_shared_last_engine_gives_the_one_sequence_reference_bits(tiny_che
             assert completion.token_ids == greedy_through(engine.model, ids, 150, store, logprobs=logprobs)
             got = [[step[token].logprob for token in range(vocab)] for step in completion.logprobs]
             assert got == logprobs
-            dense = shared_reference(engine, "auto", ids, batch_invariant=True)
-            differs += completion.token_ids != greedy_through(engine.model, ids, 150, dense)
+            if not differs:  # until a row shows it
+                dense = shared_reference(engine, "auto", ids, batch_invariant=True)
+                differs = completion.token_ids != greedy_through(engine.model, ids, 150, dense)
         assert [len(engine.tokenizer.encode(p)) % 64 for p in SHARED_PROMPTS] == [34, 40, 52]
         side = engine.block_manager.side_rows
         assert not side.users and len(side.generated_free) == side.generated_capacity  # all given back
@@ -539,9 +541,10 @@ def test_kvarn_triton_engine_gives_the_reference_path_tokens(tiny_checkpoint):
     path, under the interpreter, with prefix caching on and a side pool that mixes in sink and tail rows. The
     two pack with different floating-point implementations (a code on a rounding boundary may land one step
     apart), so a completion may leave the reference's only at a near tie of its top two tokens."""
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
-    # 58 tokens: its first block fills while it decodes. 98 tokens in chunks of 80: its first block fills
-    # inside the first chunk, which the second row's decode steps then share.
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    # 58 tokens: its first block fills while it decodes (its 6th token completes it; the tokens after read it
+    # packed). 98 tokens in chunks of 80: its first block fills inside the first chunk, which the second row's
+    # decode steps then share.
     prompts = [KVARN_PROMPTS[0], KVARN_PROMPTS[0] + KVARN_PROMPTS[1]]
     completions = {}
     for attention in ("torch", "triton"):

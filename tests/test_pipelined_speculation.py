@@ -12,7 +12,8 @@ from engine import DEFAULT_MODEL, Engine, SamplingParams
 from tests.test_pass_graphs import static_pass_graphs
 from tests.test_speculative import assert_same_distribution
 from tests.conftest import ROOT
-from tests.test_step_faults import Faults, drive as drive_workload, small_engine, summary, workload
+from tests.test_step_faults import Faults, drive as drive_workload, hook_calls, outputs_without_faults
+from tests.test_step_faults import small_engine, summary, workload
 from tests.test_step_faults import assert_clean as assert_released
 
 PROMPTS = ["12+7=19\n31+5=", "Hello", "4821+337=5158\n96+4=100\n7+", "0123456789 + - * / = 42"]
@@ -55,9 +56,23 @@ def plain():
     return [o.token_ids for o in outputs]
 
 
+@pytest.fixture(scope="module")
+def pipelined():
+    """The pipelined greedy run of PROMPTS at draft depth d (outputs, stats), each d run once."""
+    runs = {}
+
+    def of(d: int):
+        if d not in runs:
+            outputs, stats, _ = run(TRAINED, greedy(), True, d=d)
+            runs[d] = outputs, stats
+        return runs[d]
+
+    return of
+
+
 @pytest.mark.parametrize("d", [1, 2, 3])
-def test_greedy_tokens_equal_plain_decoding(plain, d):
-    outputs, stats, _ = run(TRAINED, greedy(), True, d=d)
+def test_greedy_tokens_equal_plain_decoding(plain, pipelined, d):
+    outputs, stats = pipelined(d)
     assert [o.token_ids for o in outputs] == plain
     assert 0 < stats.num_accepted <= stats.num_drafted  # the trained model's drafts are mostly accepted
     for out in outputs:
@@ -84,8 +99,8 @@ def test_readout_policies_and_logprobs_as_plain_decoding(policy):
             assert all(abs(g[t].logprob - w[t].logprob) <= 1e-4 for t in w)
 
 
-def test_drafts_are_both_accepted_and_rejected_on_the_trained_model(plain):
-    _, stats, _ = run(TRAINED, greedy(), True, d=1)
+def test_drafts_are_both_accepted_and_rejected_on_the_trained_model(pipelined):
+    _, stats = pipelined(1)
     assert 0 < stats.num_accepted < stats.num_drafted
 
 
@@ -254,26 +269,33 @@ def test_pass_graphs_static_path_carries_both_phases_and_keeps_tokens(plain):
 PASS_HOOKS = ["readout", "sample", "decide", "apply", "commit", "release"]
 
 
+STOP = "e"
+PIPELINED = {"depth_batching": True, "speculative": "loops:2"}
+
+
+@pytest.fixture(scope="module")
+def fault_free(tiny_checkpoint):
+    return outputs_without_faults(tiny_checkpoint, STOP, **PIPELINED)
+
+
+@pytest.fixture(scope="module")
+def pipelined_hook_calls(tiny_checkpoint):
+    return hook_calls(tiny_checkpoint, STOP, **PIPELINED)
+
+
 @pytest.mark.parametrize("hook", PASS_HOOKS)
-def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatch, hook):
+def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatch, fault_free,
+                                                      pipelined_hook_calls, hook):
     """tests/test_step_faults.py's workload (preemption, logprobs, prompt logprobs, a trace, a stop string, a
-    seeded row): a KeyboardInterrupt at a hook point of a step with tokens in flight applies nothing of it
-    (the tokens in flight stay as they were, the seeded generator too), and stepping on gives the outputs of
-    a pipelined run without faults."""
-    stop = "e"
-    options = {"depth_batching": True, "speculative": "loops:2"}
-    with small_engine(tiny_checkpoint, **options) as engine:
-        drive_workload(engine, workload(stop))
-        expected, _ = drive_workload(engine, workload(stop))
-    with small_engine(tiny_checkpoint, **options) as engine:
+    seeded row): a KeyboardInterrupt at a hook point of a step with tokens in flight (the middle one of its
+    calls in a run) applies nothing of it (the tokens in flight stay as they were, the seeded generator too),
+    and stepping on gives the outputs of a pipelined run without faults."""
+    with small_engine(tiny_checkpoint, **PIPELINED) as engine:
         faults = Faults(engine, monkeypatch)
-        drive_workload(engine, workload(stop))  # fills the prefix cache as the next runs find it
-        faults.calls.clear()
-        drive_workload(engine, workload(stop))
-        counts = dict(faults.calls)
-        faults.armed = (hook, -(-counts[hook] // 2))
-        outputs, interrupts = drive_workload(engine, workload(stop))
+        drive_workload(engine, workload(STOP))  # fills the prefix cache as the next run finds it
+        faults.armed = (hook, -(-pipelined_hook_calls[hook] // 2))
+        outputs, interrupts = drive_workload(engine, workload(STOP))
         assert interrupts == 1 and faults.armed is None
-        assert {i: summary(o) for i, o in outputs.items()} == {i: summary(o) for i, o in expected.items()}
+        assert {i: summary(o) for i, o in outputs.items()} == fault_free
         assert_released(engine)
         assert not engine.runner.in_flight and engine.speculative_stats.num_drafted > 0

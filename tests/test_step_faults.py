@@ -143,6 +143,25 @@ HOOKS = ["schedule", "prepare", "forward", "readout", "sample", "token_text", "d
          "cache_full_blocks", "release", "stream", "decode", "output"]
 
 
+def outputs_without_faults(checkpoint, stop: str, **options) -> dict:
+    """summary() of each output of workload(stop) on small_engine(checkpoint, **options), in a run that finds
+    the prefix cache an earlier run filled (as every run after the first does)."""
+    with small_engine(checkpoint, **options) as engine:
+        drive(engine, workload(stop))
+        outputs, _ = drive(engine, workload(stop))
+    return {i: summary(o) for i, o in outputs.items()}
+
+
+def hook_calls(checkpoint, stop: str, **options) -> dict[str, int]:
+    """Each hook point's calls in such a run."""
+    with pytest.MonkeyPatch.context() as monkeypatch, small_engine(checkpoint, **options) as engine:
+        faults = Faults(engine, monkeypatch)
+        drive(engine, workload(stop))
+        faults.calls.clear()
+        drive(engine, workload(stop))
+    return dict(faults.calls)
+
+
 def test_a_keyboard_interrupt_at_any_hook_point_loses_nothing(tiny_checkpoint, fault_free, monkeypatch):
     stop, expected, _ = fault_free
     with small_engine(tiny_checkpoint) as engine:
