@@ -76,7 +76,8 @@ def acceptance(ds: list[int], ks: list[int], num_prompts: int, max_tokens: int) 
 def decode_tpot(engine: Engine, batch: int, prompt: int, tokens: int, seed: int) -> dict:
     """Per generated token: wall ms of the decode steps after every row has its first token; the steps
     taken per row's token; under depth batching the loop passes per row's token (a pass is a step here: no
-    prompt is left); under speculation the share of drafts accepted."""
+    prompt is left; a lone row's token runs its loops in one step); under speculation the share of drafts
+    accepted."""
     if tokens > 8:
         decode_tpot(engine, batch, prompt, 8, seed + 1)  # warm-up on the same shapes
     params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
