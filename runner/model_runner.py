@@ -170,13 +170,13 @@ class ModelRunner:
         self.scratch_block = scratch_block
         if self.device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs:
             self._reserve_fused_workspace()
-            if self.depth is not None:  # decode steps are loop passes: their layer stack, per bucket
-                self.depth.graphs = self.pass_graphs()
-                self.depth.graphs.capture_all()
             if self.depth is None:
                 self.graphs = self._capture(scratch_block)
-            elif self.pipelined is None:  # a lone decode row's token (_lone_token)
-                self.graphs = self._capture(scratch_block, 1)
+            else:  # decode steps are loop passes: their layer stack, per bucket
+                self.depth.graphs = self.pass_graphs()
+                self.depth.graphs.capture_all()
+                if self.pipelined is None:  # and a lone decode row's token (_lone_token)
+                    self.graphs = self._capture(scratch_block, 1)
             # Steps with prompt tokens: piecewise, unless an exit hook must see each loop (early:Q).
             tokens = min(config.piecewise_graph_tokens, config.max_num_batched_tokens)
             if tokens and self.hook is None:
