@@ -15,8 +15,8 @@ from engine import Engine, SamplingParams
 from exit_policy import ExitPolicy, parse_exit_policy
 from runner.loop_driver import LoopStats
 from tests.conftest import ROOT
-from tests.test_step_faults import (HOOKS, Faults, assert_clean, drive, hook_calls, outputs_without_faults,
-                                    small_engine, summary, workload)
+from tests.test_step_faults import (HOOKS, assert_clean, hook_calls, interrupted_run,
+                                    outputs_without_faults, small_engine)
 
 PROMPTS = ["A looped language model", "Hello", "The quick brown fox jumps over the lazy dog again and again",
            "0123456789 + - * / = 42"]
@@ -355,11 +355,6 @@ def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatc
     in a run) applies nothing of it (their tokens stay where they were), and stepping on gives the outputs of
     a lockstep run without faults."""
     with small_engine(tiny_checkpoint, exit_policy="early:0.5", depth_batching=True) as engine:
-        faults = Faults(engine, monkeypatch)
-        drive(engine, workload(STOP))  # fills the prefix cache as the next run finds it
-        faults.armed = (hook, -(-depth_hook_calls[hook] // 2))
-        outputs, interrupts = drive(engine, workload(STOP))
-        assert interrupts == 1 and faults.armed is None
-        assert {i: summary(o) for i, o in outputs.items()} == lockstep_outputs
+        assert interrupted_run(engine, monkeypatch, STOP, hook, depth_hook_calls) == lockstep_outputs
         assert_clean(engine)
         assert not engine.runner.mid_tokens

@@ -12,8 +12,8 @@ from engine import DEFAULT_MODEL, Engine, SamplingParams
 from tests.test_pass_graphs import static_pass_graphs
 from tests.test_speculative import assert_same_distribution
 from tests.conftest import ROOT
-from tests.test_step_faults import Faults, drive as drive_workload, hook_calls, outputs_without_faults
-from tests.test_step_faults import small_engine, summary, workload
+from tests.test_step_faults import hook_calls, interrupted_run
+from tests.test_step_faults import outputs_without_faults, small_engine
 from tests.test_step_faults import assert_clean as assert_released
 
 PROMPTS = ["12+7=19\n31+5=", "Hello", "4821+337=5158\n96+4=100\n7+", "0123456789 + - * / = 42"]
@@ -291,11 +291,6 @@ def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatc
     calls in a run) applies nothing of it (the tokens in flight stay as they were, the seeded generator too),
     and stepping on gives the outputs of a pipelined run without faults."""
     with small_engine(tiny_checkpoint, **PIPELINED) as engine:
-        faults = Faults(engine, monkeypatch)
-        drive_workload(engine, workload(STOP))  # fills the prefix cache as the next run finds it
-        faults.armed = (hook, -(-pipelined_hook_calls[hook] // 2))
-        outputs, interrupts = drive_workload(engine, workload(STOP))
-        assert interrupts == 1 and faults.armed is None
-        assert {i: summary(o) for i, o in outputs.items()} == fault_free
+        assert interrupted_run(engine, monkeypatch, STOP, hook, pipelined_hook_calls) == fault_free
         assert_released(engine)
         assert not engine.runner.in_flight and engine.speculative_stats.num_drafted > 0

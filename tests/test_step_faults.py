@@ -162,6 +162,17 @@ def hook_calls(checkpoint, stop: str, **options) -> dict[str, int]:
     return dict(faults.calls)
 
 
+def interrupted_run(engine: Engine, monkeypatch, stop: str, hook: str, calls: dict[str, int]) -> dict:
+    """summary() of each output of workload(stop) in a run with one KeyboardInterrupt at the middle of the
+    hook point's `calls` (hook_calls), after a run that fills the prefix cache as that run finds it."""
+    faults = Faults(engine, monkeypatch)
+    drive(engine, workload(stop))
+    faults.armed = (hook, -(-calls[hook] // 2))
+    outputs, interrupts = drive(engine, workload(stop))
+    assert interrupts == 1 and faults.armed is None
+    return {i: summary(o) for i, o in outputs.items()}
+
+
 def test_a_keyboard_interrupt_at_any_hook_point_loses_nothing(tiny_checkpoint, fault_free, monkeypatch):
     stop, expected, _ = fault_free
     with small_engine(tiny_checkpoint) as engine:
