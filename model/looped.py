@@ -139,6 +139,14 @@ class LoopStates:
     readout: torch.Tensor | None = None
     final: torch.Tensor | None = None
 
+    def rows(self, index: slice | list[int] | torch.Tensor, final_by_row: bool = False) -> LoopStates:
+        """These readout rows of the states. final_by_row: `final` holds one state a readout row (a depth
+        pass's finished tokens), so it is selected too; else it is the step's and is dropped."""
+        return LoopStates(self.hidden[:, index],
+                          None if self.gate_logits is None else self.gate_logits[:, index],
+                          None if self.readout is None else self.readout[index],
+                          None if not final_by_row or self.final is None else self.final[index])
+
 
 class LoopedConfig(Protocol):
     """What the engine reads of a family's config (model/config.py: OuroConfig is one)."""

@@ -404,7 +404,7 @@ class ModelRunner:
         if inputs.reads_out_every_token:
             states.final = final
             return states
-        return dataclasses.replace(_rows(states, inputs.readout), final=final)
+        return dataclasses.replace(states.rows(inputs.readout), final=final)
 
     def executor_for(self, num_rows: int):
         """The loop driver's executor for a decode batch of num_rows one-token rows: the per-loop graphs
@@ -512,7 +512,7 @@ class ModelRunner:
             self._warm_starts(finished, out.states.final, part)
         sampling = [i for i, samples in enumerate(finished.sample) if samples]
         if sampling:
-            self._isolated(finished, part, self._sample_rows, "sampling", _rows(out.states, sampling),
+            self._isolated(finished, part, self._sample_rows, "sampling", out.states.rows(sampling),
                            sampling)
         part.depth_tokens = {i: (loops, passes) for i, (loops, passes)
                              in enumerate(zip(out.loops_run, out.passes))}
@@ -530,7 +530,7 @@ class ModelRunner:
         sampling = [row for row, samples in enumerate(batch.sample) if samples]
         if len(inputs.readout) > len(sampling):  # the readout's first rows sample; prompt tokens follow
             self._isolated(batch, result, self._prompt_logprobs, "prompt logprobs",
-                           _rows(states, slice(len(sampling), None)), list(range(batch.num_seqs)))
+                           states.rows(slice(len(sampling), None)), list(range(batch.num_seqs)))
         rows = [row for row in sampling if row not in result.errors]
         if rows:
             stage = self._sample_rows_on_device if on_device else self._sample_rows
@@ -707,7 +707,7 @@ class ModelRunner:
         sampling = [row for row, samples in enumerate(batch.sample) if samples]
         index = slice(0, len(rows)) if len(rows) == len(sampling) else [sampling.index(row) for row in rows]
         requests = [batch.requests[row] for row in rows]
-        logits, traces = self._readout(_rows(states, index), self._readout_policies(batch, rows),
+        logits, traces = self._readout(states.rows(index), self._readout_policies(batch, rows),
                                        [traced and r.params.loop_trace for r in requests], requests)
         sampled = sample(process_logits(logits, requests), [r.params for r in requests],
                          [self.generator_of(r) for r in requests])
@@ -752,7 +752,7 @@ class ModelRunner:
         # prompt tokens never exit under a criterion: every loop, read out at the last
         policies = [FULL if policy.is_criterion else policy for policy in self.policies_of(requests)]
         tokens = [i for _, i in owners]
-        logits, _ = self._readout(_rows(states, tokens), policies, [False] * len(requests), requests)
+        logits, _ = self._readout(states.rows(tokens), policies, [False] * len(requests), requests)
         counts = [r.params.prompt_logprobs for r in requests]
         top = logprobs_topn(logits, torch.tensor(next_tokens, device=logits.device), max(counts))
         entries: dict[int, list[dict[int, Logprob]]] = {}
@@ -836,13 +836,6 @@ class ModelRunner:
         self.block_tables.release(request)
         if self.generated_tables is not None:
             self.generated_tables.release(request)
-
-
-def _rows(states: LoopStates, index: slice | list[int] | torch.Tensor) -> LoopStates:
-    """These readout rows of the states (the final states are the step's, not a readout row's: dropped)."""
-    return LoopStates(states.hidden[:, index],
-                      None if states.gate_logits is None else states.gate_logits[:, index],
-                      None if states.readout is None else states.readout[index])
 
 
 def prompt_logprob_positions(request: Request, start: int, end: int) -> range:

@@ -58,7 +58,6 @@ import dataclasses
 
 import torch
 
-from model.looped import LoopStates
 from request import Request, ScheduledBatch
 from runner.depth_passes import DepthPasses, MidToken, PassResult
 from runner.sampler import apply_filters
@@ -188,11 +187,6 @@ class PipelinedSpeculation:
 
 def _subset(out: PassResult, among: list[int]) -> PassResult:
     """These of a pass's finished tokens (indices into out.finished), with their states."""
-    states = out.states
-    index = torch.tensor(among, dtype=torch.int64, device=states.hidden.device)
+    index = torch.tensor(among, dtype=torch.int64, device=out.states.hidden.device)
     return PassResult(out.carried, [out.finished[j] for j in among], [out.loops_run[j] for j in among],
-                      [out.passes[j] for j in among],
-                      LoopStates(states.hidden[:, index],
-                                 None if states.gate_logits is None else states.gate_logits[:, index],
-                                 None if states.readout is None else states.readout[index],
-                                 None if states.final is None else states.final[index]))
+                      [out.passes[j] for j in among], out.states.rows(index, final_by_row=True))
