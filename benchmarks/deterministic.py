@@ -12,6 +12,8 @@ import argparse
 import random
 import statistics
 
+import torch
+
 from benchmarks.common import (BATCHED_TOKENS, checkpoint, copy_bandwidth, environment, head_start,
                                kv_bytes_read_per_token, matmul_rate, weight_bytes_per_step, write_results)
 from benchmarks.latency import time_batch
@@ -45,8 +47,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps a pass")
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds a shape")
     parser.add_argument("--prefill", type=int, default=8192, help="prefill MFU's prompt (0: skip)")
-    parser.add_argument("--kv-cache-gib", type=float, default=48.0,
-                        help="each engine's KV pool (the two share the GPU)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="each engine's KV pool (default: 40%% of the GPU's free memory, as the two "
+                             "engines share the GPU)")
     parser.add_argument("--out", default=f"benchmarks/results/deterministic-{environment()['date']}.json")
     args = parser.parse_args()
     path = checkpoint(args.model, args.preset)
@@ -54,9 +57,10 @@ def main() -> None:
     longest = max(max(args.prompts) + args.steps + 1 + head_start(b, p, BATCHED_TOKENS)
                   for b in args.batches for p in args.prompts)
     longest = max(longest, args.prefill + 8)
+    pool_gib = args.kv_cache_gib or 0.4 * torch.cuda.mem_get_info()[0] / 2**30
     engines = {name: Engine(path, device="cuda", dtype="bfloat16", max_num_seqs=max(args.batches),
                             max_model_len=longest, max_num_batched_tokens=BATCHED_TOKENS,
-                            enable_prefix_caching=False, deterministic=on, kv_cache_gib=args.kv_cache_gib,
+                            enable_prefix_caching=False, deterministic=on, kv_cache_gib=pool_gib,
                             verbose=False)
                for name, on in MODES.items()}
     weights = weight_bytes_per_step(engines["default"])

@@ -91,11 +91,11 @@ def run_workload(path: str, args: argparse.Namespace, async_scheduling: bool, ba
         forward = engine.runner.forward
         first_kernel: list[torch.cuda.Event] = []
 
-        def timed_forward(inputs):
+        def timed_forward(inputs, *args):
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             first_kernel.append(event)
-            return forward(inputs)
+            return forward(inputs, *args)
 
         def timed(method):
             """The runner's run (a synchronous step) or launch (async), with the step's roofline and its
