@@ -95,6 +95,23 @@ def test_strided_and_batched_inputs():
     check_close(y3.view(6, 96), x3.view(6, 80), w)
 
 
+@pytest.mark.parametrize("split_programs", [False, True])
+@pytest.mark.parametrize("n,k,split", [(96, 80, 3), (64, 256, 2)])
+def test_tiled_kernel_gives_the_skinny_kernels_bits(n, k, split, split_programs):
+    """tiled_linear (deterministic mode past MAX_SKINNY_M rows), its splits in one program's loop or a
+    program each, against skinny_linear under the same config: the same bits, with K not a multiple of the
+    K block (the last split short) and tiles past M and N."""
+    torch.manual_seed(n + k)
+    x = torch.randn(70, k, device=DEVICE)  # fp32: a sum in another order shows in the output's bits
+    w = torch.randn(n, k, device=DEVICE)
+    config = GemvConfig(32, 16, split_k=split, block_m=gemv.MAX_SKINNY_M)
+    tile = gemv.TiledTile(gemv.MAX_SKINNY_M, 32, 4, 2, group_m=2, split_programs=split_programs)
+    tiled = gemv.tiled_linear(x, w, config, tile=tile)
+    skinny = torch.cat([skinny_linear(x[:64], w, config=config), skinny_linear(x[64:], w, config=config)])
+    assert torch.equal(tiled, skinny)
+    assert not gemv._WORKSPACES[x.device].tickets.any()
+
+
 def test_buckets_and_config_lookup(monkeypatch):
     assert [gemv.m_bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64)] == [1, 2, 4, 4, 8, 8, 16, 16, 32,
                                                                                    64, 64]

@@ -80,6 +80,38 @@ def tile_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters,
 
 
 @triton.jit
+def prefetch_stages(w_row_ptrs, k0, end, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Asks L2 for the first NUM_STAGES weight tiles from column k0 (columns past `end` clamped onto it): one
+    pointer per 128-byte line, or per BLOCK_K run if shorter. Issued before a PDL wait."""
+    LINE: tl.constexpr = 1024 // w_row_ptrs.dtype.element_ty.primitive_bitwidth
+    STEP: tl.constexpr = LINE if LINE < BLOCK_K else BLOCK_K
+    for stage in tl.static_range(NUM_STAGES):
+        offs_line = k0 + stage * BLOCK_K + tl.arange(0, BLOCK_K // STEP) * STEP
+        prefetch_l2(w_row_ptrs + tl.minimum(offs_line, end)[None, :])
+
+
+@triton.jit
+def load_tiles(w_ptrs, x_ptrs, mask_m, k_start, K, offs_k, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile and [BLOCK_M, BLOCK_K] x tile at column k_start (masked past K)."""
+    if EVEN_K:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+        x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0, eviction_policy="evict_last")
+    else:
+        mask_k = (k_start + offs_k) < K
+        w = tl.load(w_ptrs, mask=mask_k[None, :], other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_last")
+    return w, x
+
+
+@triton.jit
+def dot_into(acc, w, x, DOT_FP32: tl.constexpr):
+    """acc + W x^T on the tensor cores ([BLOCK_N, BLOCK_M])."""
+    if DOT_FP32:
+        return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(w, tl.trans(x), acc)
+
+
+@triton.jit
 def split_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters, split,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                   USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
@@ -107,14 +139,7 @@ def split_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters, spl
     iters = tl.minimum(k_iters, tl.cdiv(K, BLOCK_K) - first)
     w_row_ptrs = w_ptr + w_rows.to(tl.int64)[:, None] * stride_wn
     if PDL:
-        # One pointer per 128-byte line (or per BLOCK_K run, if shorter) of the first stages, kept inside the
-        # split's K range.
-        LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
-        STEP: tl.constexpr = LINE if LINE < BLOCK_K else BLOCK_K
-        end = tl.minimum(k0 + iters * BLOCK_K, K) - 1
-        for stage in tl.static_range(NUM_STAGES):
-            offs_line = k0 + stage * BLOCK_K + tl.arange(0, BLOCK_K // STEP) * STEP
-            prefetch_l2(w_row_ptrs + tl.minimum(offs_line, end)[None, :])
+        prefetch_stages(w_row_ptrs, k0, tl.minimum(k0 + iters * BLOCK_K, K) - 1, BLOCK_K, NUM_STAGES)
     wait_for_previous(PDL)
     launch_dependents(PDL)
     mask_m = offs_m < M
@@ -125,19 +150,9 @@ def split_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters, spl
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for i in tl.range(0, iters, num_stages=NUM_STAGES):
-        if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0, eviction_policy="evict_last")
-        else:
-            mask_k = (k0 + i * BLOCK_K + offs_k) < K
-            w = tl.load(w_ptrs, mask=mask_k[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0,
-                        eviction_policy="evict_last")
+        w, x = load_tiles(w_ptrs, x_ptrs, mask_m, k0 + i * BLOCK_K, K, offs_k, EVEN_K)
         if USE_DOT:
-            if DOT_FP32:
-                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(x), acc)
+            acc = dot_into(acc, w, x, DOT_FP32)
         else:  # BLOCK_M == 1: x is [1, BLOCK_K]
             acc += w.to(tl.float32) * x.to(tl.float32)
         w_ptrs += BLOCK_K
@@ -203,16 +218,19 @@ def skinny_gemm_kernel(
 # M unspecialized: one compiled variant serves every row count.
 @triton.jit(do_not_specialize=["M"])
 def tiled_gemm_kernel(
-    x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_iters, splits,
+    x_ptr, w_ptr, y_ptr, partials_ptr, tickets_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_iters, splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr,
 ):
-    """Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): y = x @ W^T for any number of rows, one [BLOCK_M, BLOCK_N]
-    tile a program, tiles walked GROUP_M row tiles at a time (the W tiles stay in L2 across them). The program
-    runs the splits of K one after the other, each from a zero accumulator, and sums them in split order 0,
-    1, ..: exactly what skinny_gemm_kernel's split-K does across programs (split_k_total), so a row's bits
-    are the same through either kernel and at any M, given the same splits and the same MMA per element."""
+    """Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits or 1): y = x @ W^T for any number of rows, one
+    [BLOCK_M, BLOCK_N] tile a program (or, SPLIT_PROGRAMS, a split of one: the grid's second dimension),
+    tiles walked GROUP_M row tiles at a time (the W tiles stay in L2 across them). Without SPLIT_PROGRAMS the
+    program runs the splits of K one after the other; with it, each split is a program and the tile's last
+    one sums them (split_k_total). Either way each split starts from a zero accumulator and the splits are
+    added in order 0, 1, ..: exactly skinny_gemm_kernel's sum, so a row's bits are the same through either
+    kernel and at any M, given the same splits and the same MMA per element. (One pipelined loop over all of
+    K, adding at each split's end, measured slower at prompt sizes on the H100: the branch in the loop.)"""
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = GROUP_M * tiles_n
@@ -225,14 +243,22 @@ def tiled_gemm_kernel(
     m0 = pid_m * BLOCK_M
     x_tile = x_ptr + m0.to(tl.int64) * stride_xm
     rows = M - m0
-    total = split_product(x_tile, w_ptr, w_rows, rows, K, stride_xm, stride_wn, k_iters, 0, BLOCK_M, BLOCK_N,
-                          BLOCK_K, EVEN_K, True, DOT_FP32, NUM_STAGES, PDL, 0)
-    for split in range(1, splits):
-        total += split_product(x_tile, w_ptr, w_rows, rows, K, stride_xm, stride_wn, k_iters, split, BLOCK_M,
-                               BLOCK_N, BLOCK_K, EVEN_K, True, DOT_FP32, NUM_STAGES, False, 0)
     offs_m = tl.arange(0, BLOCK_M)
     y_ptrs = y_ptr + (m0 + offs_m).to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=(offs_m < rows)[:, None] & (offs_n < N)[None, :])
+    y_mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
+    if SPLIT_PROGRAMS:
+        part = split_product(x_tile, w_ptr, w_rows, rows, K, stride_xm, stride_wn, k_iters, tl.program_id(1),
+                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, True, DOT_FP32, NUM_STAGES, PDL, 0)
+        last, total = split_k_total(part, partials_ptr, tickets_ptr, rows, BLOCK_M, BLOCK_N)
+        if last:
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        total = split_product(x_tile, w_ptr, w_rows, rows, K, stride_xm, stride_wn, k_iters, 0, BLOCK_M,
+                              BLOCK_N, BLOCK_K, EVEN_K, True, DOT_FP32, NUM_STAGES, PDL, 0)
+        for split in range(1, splits):
+            total += split_product(x_tile, w_ptr, w_rows, rows, K, stride_xm, stride_wn, k_iters, split,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, True, DOT_FP32, NUM_STAGES, False, 0)
+        tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,7 +272,7 @@ class GemvConfig:
     preload: the FMA path loads each program's whole weight slice before reading x (with PDL, before waiting
     for the previous kernel); its block_n x split slice must fit 64 registers a thread. block_m: the rows of
     x a program takes on the tensor cores, whatever M (at least MAX_SKINNY_M for skinny_linear); None pads M
-    to its bucket (and tiled_linear takes TILED_BLOCK_M)."""
+    to its bucket (and tiled_linear takes its TiledTile's)."""
 
     block_n: int
     block_k: int
@@ -357,9 +383,36 @@ INVARIANT_TUNED: dict[tuple[int, int], GemvConfig] = {
     (2048, 5632): GemvConfig(64, 128, 4, 4, 4, True),  # down
     (49152, 2048): GemvConfig(64, 128, 1, 4, 4, True),  # lm_head
 }
-# tiled_gemm_kernel's tile (rows x W rows), warps, stages and grouping; block_k and the splits are the
-# config's. None of them changes a bit of the result.
-TILED_BLOCK_M, TILED_BLOCK_N, TILED_WARPS, TILED_STAGES, TILED_GROUP_M = 128, 128, 8, 3, 8
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TiledTile:
+    """How tiled_gemm_kernel runs a config: its tile (block_m rows x block_n W rows), warps, stages, row
+    tiles a group walks (the W tiles stay in L2 across them), and whether each split of K is a program of its
+    own (split_programs) or the tile's program runs them all. block_k and the splits are the config's; none of
+    these changes a bit of the result."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    split_programs: bool = False
+
+
+# Measured on one H100 by benchmarks/invariant_gemm.py (cold L2; benchmarks/results/h100-2026-12-06.md):
+# at 128 rows a weight split in K (qkv, o, down) took 128 x 64 tiles with a program a split in 25.7-37.2 µs,
+# against 37.1-67.5 for 128 x 128 tiles that run the splits in one program (o and down have only 16 such
+# tiles on 132 SMs); from 512 rows on, and for unsplit weights, 128 x 128 tiles with 8 warps were the
+# fastest tried. cuBLAS was faster than every tile at every row count (1.1-1.9x).
+SPLIT_TILE_ROWS = 256
+SPLIT_TILE = TiledTile(128, 64, 4, 3, split_programs=True)
+PROMPT_TILE = TiledTile(128, 128, 8, 3)
+
+
+def tiled_tile(m: int, splits: int) -> TiledTile:
+    """tiled_linear's tile for m rows of a config with `splits` splits of K."""
+    return SPLIT_TILE if splits > 1 and m <= SPLIT_TILE_ROWS else PROMPT_TILE
 
 
 def invariant_config(n: int, k: int, dtype: torch.dtype, sm_count: int = CPU_SM_COUNT) -> GemvConfig:
@@ -555,17 +608,17 @@ _TILED_PLANS: dict[tuple, tuple[CompiledLaunch, tuple]] = {}
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, tile: TiledTile | None = None) -> torch.Tensor:
     """y = x @ weight^T for x [M, K] with any M, by tiled_gemm_kernel: the bits skinny_linear gives with the
-    same (tensor-core) config, each program running the config's splits itself. y in x's dtype (in `out`
-    where given, [M, N] with a contiguous last dimension)."""
+    same (tensor-core) config. y in x's dtype (in `out` where given, [M, N] with a contiguous last
+    dimension). `tile`: overrides tiled_tile's choice (benchmarks); config.block_m, where set, its block_m."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return y
     key = (m, n, k, x.dtype, x.device, x.stride(0), weight.stride(0), y.stride(0), x.data_ptr() & 15,
-           weight.data_ptr() & 15, y.data_ptr() & 15, config)
+           weight.data_ptr() & 15, y.data_ptr() & 15, config, tile)
     plan = _TILED_PLANS.get(key)
     if plan is None:
         check_operands(x, weight)
@@ -574,22 +627,40 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
         if y.dtype != x.dtype or y.shape != (m, n) or y.stride(1) != 1:
             raise ValueError(f"out must be [{m}, {n}] in {x.dtype} with a contiguous last dimension, got "
                              f"{tuple(y.shape)} in {y.dtype}")
-        _, tail = kernel_args(1, n, k, x.stride(0), weight.stride(0), y.stride(0), x.dtype, config)
-        k_iters, block_k, splits = tail[6], tail[9], triton.cdiv(triton.cdiv(k, tail[9]), tail[6])
-        block_m = config.block_m or TILED_BLOCK_M
-        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, TILED_BLOCK_N), 1, 1)
-        pdl = pdl_supported(x.device)
-        options = {"launch_pdl": True} if pdl else {}
-        launch = CompiledLaunch(tiled_gemm_kernel, grid, TILED_WARPS, TILED_STAGES, **options)
-        plan = (launch, (m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_iters, splits, block_m,
-                         TILED_BLOCK_N, block_k, k % block_k == 0, n % TILED_BLOCK_N == 0, tail[14],
-                         TILED_STAGES, TILED_GROUP_M, pdl))
+        plan = _tiled_plan(x, weight, y, config, tile)
         if len(_TILED_PLANS) > 4096:
             _TILED_PLANS.clear()
         _TILED_PLANS[key] = plan
-    launch, tail = plan
-    launch(current_stream(x.device), (x, weight, y) + tail)
+    launch, partials, tickets, tail = plan
+    launch(current_stream(x.device), (x, weight, y, partials, tickets) + tail)
     return y
+
+
+def _tiled_plan(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: GemvConfig,
+                tile: TiledTile | None) -> tuple[CompiledLaunch, torch.Tensor, torch.Tensor, tuple]:
+    m, k = x.shape
+    n = weight.shape[0]
+    _, tail = kernel_args(1, n, k, x.stride(0), weight.stride(0), y.stride(0), x.dtype, config)
+    k_iters, block_k, splits = tail[6], tail[9], triton.cdiv(triton.cdiv(k, tail[9]), tail[6])
+    tile = tile or tiled_tile(m, splits)
+    block_m = config.block_m or tile.block_m
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n)
+    split_programs = tile.split_programs and splits > 1
+    workspace = _workspace(x.device)
+    partials, tickets = workspace.dummy_partials, workspace.dummy_tickets
+    if split_programs:
+        if tiles > ROW_TICKET:
+            raise ValueError(f"{tiles} tiles exceed the {ROW_TICKET} split-K tickets; use a tile of "
+                             "split_programs=False")
+        partials, tickets = workspace.get(tiles * splits * block_m * tile.block_n)
+    pdl = pdl_supported(x.device)
+    options = {"launch_pdl": True} if pdl else {}
+    grid = (tiles, splits if split_programs else 1, 1)
+    launch = CompiledLaunch(tiled_gemm_kernel, grid, tile.num_warps, tile.num_stages, **options)
+    return launch, partials, tickets, (m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_iters, splits,
+                                       block_m, tile.block_n, block_k, k % block_k == 0,
+                                       n % tile.block_n == 0, tail[14], tile.num_stages, tile.group_m, pdl,
+                                       split_programs)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
