@@ -5,6 +5,8 @@ faster as launches of their own):
 - linear_add_norms: the o or down projection, then the post-norm, its residual add and the next pre-norm
   (fused.add_rmsnorm_rmsnorm's work), done by the tile that finishes last, since a norm needs the whole row;
 - gate_up_silu: the gate_up projection, with SiLU(gate) * up.
+Huginn's blocks (model/huginn_fused.py) take them with options: a q/k bias and an fp32 rotation in qkv_rope;
+the norm after the residual add, and no next norm after a stack's last block, in linear_add_norms.
 
 Paired rows. RoPE pairs each head's element j with j + D/2; SiLU-mul pairs gate row j with up row I + j. A
 program loads its tile's W rows interleaved by pair, [a0, b0, a1, b1, ..], so one dot of the plain kernel's
