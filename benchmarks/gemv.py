@@ -1,5 +1,6 @@
 """Skinny GEMM at decode (model/kernels/gemv.py) against cuBLAS F.linear, at Ouro-1.4B's projection shapes
-in bf16, held against the device-to-device copy bandwidth measured in the same run.
+(or, named by --shapes, Huginn-0125's) in bf16, held against the device-to-device copy bandwidth measured in
+the same run.
 
     python -m benchmarks.gemv --out benchmarks/results/gemv.json [--ms 1,4,16,64] [--jobs 12]
 
@@ -37,7 +38,11 @@ from model.kernels.gemv import GemvConfig
 from triton_runtime.pdl import pdl_supported
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
-          "lm_head": (49152, 2048)}
+          "lm_head": (49152, 2048),
+          # Huginn-0125's (model/huginn_fused.py), timed only where --shapes names them
+          "huginn_qkv": (15840, 5280), "huginn_proj": (5280, 5280), "huginn_fc": (35840, 5280),
+          "huginn_mlp_proj": (5280, 17920), "huginn_adapter": (5280, 10560), "huginn_head": (65536, 5280)}
+OURO_SHAPES = ("qkv", "o", "gate_up", "down", "lm_head")
 LAYER = ("qkv", "o", "gate_up", "down")
 LAYER_APPLICATIONS = 96  # 24 layers x 4 loops per token
 DTYPE = torch.bfloat16
@@ -334,7 +339,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
     parser.add_argument("--ms", default="1,4,16,64", help="row counts M, comma-separated")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="shape names, comma-separated")
+    parser.add_argument("--shapes", default=",".join(OURO_SHAPES),
+                        help="shape names, comma-separated (default: Ouro-1.4B's)")
     parser.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1),
                         help="worker processes compiling kernel variants up front (1: compile lazily)")
     parser.add_argument("--budget", type=float, default=80.0,

@@ -6,7 +6,8 @@ implements the looped-model interface (model/looped.py) with them.
 Like model/ouro.py, the network never sees the KV cache: it calls `attention(q, k, v, slot)` once per
 (slot, layer application), and whatever stands behind that callable owns K/V. Slots are numbered per token:
 prelude layer j is slot j, core recurrence i (0-based) layer l is P + i*C + l, coda layer c is P + r*C + c,
-with r the recurrences the slot map holds (HuginnConfig.core_slot, coda_slot).
+with r the recurrences the slot map holds (HuginnConfig.core_slot, coda_slot). With fused_kernels, calls of
+decode-sized rows run the blocks as Triton kernels instead (model/huginn_fused.py), the same network.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import huginn_fused
 from model.looped import Attention, ModelShape, SlotMap, StepContext
 from model.ouro import RMSNorm
 
@@ -336,14 +338,20 @@ class HuginnForCausalLM(nn.Module):
     runner gives the tokens their own (initial_state, warm_state); a loop is the adapter on [state,
     injection] and the core blocks; the coda (final norm, coda blocks, final norm) runs on the last loop's
     state; the head is tied. There is no exit gate. The step-wise methods (run_prelude, core_step,
-    run_coda, logits) take the RoPE tables and the coda's slot explicitly, for tests at any depth."""
+    run_coda, logits) take the RoPE tables and the coda's slot explicitly, for tests at any depth.
+
+    fused_kernels: calls of decode-sized rows (huginn_fused.fits) run the prelude, each recurrence and the
+    coda as Triton kernels around skinny GEMMs, and the head as a skinny GEMM (model/huginn_fused.py);
+    larger calls, and every call without it, run the torch ops below."""
 
     exit_gate = None
-    fused_kernels = False
 
-    def __init__(self, config: HuginnConfig) -> None:
+    def __init__(self, config: HuginnConfig, fused_kernels: bool = False) -> None:
         super().__init__()
+        if fused_kernels and not huginn_fused.available():
+            raise ValueError("fused_kernels=True needs the triton package, which is not installed here")
         self.config = config
+        self.fused_kernels = fused_kernels  # Triton kernels around the GEMMs (no autograd: inference only)
         self.slot_map = SlotMap(config.mean_recurrence, config.n_layers_in_recurrent_block,
                                 config.n_layers_in_prelude, config.n_layers_in_coda)
         hidden = config.n_embd
@@ -357,6 +365,9 @@ class HuginnForCausalLM(nn.Module):
         self.lm_head = None if config.tie_embeddings else nn.Linear(hidden, config.padded_vocab_size,
                                                                     bias=False)
         self.rotary = Rotary(config.head_dim, config.rope_base)
+        # what the fused path keeps between calls (model/huginn_fused.py), wherever triton can run it
+        blocks = len(self.prelude_blocks) + len(self.core_blocks) + len(self.coda_blocks)
+        self.fused_path = huginn_fused.FusedHuginn(blocks) if huginn_fused.available() else None
 
     # -- the looped-model interface --------------------------------------------------------------------
 
@@ -413,6 +424,8 @@ class HuginnForCausalLM(nn.Module):
 
     def _prelude_blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         attention: Attention) -> torch.Tensor:
+        if huginn_fused.fits(self, x):
+            return self.fused_path.prelude(self, x, cos, sin, attention)
         for j, block in enumerate(self.prelude_blocks):
             x = block(x, cos, sin, attention, j)
         return x
@@ -441,6 +454,8 @@ class HuginnForCausalLM(nn.Module):
 
     def _recur(self, state: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                attention: Attention, slots: Sequence[int]) -> torch.Tensor:
+        if huginn_fused.fits(self, state):
+            return self.fused_path.recur(self, state, e, cos, sin, attention, slots)
         x = F.linear(torch.cat([state, e], dim=-1), self.adapter.weight)
         for block, slot in zip(self.core_blocks, slots, strict=True):
             x = block(x, cos, sin, attention, slot)
@@ -455,6 +470,8 @@ class HuginnForCausalLM(nn.Module):
 
     def _coda(self, state: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention,
               slots: Sequence[int]) -> torch.Tensor:
+        if huginn_fused.fits(self, state):
+            return self.fused_path.coda(self, state, cos, sin, attention, slots)
         x = self.ln_f(state)
         for block, slot in zip(self.coda_blocks, slots, strict=True):
             x = block(x, cos, sin, attention, slot)
@@ -462,8 +479,10 @@ class HuginnForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head (tied to wte unless the config says otherwise), no scale or softcap; fp32 like the
-        official code's output."""
+        official code's output. With fused_kernels a skinny GEMM on CUDA at decode sizes (gemv.linear)."""
         weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
+        if self.fused_kernels:
+            return self.fused_path.logits(hidden, weight)
         return F.linear(hidden, weight).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention, num_steps: int,

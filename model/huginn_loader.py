@@ -107,15 +107,16 @@ def module_state(config: HuginnConfig, tensors: dict[str, torch.Tensor]) -> dict
     return state
 
 
-def load_huginn(model_dir: str | Path, config: HuginnConfig, device: torch.device | str,
-                dtype: torch.dtype, check_finite: bool = True) -> HuginnForCausalLM:
+def load_huginn(model_dir: str | Path, config: HuginnConfig, device: torch.device | str, dtype: torch.dtype,
+                check_finite: bool = True, fused_kernels: bool = False) -> HuginnForCausalLM:
     """The checkpoint's weights in `dtype` on `device`; the RoPE tables stay fp32. check_finite refuses NaN
-    and infinite weights, naming the tensor (model/loader.py: read_tensors)."""
+    and infinite weights, naming the tensor (model/loader.py: read_tensors). fused_kernels: the model's
+    (HuginnForCausalLM)."""
     files = checkpoint_files(Path(model_dir))
     check_tensors(config, files)
     tensors = read_tensors(files, list(expected_tensors(config)), torch.device(device), dtype, check_finite)
     with torch.device("meta"):
-        model = HuginnForCausalLM(config)
+        model = HuginnForCausalLM(config, fused_kernels=fused_kernels)
     model.load_state_dict(module_state(config, tensors), strict=True, assign=True)
     model.rotary = Rotary(config.head_dim, config.rope_base).to(device)
     return model.eval().requires_grad_(False)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from exit_policy import ExitPolicy
-from model import ouro_fused
+from model import huginn_fused, ouro_fused
 from model.checkpoint_paths import checkpoint_file
 from model.config import OuroConfig, read_config_json
 from model.huginn import HuginnConfig
@@ -42,8 +42,10 @@ def _load_ouro(model_dir: Path, config: OuroConfig, device: torch.device, dtype:
 
 def _load_huginn(model_dir: Path, config: HuginnConfig, device: torch.device, dtype: torch.dtype,
                  batch_invariant: bool, check_finite: bool) -> LoopedModel:
-    """The plain torch ops everywhere (no fused path; deterministic mode is refused beforehand)."""
-    return load_huginn(model_dir, config, device, dtype, check_finite=check_finite)
+    """Fused Triton kernels around the GEMMs on CUDA (model/huginn_fused.py); the plain torch ops elsewhere
+    (deterministic mode is refused beforehand)."""
+    return load_huginn(model_dir, config, device, dtype, check_finite=check_finite,
+                       fused_kernels=device.type == "cuda" and huginn_fused.available())
 
 
 # Exit policies that read an exit gate's per-loop probabilities (exit_policy.py), and step:K, which reads

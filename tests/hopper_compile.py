@@ -111,7 +111,8 @@ GEMV_POINTERS = {"partials_ptr": "*fp32", "tickets_ptr": "*i32"}
 def gemv_variants() -> list[tuple]:
     """The model's kernels, PDL on: the skinny GEMM and its epilogue variants at Ouro-1.4B's tuned bf16
     configs (one row: the FMA path, streamed and preloaded; 4-16 rows: the dot path, split and not) and one
-    fp32 config, and the fused elementwise kernels; one PDL-off variant."""
+    fp32 config, and the fused elementwise kernels; one PDL-off variant; then Huginn-0125's
+    (huginn_variants)."""
     fma = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT": False, "USE_DOT": False, "DOT_FP32": False,
            "NUM_STAGES": 3, "PRELOAD_K": 0}
     dot = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": True, "USE_DOT": True, "DOT_FP32": False,
@@ -123,8 +124,9 @@ def gemv_variants() -> list[tuple]:
     for dtype, config in (("bf16", fma), ("bf16", preload), ("bf16", dot), ("bf16", {**dot, "SPLIT": False}),
                           ("fp32", fp32)):
         gemm = {**config, "EVEN_K": True, "EVEN_N": True, "PDL": True}
-        norms = {**gemm, "HIDDEN": 2048, "NORM_BLOCK": 2048, "PRECISE": True}
-        rope = {**gemm, "HALF": 64, "PRECISE": True}
+        norms = {**gemm, "HIDDEN": 2048, "NORM_BLOCK": 2048, "PRECISE": True, "NORM_AFTER_ADD": False,
+                 "NEXT_NORM": True}
+        rope = {**gemm, "HALF": 64, "PRECISE": True, "HAS_BIAS": False, "ROPE_FP32": False}
         out += [(skinny_gemm_kernel, dtype, gemm, 4, None, GEMV_POINTERS),
                 (skinny_gemm_rope_kernel, dtype, rope, 4, None, GEMV_POINTERS),
                 (skinny_gemm_silu_mul_kernel, dtype, {**gemm, "PRECISE": True}, 4, None, GEMV_POINTERS),
@@ -133,12 +135,33 @@ def gemv_variants() -> list[tuple]:
     out.append((skinny_gemm_kernel, "bf16", uneven, 4, None, GEMV_POINTERS))
     for add_residual, next_norm in ((False, False), (True, True)):
         norm = {"N": 2048, "BLOCK": 2048, "ADD_RESIDUAL": add_residual, "NEXT_NORM": next_norm,
-                "PRECISE": True, "PDL": True}
+                "PRECISE": True, "NORM_AFTER_ADD": False, "PDL": True}
         out.append((rmsnorm_kernel, "bf16", norm, 8, None, None))
     out.append((silu_mul_kernel, "bf16", {"SIZE": 5632, "BLOCK": 1024, "PRECISE": True, "PDL": True}, 4, None,
                 None))
     out.append((rope_qkv_kernel, "bf16", {**OURO, "BLOCK_H": 16, "STORE_KV": False, "PRECISE": True,
                                           "PDL": True}, 4, None, None))
+    return out + huginn_variants(fma, dot)
+
+
+def huginn_variants(fma: dict, dot: dict) -> list[tuple]:
+    """Huginn-0125's blocks (model/huginn_fused.py; width 5280, head_dim 96, fp32 RoPE tables), bf16, at
+    default_config's tiles, whose K blocks do not divide 5280: qkv_rope with the q/k bias and the fp32
+    rotation at one row and at 16; the norm epilogue (one row) with the norm after the add, with and without
+    the next norm; the norm kernel in that order (2-16 rows)."""
+    rope = {"HALF": 48, "PRECISE": True, "HAS_BIAS": True, "ROPE_FP32": True}
+    tables = {**GEMV_POINTERS, "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    out = []
+    for config in (fma, {**dot, "BLOCK_N": 32, "BLOCK_K": 256}):
+        gemm = {**config, "EVEN_K": False, "EVEN_N": True, "PDL": True}
+        out.append((skinny_gemm_rope_kernel, "bf16", {**gemm, **rope}, 4, None, tables))
+    for next_norm in (True, False):
+        norms = {**fma, "EVEN_K": False, "EVEN_N": True, "PDL": True, "HIDDEN": 5280, "NORM_BLOCK": 8192,
+                 "PRECISE": True, "NORM_AFTER_ADD": True, "NEXT_NORM": next_norm}
+        out.append((skinny_gemm_add_norms_kernel, "bf16", norms, 4, None, GEMV_POINTERS))
+        norm = {"N": 5280, "BLOCK": 8192, "ADD_RESIDUAL": True, "NEXT_NORM": next_norm, "PRECISE": True,
+                "NORM_AFTER_ADD": True, "PDL": True}
+        out.append((rmsnorm_kernel, "bf16", norm, 16, None, None))
     return out
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.kernels.fused import add_rmsnorm, add_rmsnorm_rmsnorm, rmsnorm, rope_qkv, silu_mul
+from model.kernels.fused import add_rmsnorm, add_rmsnorm_rmsnorm, rmsnorm, rmsnorm_rmsnorm, rope_qkv, silu_mul
 from model.ouro import RMSNorm, Rotary, apply_rope
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -82,6 +82,21 @@ def test_add_rmsnorm_rmsnorm_also_prenorms_the_next_sublayer(dtype):
     expected_h = residual + hf_rmsnorm(x, weight)
     assert_matches_torch(h, expected_h, "norm")
     # The next norm reads the rounded h that was stored, so compare it from the kernel's own h.
+    assert_matches_torch(normed, hf_rmsnorm(h, next_weight), "norm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_after_add_norms_the_residual_sum_as_huginns_blocks_do(dtype):
+    """Huginn's order (model/huginn.py: SandwichBlock): h = RMSNorm(residual + x) * weight, the sum rounded
+    to the dtype first; rmsnorm_rmsnorm is two norms in a row (the coda's ln_f, then its first pre-norm)."""
+    residual, x, weight, next_weight = norm_inputs(5, 200, dtype)
+    expected_h = hf_rmsnorm(residual + x, weight)
+    assert_matches_torch(add_rmsnorm(residual, x, weight, EPS, norm_after_add=True), expected_h, "norm")
+    h, normed = add_rmsnorm_rmsnorm(residual, x, weight, next_weight, EPS, norm_after_add=True)
+    assert_matches_torch(h, expected_h, "norm")
+    assert_matches_torch(normed, hf_rmsnorm(h, next_weight), "norm")
+    h, normed = rmsnorm_rmsnorm(x, weight, next_weight, EPS)
+    assert_matches_torch(h, hf_rmsnorm(x, weight), "norm")
     assert_matches_torch(normed, hf_rmsnorm(h, next_weight), "norm")
 
 

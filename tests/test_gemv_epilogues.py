@@ -7,6 +7,8 @@ What is promised, as bits:
   rows, in that order, they are bitwise equal to the composition in every dtype. Against the rows in their
   own order they are bitwise equal on CUDA, where a dot's element does not depend on its row's place in the
   tile; the interpreter's fp32 dot is numpy's BLAS, whose sums do depend on it.
+- Huginn's options (a q/k bias and an fp32 rotation in rope; the norm after the residual add, and no next
+  norm, in add_norms) are held to the same promises, rope's against Huginn's torch code.
 - add_norms is bitwise equal to skinny_linear + add_rmsnorm_rmsnorm under the interpreter. On CUDA its norm
   sums squares over another thread layout than rmsnorm_kernel (4 warps, not 8), so the inverse rms may differ
   in its last bit: test_fused_kernels.py's "norm" tolerance (fp32 within 8 ulps; fp16 and bf16 within 2 ulps,
@@ -22,6 +24,8 @@ from model.kernels import gemv, gemv_epilogues
 from model.kernels.fused import add_rmsnorm_rmsnorm, rmsnorm, rope_qkv, silu_mul
 from model.kernels.gemv import GemvConfig, skinny_linear
 from model.kernels.gemv_epilogues import gate_up_silu, linear_add_norms, qkv_rope
+from model.huginn import Rotary as HuginnRotary
+from model.huginn import apply_rope
 from model.ouro import OuroLayer, Rotary
 from model.ouro_fused import EpilogueBuffers, FusedOuro
 from model.tiny import PRESETS, hf_config, write_checkpoint
@@ -114,6 +118,52 @@ def test_linear_add_norms_equals_the_gemm_then_add_rmsnorm_rmsnorm(dtype, m, nam
     h, normed = linear_add_norms(x, w, residual, weight, next_weight, EPS, config=config)
     expected_h, expected_normed = add_rmsnorm_rmsnorm(residual, skinny_linear(x, w, config=config), weight,
                                                       next_weight, EPS)
+    if DEVICE == "cpu":
+        assert torch.equal(h, expected_h) and torch.equal(normed, expected_normed)
+    else:
+        assert_matches_torch(h, expected_h, "norm")
+        assert_matches_torch(normed, expected_normed, "norm")
+
+
+HUGINN_HEADS, HUGINN_HEAD_DIM = 2, 24  # no GQA, and a head_dim that is no power of two (Huginn-0125's is 96)
+
+
+def huginn_attention_inputs(qkv: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """What Huginn's attention makes of its Wqkv output (model/huginn.py: CausalSelfAttention): q and k plus
+    their bias in the dtype, then apply_rope, which rotates in fp32 and rounds once."""
+    q, k, v = qkv.view(qkv.shape[0], 3, HUGINN_HEADS, HUGINN_HEAD_DIM).unbind(1)
+    return apply_rope(q + bias[0], cos, sin), apply_rope(k + bias[1], cos, sin), v
+
+
+@pytest.mark.parametrize("m,name", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_rope_with_a_bias_and_fp32_rotation_equals_huginns_attention_inputs(dtype, m, name):
+    config = CONFIGS[name]
+    x, w = inputs(m, 3 * HUGINN_HEADS * HUGINN_HEAD_DIM, dtype, seed=70 + m)
+    bias = torch.randn(2, HUGINN_HEADS, HUGINN_HEAD_DIM, generator=torch.Generator().manual_seed(m)).to(
+        DEVICE, dtype)
+    positions = torch.randint(0, 4000, (m,), generator=torch.Generator().manual_seed(1))
+    cos, sin = (t.to(DEVICE) for t in HuginnRotary(HUGINN_HEAD_DIM, 50000.0)(positions))  # fp32 tables
+    got = qkv_rope(x, w, cos, sin, HUGINN_HEADS, HUGINN_HEADS, HUGINN_HEAD_DIM, config=config, bias=bias,
+                   rope_fp32=True)
+    expected = huginn_attention_inputs(paired_linear(x, w, HUGINN_HEAD_DIM // 2, config), bias, cos, sin)
+    # Against torch's bias add and rotation: bitwise, except for the interpreter's truncating bf16 casts
+    # (test_fused_kernels.py: tolerance).
+    for got_part, expected_part in zip(got, expected):
+        assert_matches_torch(got_part, expected_part, "rope")
+
+
+@pytest.mark.parametrize("m,name", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_add_norms_after_add_equals_the_gemm_then_huginns_two_norms(dtype, m, name):
+    """norm_after_add: h = RMSNorm(residual + y) * weight; without a next_weight, h alone (and None)."""
+    config = CONFIGS[name]
+    x, w, residual, weight, next_weight = norm_operands(m, 96, dtype, seed=80 + m)
+    h, normed = linear_add_norms(x, w, residual, weight, next_weight, EPS, config=config, norm_after_add=True)
+    expected_h, expected_normed = add_rmsnorm_rmsnorm(residual, skinny_linear(x, w, config=config), weight,
+                                                      next_weight, EPS, norm_after_add=True)
+    alone, none = linear_add_norms(x, w, residual, weight, None, EPS, config=config, norm_after_add=True)
+    assert none is None and torch.equal(alone, h)
     if DEVICE == "cpu":
         assert torch.equal(h, expected_h) and torch.equal(normed, expected_normed)
     else:

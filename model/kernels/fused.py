@@ -76,10 +76,11 @@ def rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, next_weight_ptr, out_ptr, normed_ptr,
     stride_x, stride_residual, stride_out, stride_normed, eps,
     N: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NEXT_NORM: tl.constexpr,
-    PRECISE: tl.constexpr, PDL: tl.constexpr,
+    PRECISE: tl.constexpr, NORM_AFTER_ADD: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per row. out = [residual +] rmsnorm(x) * weight; with NEXT_NORM also
-    normed = rmsnorm(out) * next_weight, from the rounded out still in registers."""
+    """One program per row. out = [residual +] rmsnorm(x) * weight, or with NORM_AFTER_ADD
+    rmsnorm(residual + x) * weight (Huginn's sandwich); with NEXT_NORM also normed = rmsnorm(out) *
+    next_weight, from the rounded out still in registers."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -90,10 +91,14 @@ def rmsnorm_kernel(
     wait_for_previous(PDL)
     launch_dependents(PDL)
     xf = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    y = rms_normalize(xf, weight, eps, N, dtype, PRECISE)
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + offs, mask=mask, other=0.0).to(tl.float32)
-        y = round_to(residual + y, dtype)
+        if NORM_AFTER_ADD:
+            y = rms_normalize(round_to(residual + xf, dtype), weight, eps, N, dtype, PRECISE)
+        else:
+            y = round_to(residual + rms_normalize(xf, weight, eps, N, dtype, PRECISE), dtype)
+    else:
+        y = rms_normalize(xf, weight, eps, N, dtype, PRECISE)
     tl.store(out_ptr + row * stride_out + offs, y.to(dtype), mask=mask)
     if NEXT_NORM:
         z = rms_normalize(y, next_weight, eps, N, dtype, PRECISE)
@@ -192,14 +197,14 @@ _SILU_MUL = PdlLaunchCache(silu_mul_kernel, enable_fp_fusion=False)
 _ROPE_QKV = PdlLaunchCache(rope_qkv_kernel, enable_fp_fusion=False)
 
 
-def _launch_norm(x, residual, weight, next_weight, out, normed, eps) -> None:
+def _launch_norm(x, residual, weight, next_weight, out, normed, eps, norm_after_add: bool = False) -> None:
     rows, hidden = x.shape
     _rows(x, hidden, "x")
     block = triton.next_power_of_2(hidden)
     args = (x, residual, weight, next_weight, out, normed,
             x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
             0 if normed is None else normed.stride(0), eps,
-            hidden, block, residual is not None, next_weight is not None, PRECISE)
+            hidden, block, residual is not None, next_weight is not None, PRECISE, norm_after_add)
     _NORM((rows,), args, _norm_warps(block), x.device)
 
 
@@ -211,22 +216,35 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
+def rmsnorm_rmsnorm(x: torch.Tensor, weight: torch.Tensor, next_weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, RMSNorm(h) * next_weight) with h = RMSNorm(x) * weight: two norms in a row (Huginn's coda opens
+    with the final norm, then its first block's pre-norm)."""
+    out, normed = torch.empty_like(x), torch.empty_like(x)
+    _launch_norm(x, None, weight, next_weight, out, normed, eps)
+    return out, normed
+
+
 def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + RMSNorm(x) * weight: a post-norm and its residual add. out=residual updates in place."""
+                out: torch.Tensor | None = None, norm_after_add: bool = False) -> torch.Tensor:
+    """residual + RMSNorm(x) * weight: a post-norm and its residual add. out=residual updates in place.
+    norm_after_add: RMSNorm(residual + x) * weight instead, Huginn's order (its sandwich re-norms the
+    residual stream after the add)."""
     out = torch.empty_like(residual) if out is None else out
-    _launch_norm(x, residual, weight, None, out, None, eps)
+    _launch_norm(x, residual, weight, None, out, None, eps, norm_after_add)
     return out
 
 
 def add_rmsnorm_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                         next_weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
-                        normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        normed_out: torch.Tensor | None = None,
+                        norm_after_add: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, RMSNorm(h) * next_weight) with h = residual + RMSNorm(x) * weight: a post-norm, its residual add
-    and the next sublayer's pre-norm in one launch."""
+    and the next sublayer's pre-norm in one launch. norm_after_add: h = RMSNorm(residual + x) * weight, as
+    add_rmsnorm's."""
     out = torch.empty_like(residual) if out is None else out
     normed_out = torch.empty_like(residual) if normed_out is None else normed_out
-    _launch_norm(x, residual, weight, next_weight, out, normed_out, eps)
+    _launch_norm(x, residual, weight, next_weight, out, normed_out, eps, norm_after_add)
     return out, normed_out
 
 
