@@ -113,7 +113,7 @@ class PipelinedSpeculation:
             chain = self._resolved(row, chain, result)
             result.in_flight[row] = chain
             last = chain[-1].mid if chain else None
-            room = batch.requests[row].num_computed_tokens + batch.reserved[row]
+            room = self._room(batch, row, result)
             if last is not None and last.loop == self.d and chain[-1].position + 1 < room:
                 drafting.append((row, last.state))
         if drafting:
@@ -151,6 +151,16 @@ class PipelinedSpeculation:
                 result.traces[row] = [traces[i]]
             if entry is not None:
                 result.logprobs[row] = [entry]
+
+    def _room(self, batch: ScheduledBatch, row: int, result) -> int:
+        """The end of the positions the row's next pass holds tokens in flight at: this pass's reservation's,
+        one further when its first token finished here and it reserved the full k (the next pass reserves k
+        from one position on; where max_tokens or max_model_len then leave one fewer, a draft past them is
+        dropped before that pass, as _continued drops any)."""
+        request = batch.requests[row]
+        room = request.num_computed_tokens + batch.reserved[row]
+        k = request.draft_len or self.runner.config.speculative_tokens
+        return room + 1 if result.tokens[row] is not None and batch.reserved[row] == k else room
 
     def _continued(self, request: Request, room: int) -> list[InFlight]:
         """The request's tokens in flight for this pass: those it kept, within its reserved positions, if the

@@ -145,6 +145,15 @@ def test_acceptance_is_self_speculations_greedy_rule_and_an_accepted_draft_is_th
         assert out.depth.passes == LOOPS + d * (out.depth.tokens - 1)
 
 
+def test_at_one_draft_loop_k_tokens_in_flight_keep_the_pipeline_full():
+    """d = 1, k = T = 4: every draft kept, four tokens are in flight at loops 0..3, and each pass finishes
+    one: after the first token (T passes), a token a pass. The draft behind the last in flight is made in the
+    pass whose first token finishes, when the next pass's reservation reaches one position further."""
+    for out in forced(TRAINED, True, accept=1, d=1):
+        assert out.speculative.num_accepted == out.speculative.num_drafted == out.depth.tokens - 1
+        assert out.depth.passes == LOOPS + (out.depth.tokens - 1)
+
+
 def test_stops_and_max_tokens_inside_tokens_in_flight(plain):
     """A stop token, or max_tokens, reached while drafts are in flight ends the sequence there, as plain
     decoding ends it; the drafts behind it go with the request."""
