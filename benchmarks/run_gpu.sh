@@ -14,7 +14,7 @@
 #               64 x 2K (64 rows fit only a card of more than 80 GB)
 #   kv          TPOT of the KV formats in KV_FORMATS at 16 x 8K and 64 x 2K (pages of 64), the KVarN kernels
 #   kernels     the kernels alone: skinny GEMM (cold L2) against cuBLAS, decode attention, fused elementwise
-#               kernels, the norm epilogue by row count
+#               kernels, the norm epilogue by row count, deterministic mode's tiled GEMM against cuBLAS
 #   ab          decode TPOT of version A (A=<commit-ish or directory>) against this tree, ABBA; EAGER=1 for
 #               the eager path
 #   profile     per-kernel profiles of decode steps: 1 x 512, 16 x 2K, 16 x 8K in PROFILE_KV's format, and
@@ -89,6 +89,7 @@ kernels)
   step 120 python -m benchmarks.attention --no-sweep --out "$OUT/attention.json"
   step 60 python -m benchmarks.fused_kernels --out "$OUT/fused_kernels.json"
   step 90 python -m benchmarks.epilogue_rows --out "$OUT/epilogue_rows.json"
+  step 120 python -m benchmarks.invariant_gemm --out "$OUT/invariant_gemm.json"
   ;;
 ab)
   wait
