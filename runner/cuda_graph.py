@@ -204,7 +204,7 @@ class DecodeGraphs:
             # a criterion's readout of a coda model: the coda over the bucket's rows, inside this graph
             coda = None if model.coda is None else \
                 (lambda state: model.coda(state, context, self.backend.forward))
-            exits = rule.decide(t, bs, out, gate, coda)
+            exits = rule.decide(bs, out, gate, coda)
             torch.logical_and(exits, self.may_exit[:bs], out=self.reached[:bs])
             if self.copy_forward is not None:
                 self.copy_forward(self.slot_mapping[:bs], self.reached[:bs], t)

@@ -8,8 +8,8 @@ loop's slots (attention/base.py: AttentionMetadata.slot_offsets), so each row st
 earlier tokens' K/V from, its own (loop, layer) slots. A row starts its token at loop 0: its embedding (and a
 prelude: the injection every loop of the token reads) and its initial state. After the pass each row's exit
 is decided as in lockstep: its last loop ran (the engine's, or SamplingParams.loops), or the exit rule fired
-(early:Q's exit CDF, an exit criterion; runner/exit_rules.py), each rule run over the rows that ran a loop it
-decides at, with their carried memory. A row that finishes copies its K/V forward through the KV layout (as
+(early:Q's exit CDF, an exit criterion; runner/exit_rules.py), the rule run once over the rows that ran a loop
+it decides at, with their carried memory. A row that finishes copies its K/V forward through the KV layout (as
 lockstep's early exit does), reads out (a coda, then the head) and samples; its request's next token starts
 at loop 0 in a later pass, once this one is appended. The finished rows' LoopStates are those lockstep gives
 (loops not run repeat the last one's state, with NaN gates), so the runner reads them out and samples them
@@ -234,40 +234,29 @@ class DepthPasses:
     def _exits(self, ran: list[int], done: set[int], rows: PassRows, gate: torch.Tensor,
                meta: AttentionMetadata, context: StepContext | None) -> set[int]:
         """The rows (not done) whose exit rule fires after the loop each ran (ran[i]); their memory (in rows)
-        updated in place. The rule runs once per loop among the rows, over the rows that ran it; the flags
-        come to the host in one read."""
+        updated in place. One call of the rule over every row whose loop decides (a decision reads a row's
+        memory and output, not the loop's index); the flags come to the host in one read."""
         if self.decides is None:
             return set()
-        deciding: dict[int, list[int]] = {}
-        for i, loop in enumerate(ran):
-            if i not in done and self.decides(loop):
-                deciding.setdefault(loop, []).append(i)
+        deciding = [i for i, loop in enumerate(ran) if i not in done and self.decides(loop)]
         if not deciding:
             return set()
-        device = rows.state.device
-        groups = sorted(deciding.items())
-        indices = dict(zip((loop for loop, _ in groups),
-                           upload([group for _, group in groups], torch.int64, device)))
-        flags = []
-        for loop, group in groups:
-            index = indices[loop]
-            rule = self.exit_rule(len(group))
-            for buffer, memory in zip(rule.buffers, rows.memory):
-                buffer[:len(group)] = memory[index]
+        n = len(deciding)
+        index = to_device(torch.tensor(deciding, dtype=torch.int64), rows.state.device)
+        rule = self.exit_rule(n)
+        for buffer, memory in zip(rule.buffers, rows.memory):
+            buffer[:n] = memory[index]
 
-            def coda(rows_state: torch.Tensor, group: list[int] = group) -> torch.Tensor:
-                sub, tokens = meta.select(group)
-                self.backend.prepare(sub)
-                return self.model.coda(rows_state, context.select(tokens), self.backend.forward)
+        def coda(rows_state: torch.Tensor) -> torch.Tensor:
+            sub, tokens = meta.select(deciding)
+            self.backend.prepare(sub)
+            return self.model.coda(rows_state, context.select(tokens), self.backend.forward)
 
-            gates = gate[index] if rule.reads_gates else None
-            flags.append(rule.decide(loop, len(group), rows.state[index], gates,
-                                     coda if self.model.coda is not None else None))
-            for buffer, memory in zip(rule.buffers, rows.memory):
-                memory.index_copy_(0, index, buffer[:len(group)])
-        fired = torch.cat(flags).tolist()
-        order = [i for _, group in groups for i in group]
-        return {i for i, hit in zip(order, fired) if hit}
+        flags = rule.decide(n, rows.state[index], gate[index] if rule.reads_gates else None,
+                            coda if self.model.coda is not None else None)
+        for buffer, memory in zip(rule.buffers, rows.memory):
+            memory.index_copy_(0, index, buffer[:n])
+        return {i for i, hit in zip(deciding, flags.tolist()) if hit}
 
     def _copy_forward(self, finished: list[int], ran: list[int], meta: AttentionMetadata) -> None:
         """Rows that finished before the last loop: their K/V into the deeper slots, per the KV layout."""

@@ -42,10 +42,12 @@ class ExitRule(Protocol):
     def reset(self, n: int, state: torch.Tensor) -> None:
         """Rows [:n] start a step; state [n, H]: each row's initial state, loop 0's input."""
 
-    def decide(self, t: int, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None,
+    def decide(self, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None,
                coda: Coda | None = None) -> torch.Tensor:
-        """After loop t (decides(t)): which of rows [:n] stop, [n] bool; state [n, H] is loop t's output;
-        coda: the model's coda over these rows (None: the model has none)."""
+        """After a loop that decides (decides(t)): which of rows [:n] stop, [n] bool; state [n, H] is each
+        row's output of that loop; coda: the model's coda over these rows (None: the model has none). A row's
+        decision reads its own memory and output only, not the loop's index, so rows after different loops
+        may be decided in one call (depth batching)."""
 
 
 def advance_exit_cdf(cdf: torch.Tensor, survival: torch.Tensor, gate_logits: torch.Tensor,
@@ -77,7 +79,7 @@ class GateCDFRows:
         self.cdf[:n].zero_()
         self.survival[:n].fill_(1.0)
 
-    def decide(self, t: int, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None,
+    def decide(self, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None,
                coda: Coda | None = None) -> torch.Tensor:
         return advance_exit_cdf(self.cdf[:n], self.survival[:n], gate_logits, self.threshold)
 
@@ -128,7 +130,7 @@ class CriterionRows:
     def reset(self, n: int, state: torch.Tensor) -> None:
         self._store(n, self.criterion.start(state, self.vocab_size))
 
-    def decide(self, t: int, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None,
+    def decide(self, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None,
                coda: Coda | None = None) -> torch.Tensor:
         memory = ExitMemory(self.previous[:n], None if self.run is None else self.run[:n])
         exits, _, memory = self.criterion.check(memory, self.readout(state, coda))
@@ -214,7 +216,7 @@ class RuleExit:
         def coda(rows_state: torch.Tensor) -> torch.Tensor:
             return self.executor.readout(among_live, rows_state)
 
-        flags = self.rules.decide(t, len(self.looping), looping, gates, coda).tolist()
+        flags = self.rules.decide(len(self.looping), looping, gates, coda).tolist()
         leaving = [row for row, hit in zip(self.looping, flags) if hit]
         if leaving:
             tokens = self._index([self.starts[r] for r in leaving]).to(self.slot_mapping.device)
