@@ -91,8 +91,7 @@ def main() -> None:
                     row[label] = f"{type(error).__name__}"
             timed = {label: us for label, us in row.items() if label in CANDIDATES and isinstance(us, float)}
             best = min(timed, key=timed.get)
-            k_blocks = triton.cdiv(k, config.block_k)
-            splits = triton.cdiv(k_blocks, triton.cdiv(k_blocks, min(config.split_k, k_blocks)))
+            splits = gemv.k_splits(k, config)[2]
             row.update(best=best, best_us=timed[best], engine_tile=str(gemv.tiled_tile(m, splits)),
                        best_over_cublas=round(timed[best] / row["cublas_us"], 3),
                        best_tflops=round(flops / timed[best] / 1e6, 1))

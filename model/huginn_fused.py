@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from model.looped import Attention
+from model.ouro_fused import available  # noqa: F401 - one answer for both families: is triton installed?
 from triton_runtime.installed import triton_missing
 
 try:
@@ -25,11 +26,6 @@ except ModuleNotFoundError as err:  # triton missing: the torch ops only
 
 if TYPE_CHECKING:
     from model.huginn import HuginnForCausalLM, SandwichBlock
-
-
-def available() -> bool:
-    """Is triton installed, so that the fused path can run (on CUDA, or on CPU in its interpreter)?"""
-    return fused is not None
 
 
 # What a fused block reads, as (module path, parameter) in block_forward's order: the four projections, the

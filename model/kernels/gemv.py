@@ -508,14 +508,22 @@ class Plan:
 _PLANS: dict[tuple, Plan] = {}
 
 
+def k_splits(k: int, config: GemvConfig) -> tuple[int, int, int]:
+    """How a config cuts K: (block_k, k_iters: the K blocks a split runs, splits: how many splits run), the
+    last split shorter where the blocks do not divide evenly."""
+    block_k = min(config.block_k, max(16, triton.next_power_of_2(k)))
+    k_blocks = triton.cdiv(k, block_k)
+    k_iters = triton.cdiv(k_blocks, max(1, min(config.split_k, k_blocks)))
+    return block_k, k_iters, triton.cdiv(k_blocks, k_iters)
+
+
 def kernel_args(m: int, n: int, k: int, stride_xm: int, stride_wn: int, stride_ym: int, dtype: torch.dtype,
                 config: GemvConfig, pdl: bool = False) -> tuple[tuple[int, int, int], tuple]:
     """The grid and the arguments after the pointers, for one call shape and config."""
     block_m = block_m_for(m, config)
-    block_n, block_k = config.block_n, min(config.block_k, max(16, triton.next_power_of_2(k)))
-    tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    k_iters = triton.cdiv(k_blocks, max(1, min(config.split_k, k_blocks)))
-    splits = triton.cdiv(k_blocks, k_iters)
+    block_n = config.block_n
+    block_k, k_iters, splits = k_splits(k, config)
+    tiles = triton.cdiv(n, block_n)
     if splits > 1 and tiles > ROW_TICKET:
         raise ValueError(f"{tiles} N tiles exceed the {ROW_TICKET} split-K tickets; use split_k=1")
     dot_fp32 = dtype == torch.float32 or INTERPRETED
@@ -641,7 +649,7 @@ def _tiled_plan(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: 
     m, k = x.shape
     n = weight.shape[0]
     _, tail = kernel_args(1, n, k, x.stride(0), weight.stride(0), y.stride(0), x.dtype, config)
-    k_iters, block_k, splits = tail[6], tail[9], triton.cdiv(triton.cdiv(k, tail[9]), tail[6])
+    block_k, k_iters, splits = k_splits(k, config)
     tile = tile or tiled_tile(m, splits)
     block_m = config.block_m or tile.block_m
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n)
