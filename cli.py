@@ -177,7 +177,10 @@ def add_engine_flags(engine: argparse._ArgumentGroup) -> None:
     engine.add_argument("--depth-batching", action="store_true",
                         help="continuous depth batching: each decode step is one loop pass in which every "
                              "decode row runs its own next loop, so rows at different loops share one weight "
-                             "read (eager only for now)")
+                             "read")
+    engine.add_argument("--passes-per-step", type=int, default=None,
+                        help="depth batching: loop passes a decode step chains on the device before the host "
+                             "reads their tokens (default: twice the loops where chains apply, else 1)")
     engine.add_argument("--no-check-finite-weights", action="store_true",
                         help="skip the check that every weight is finite (no NaN or inf) as it loads: on a "
                              "CPU it takes about 7%% of the load")
@@ -268,7 +271,8 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
                   piecewise_graph_tokens=args.piecewise_graph_tokens, max_num_seqs=args.max_num_seqs,
                   deterministic={"auto": None, "on": True, "off": False}[args.deterministic],
                   check_finite_weights=not args.no_check_finite_weights, init_scale=args.init_scale,
-                  continuous_compute=args.continuous_compute, depth_batching=args.depth_batching)
+                  continuous_compute=args.continuous_compute, depth_batching=args.depth_batching,
+                  passes_per_step=args.passes_per_step)
 
 
 def cli_serve(args: argparse.Namespace) -> int:

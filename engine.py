@@ -79,7 +79,7 @@ class Engine:
                  piecewise_graph_tokens: int = 512, deterministic: bool | None = None,
                  check_finite_weights: bool = True, init_scale: float | None = None,
                  continuous_compute: str | None = None, depth_batching: bool = False,
-                 verbose: bool = True) -> None:
+                 passes_per_step: int | None = None, verbose: bool = True) -> None:
         if not isinstance(verbose, bool):
             raise ValueError(f"verbose must be True or False, got {verbose!r}")
         self.engine_config = config = EngineConfig.resolve(
@@ -95,7 +95,8 @@ class Engine:
             kv_rotation=kv_rotation, async_scheduling=async_scheduling,
             piecewise_graph_tokens=piecewise_graph_tokens, deterministic=deterministic,
             check_finite_weights=check_finite_weights, init_scale=init_scale,
-            continuous_compute=continuous_compute, depth_batching=depth_batching)
+            continuous_compute=continuous_compute, depth_batching=depth_batching,
+            passes_per_step=passes_per_step)
         model_dir = config.model_dir
         self.config = config.model  # the checkpoint's config, of its family's class (model/registry.py)
         self.tokenizer = Tokenizer(model_dir)
@@ -132,7 +133,8 @@ class Engine:
                           "num_kv_blocks, or lower max_model_len", stacklevel=2)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, self.tokenizer, config.speculative_tokens,
-                                   config.admission, pipelined=config.pipelines_speculation)
+                                   config.admission, pipelined=config.pipelines_speculation,
+                                   passes_per_step=config.step_passes)
         self.runner = ModelRunner(config, self.model, self.backend, self.kv_pool, self.layout,
                                   scratch_block=num_blocks, token_text=self.tokenizer.token_text,
                                   scratch_side_block=kv_format.scratch_side_block(side_rows))
@@ -161,6 +163,8 @@ class Engine:
         depth = ""
         if config.depth_batching:
             depth = ", depth_batching"
+            if config.step_passes > 1:
+                depth += f" ({config.step_passes} passes a step where rows allow)"
             graphs = self.runner.depth.graphs
             if graphs is not None and graphs.captured:
                 prompts = "piecewise graphs" if self.runner.piecewise is not None else "eager"

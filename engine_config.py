@@ -101,6 +101,9 @@ class EngineConfig:
     # row runs its own next loop, so rows at different loops share one weight read; False: every step runs
     # its decode rows through all their loops together (lockstep).
     depth_batching: bool = False
+    # Depth batching: the loop passes a decode step chains on the device, read by the host once a step
+    # (runner/pass_chains.py); None: twice the loops where chains apply (step_passes), else 1.
+    passes_per_step: int | None = None
 
     def __post_init__(self) -> None:
         options = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -155,6 +158,9 @@ class EngineConfig:
     def _check_depth_batching(self) -> None:
         """depth_batching=True against the options it does not run with yet, each refused by name."""
         if not self.depth_batching:
+            if (self.passes_per_step or 1) > 1:
+                raise ValueError(f"passes_per_step={self.passes_per_step} chains depth-batched loop passes; "
+                                 "it needs depth_batching=True")
             return
         speculative = f"speculative={self.speculative!r} and"
         refused = [
@@ -170,6 +176,18 @@ class EngineConfig:
             (bool(self.async_scheduling),
              "async_scheduling=True: a row mid-token has no token for the next step to read ahead"),
         ]
+        if (self.passes_per_step or 1) > 1:
+            refused += [
+                (self.speculative is not None,
+                 f"speculative={self.speculative!r} and passes_per_step={self.passes_per_step}: pipelined "
+                 "speculation checks each draft on the host after its pass"),
+                (self.model.init_scale is not None,
+                 f"passes_per_step={self.passes_per_step} and a checkpoint with a prelude and a coda "
+                 "(Huginn): a chain starts a token with its embedding alone"),
+                (self.kv_sharing != "none",
+                 f"passes_per_step={self.passes_per_step} and kv_sharing={self.kv_sharing!r}: a chain lists "
+                 "its rows' slots in the block tables"),
+            ]
         for bad, reason in refused:
             if bad:
                 raise ValueError(f"depth_batching=True cannot be combined with {reason} (yet); leave "
@@ -260,6 +278,17 @@ class EngineConfig:
         return 4 if self.num_speculative_tokens is None else self.num_speculative_tokens
 
     @property
+    def step_passes(self) -> int:
+        """The loop passes a decode step chains (passes_per_step resolved): by default twice the loops under
+        depth batching where chains apply (not with speculation, a prelude or kv_sharing), so a step's
+        host work is paid once per about two tokens a row at full depth; else 1."""
+        if self.passes_per_step is not None:
+            return self.passes_per_step
+        chains = (self.depth_batching and self.speculative is None and self.model.init_scale is None
+                  and self.kv_sharing == "none")
+        return 2 * self.loops if chains else 1
+
+    @property
     def pipelines_speculation(self) -> bool:
         """Does self-speculation run pipelined in depth-batched passes (runner/pipelined_speculation.py)?"""
         return self.depth_batching and self.speculative is not None
@@ -318,7 +347,7 @@ def check_options(**values: Any) -> None:
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         raise ValueError(f"piecewise_graph_tokens must be a non-negative integer (0: no piecewise graphs), "
                          f"got {tokens!r}")
-    for name in ("num_kv_blocks", "max_model_len", "loops"):
+    for name in ("num_kv_blocks", "max_model_len", "loops", "passes_per_step"):
         if values.get(name) is not None:
             _check_positive(name, values[name])
     gib = values.get("kv_cache_gib")

@@ -85,20 +85,22 @@ class Stepper(ABC):
         decision = self.scheduler.decide(batch, result.tokens, result.errors,
                                          {row: a for row, (_, a) in result.drafts.items()}, mid_token)
         staged = self.runner.take_staged()  # the point of no return
-        self.count_tokens(batch, set(result.errors) | mid_token, decode)
+        self.count_tokens(batch, set(result.errors) | mid_token, decode, decision.appended)
         error = self.run_parts([functools.partial(self.scheduler.apply, decision),
                                 functools.partial(self.runner.commit, result, staged, decision.appended,
                                                   decision.advances)])
         advanced = [r for r, n in zip(batch.requests, before) if r.num_tokens > n or r.is_finished]
         return self.conclude(touched + advanced, self.scheduler.take_finished(), error)
 
-    def count_tokens(self, batch: ScheduledBatch, skip: set[int], decode: list[bool]) -> None:
+    def count_tokens(self, batch: ScheduledBatch, skip: set[int], decode: list[bool],
+                     appended: list[int] | None = None) -> None:
         """Count the step's prompt and decode tokens, but for the rows in `skip`; decode[row]: was the row a
-        decode row before the step."""
+        decode row before the step; appended[row]: the tokens it appends (a decode row that appends several,
+        speculative or of chained passes, computed as many)."""
         for row, (is_decode, num_new) in enumerate(zip(decode, batch.num_new_tokens)):
             if row not in skip:
                 if is_decode:
-                    self.num_decode_tokens += num_new
+                    self.num_decode_tokens += max(num_new, appended[row]) if appended else num_new
                 else:
                     self.num_prefill_tokens += num_new
 

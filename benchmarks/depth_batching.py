@@ -133,9 +133,9 @@ def calibrations(path: str, common: dict, args: argparse.Namespace) -> list[dict
 def timed_window(engine: Engine, batch: int, prompt: int, warm: int, window: int, seed: int) -> dict:
     """`batch` seeded random prompts, prefilled until each has its first token; `warm` steps untimed, then
     `window` timed steps: output tokens, seconds, loops per token, the mean context and each request's tokens.
-    Budgets outlast the window (a step emits at most one token a row); the requests are aborted afterwards,
-    untimed."""
-    budget = head_start(batch, prompt, BATCHED_TOKENS) + warm + window + 2
+    Budgets outlast the window (a step emits at most step_passes tokens a row); the requests are aborted
+    afterwards, untimed."""
+    budget = token_budget(engine, batch, prompt, warm + window)
     params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
     ids = add_random_prompts(engine, batch, prompt, params, random.Random(seed))
     prefill_until_first_tokens(engine, batch)
@@ -164,20 +164,26 @@ def timed_window(engine: Engine, batch: int, prompt: int, warm: int, window: int
             "context": prompt + (generated0 + generated1) / (2 * batch), "token_ids": token_ids}
 
 
+def token_budget(engine: Engine, batch: int, prompt: int, steps: int) -> int:
+    """Tokens a request may generate so that it outlasts its head start and `steps` steps."""
+    return head_start(batch, prompt, BATCHED_TOKENS) + steps * engine.engine_config.step_passes + 2
+
+
 def row(engine: Engine, label: str, target: float | None, batch: int, args: argparse.Namespace,
         costs: Costs) -> dict:
-    """One row: `batch` rows at --prompt, timed over --steps steps (under depth batching --steps x target
-    passes, after --warm x T warm-up passes; --warm steps otherwise)."""
-    depth = engine.engine_config.depth_batching
-    window = round(args.steps * target) if depth else args.steps
-    warm = args.warm * engine.loops if depth else args.warm
+    """One row: `batch` rows at --prompt, timed over --steps steps (under depth batching the steps of --steps
+    x target passes, after those of --warm x T warm-up passes, P passes a step; --warm steps otherwise)."""
+    config = engine.engine_config
+    depth, passes = config.depth_batching, config.step_passes
+    window = max(1, round(args.steps * target / passes)) if depth else args.steps
+    warm = -(-args.warm * engine.loops // passes) if depth else args.warm
     out = {"row": label, "exit_policy": str(engine.exit_policy), "depth_batching": depth,
            "mode": "CUDA graphs" if engine.uses_cuda_graphs else "eager",
            "async_scheduling": engine.engine_config.overlaps_steps,
            "dtype": str(engine.dtype).removeprefix("torch."), "target_loops": target,
            "gate_bias": engine.model.early_exit_gate.bias.item() if target is not None else None,
-           "batch": batch, "prompt": args.prompt, "timed_steps": window}
-    budget = head_start(batch, args.prompt, BATCHED_TOKENS) + warm + window + 2
+           "batch": batch, "prompt": args.prompt, "timed_steps": window, "passes_per_step": passes}
+    budget = token_budget(engine, batch, args.prompt, warm + window)
     if engine.max_concurrent_sequences(args.prompt, budget) < batch:
         return {**out, "note": f"does not fit: {batch} rows of {args.prompt} + {budget} tokens"}
     run = timed_window(engine, batch, args.prompt, warm, window, seed=batch)
@@ -270,6 +276,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tolerance", type=float, default=0.05, help="calibration: |loops/token - target|")
     parser.add_argument("--deterministic", action="store_true",
                         help="every engine in deterministic mode (then (b) and (c) give the same bits)")
+    parser.add_argument("--passes-per-step", type=int, default=None,
+                        help="depth batching's passes a step (default: the engine's, twice the loops)")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--device", default="cuda", help="cuda (cpu only to smoke-test with --preset tiny)")
     parser.add_argument("--dtype", default="auto",
@@ -311,7 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
         for batch in args.batches:
             add(row(engine, FULL, None, batch, args, costs))
     for label, depth_batching in ((LOCKSTEP, False), (DEPTH, True)):
-        with Engine(path, exit_policy=early, depth_batching=depth_batching, **common) as engine:
+        chain = dict(passes_per_step=args.passes_per_step) if depth_batching else {}
+        with Engine(path, exit_policy=early, depth_batching=depth_batching, **chain, **common) as engine:
             for calibration in found:
                 set_gate_bias(engine, calibration["gate_bias"])
                 for batch in args.batches:

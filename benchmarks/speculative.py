@@ -120,7 +120,8 @@ def tpot_rows(path: str, args: argparse.Namespace) -> tuple[list[dict], int]:
         loops = engine.loops
         rows = timed_rows(engine, NON_SPECULATIVE, "plain", None, args)
     if "depth" in args.paths:
-        with Engine(path, depth_batching=True, **common) as engine:
+        # a pass a step, as pipelined speculation's passes run (chained passes: benchmarks/depth_batching.py)
+        with Engine(path, depth_batching=True, passes_per_step=1, **common) as engine:
             rows += timed_rows(engine, DEPTH_FULL, "depth", None, args)
     spec = f"loops:{args.d}"
     for name in ("step", "pipelined"):

@@ -128,19 +128,13 @@ class DepthPasses:
         passes = self.stats.decode_passes
         if positions is None:
             positions = [r.num_computed_tokens for r in requests]
-        starting = [i for i, mid in enumerate(carried) if mid is None]
-        fresh = self._start(inputs, starting) if starting else None
-        seat = iter(range(len(starting)))
-        where = [(fresh, next(seat)) if mid is None else (mid.rows, mid.index) for mid in carried]
-        rows = self._gather(where, meta.slot_mapping.device)
+        rows = self.pass_rows(inputs, carried)
         ran = [0 if mid is None else mid.loop for mid in carried]  # the loop each row runs now
         slot_map = self.model.slot_map
         offsets = [slot_map.slot(loop, 0) - slot_map.slot(0, 0) for loop in ran]
-        graphs = self.graphs
-        if graphs is not None and graphs.bucket_for(n):
-            h, gate = graphs.run(rows.state, rows.injection, inputs.positions, meta, offsets)
-        else:
-            h, gate = self._eager_pass(rows.state, rows.injection, inputs.positions, meta, offsets)
+        at_loops = dataclasses.replace(meta, slot_offsets_cpu=offsets, slot_offsets=to_device(
+            torch.tensor(offsets, dtype=torch.int32), meta.slot_mapping.device))
+        h, gate = self.layer_pass(rows.state, rows.injection, inputs.positions, at_loops)
         loop_index = to_device(torch.tensor(ran, dtype=torch.int64), h.device)
         every = torch.arange(n, device=h.device)
         rows.hidden[every, loop_index] = h
@@ -162,6 +156,15 @@ class DepthPasses:
         first = [passes if carried[i] is None else carried[i].first_pass for i in finished]
         return PassResult(out, finished, [ran[i] + 1 for i in finished],
                           [passes - start + 1 for start in first], states)
+
+    def pass_rows(self, inputs: StepInputs, carried: list[MidToken | None]) -> PassRows:
+        """The rows of a pass, in order: row i continues carried[i], or starts its token at loop 0 where that
+        is None (inputs: the rows' one token each)."""
+        starting = [i for i, mid in enumerate(carried) if mid is None]
+        fresh = self._start(inputs, starting) if starting else None
+        seat = iter(range(len(starting)))
+        where = [(fresh, next(seat)) if mid is None else (mid.rows, mid.index) for mid in carried]
+        return self._gather(where, inputs.meta.slot_mapping.device)
 
     @staticmethod
     def _gather(where: list[tuple[PassRows, int]], device: torch.device) -> PassRows:
@@ -193,14 +196,16 @@ class DepthPasses:
             context.injection = injection
         return context
 
-    def _eager_pass(self, state: torch.Tensor, injection: torch.Tensor | None, positions: torch.Tensor,
-                    meta: AttentionMetadata, offsets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows through loop 0's layer stack, each at its own loop's slots (offsets): the loop's output
-        and gate logits (zeros for a model without a gate)."""
+    def layer_pass(self, state: torch.Tensor, injection: torch.Tensor | None, positions: torch.Tensor,
+                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows through loop 0's layer stack, each at its own loop's slots (meta.slot_offsets): the loop's
+        output and gate logits (zeros for a model without a gate). A bucket's graph where one fits, else
+        eagerly."""
+        graphs = self.graphs
+        if graphs is not None and graphs.bucket_for(meta.num_rows):
+            return graphs.run(state, injection, positions, meta)
         context = self._context(positions, state.dtype, injection)
-        self.backend.prepare(dataclasses.replace(
-            meta, slot_offsets=to_device(torch.tensor(offsets, dtype=torch.int32), state.device),
-            slot_offsets_cpu=offsets))
+        self.backend.prepare(meta)
         h = self.model.loop(state, context, 0, self.backend.forward)
         gate_of = self.model.exit_gate
         return h, gate_of(h) if gate_of is not None else h.new_zeros(h.shape[0])

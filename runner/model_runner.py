@@ -46,6 +46,7 @@ from runner.exit_rules import CriterionRows, ExitRule, GateCDFRows, RuleExit, ch
 from runner.host_to_device import upload
 from runner.initial_states import InitialStates
 from runner.loop_driver import EagerLoops, LoopStats, StepInputs, run_loops
+from runner.pass_chains import PassChains
 from runner.pass_graphs import PassGraphs
 from runner.pipelined_speculation import InFlight, PipelinedSpeculation
 from runner.piecewise_graphs import PiecewiseGraphs
@@ -73,18 +74,19 @@ class StepResult:
     # A launched step's sampled tokens while they are still on the device: (batch rows, their tokens [rows])
     device_tokens: list[tuple[list[int], torch.Tensor]] = dataclasses.field(default_factory=list)
     # Depth batching: per decode row, the token it carries into the next pass (None: its token finished);
-    # per row whose token finished, (the loops it ran, the passes it spanned)
+    # per row whose tokens finished, (the loops it ran, the passes it spanned) of each, in order
     mid_tokens: dict[int, MidToken | None] = dataclasses.field(default_factory=dict)
-    depth_tokens: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    depth_tokens: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     # Speculation pipelined in depth passes (runner/pipelined_speculation.py): per decode row, its request's
     # tokens in flight after the pass ([] where none is)
     in_flight: dict[int, list[InFlight]] = dataclasses.field(default_factory=dict)
 
     @property
     def mid_token_rows(self) -> frozenset[int]:
-        """The rows whose token is still between its loops: they yield nothing this step."""
-        rows = {row for row, mid in self.mid_tokens.items() if mid is not None}
-        return frozenset(rows | {row for row in self.in_flight if self.tokens[row] is None})
+        """The rows that yield nothing this step: their token is still between its loops (a row of chained
+        passes that finished tokens before the one it carries yields those)."""
+        rows = {row for row, mid in self.mid_tokens.items() if mid is not None} | set(self.in_flight)
+        return frozenset(row for row in rows if self.tokens[row] is None)
 
     def take(self, rows: list[int], part: StepResult) -> None:
         """A step's part over these of its rows (part's row i is row rows[i]), into this result."""
@@ -168,6 +170,9 @@ class ModelRunner:
         self.pipelined = PipelinedSpeculation(self, self.depth, config.draft_loops) \
             if config.pipelines_speculation else None
         self.scratch_block = scratch_block
+        # depth batching: decode steps whose rows allow it chain several passes on the device
+        self.chains = PassChains(model, self.depth, scratch_block * config.block_size, self.device) \
+            if self.depth is not None and config.step_passes > 1 else None
         if self.device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs:
             self._reserve_fused_workspace()
             if self.depth is None:
@@ -449,13 +454,38 @@ class ModelRunner:
                   if num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens]
         chosen = set(decode)
         others = [row for row in range(batch.num_seqs) if row not in chosen]
-        if len(decode) == 1 and self.pipelined is None and not self._mid_token(batch.requests[decode[0]]):
+        if decode and self._chainable(batch, decode):
+            result.take(decode, self._chained_passes(batch.select(decode)))
+        elif len(decode) == 1 and self.pipelined is None and not self._mid_token(batch.requests[decode[0]]):
             return self._lone_token(batch, decode[0])
-        if decode:
+        elif decode:
             run_pass = self._depth_pass if self.pipelined is None else self._pipelined_pass
             result.take(decode, run_pass(batch.select(decode)))
         if others:
             result.take(others, self._run_loops_and_sample(batch.select(others)))
+        return result
+
+    def _chainable(self, batch: ScheduledBatch, decode: list[int]) -> bool:
+        """Can these decode rows run chained passes (runner/pass_chains.py)?"""
+        if self.chains is None or not batch.reserved:
+            return False
+        readout_is_last = self.depth.readout_loop == self.loops - 1
+        return all(self.chains.eligible(batch.requests[row], readout_is_last) for row in decode)
+
+    def _chained_passes(self, batch: ScheduledBatch) -> StepResult:
+        """config.step_passes loop passes over decode rows, each within the positions it reserved: every row's
+        finished tokens (a list, or None where none finished) and the MidToken it carries on."""
+        requests = batch.requests
+        inputs = self.prepare(batch)
+        carried = [self.mid_tokens.get(r.request_id) for r in requests]
+        carried = [mid if mid is not None and mid.continues(r) else None for mid, r in zip(carried, requests)]
+        slots = [self.layout.slot_mapping(r, r.num_computed_tokens, r.num_computed_tokens + reserved)
+                 for r, reserved in zip(requests, batch.reserved)]
+        out = self.chains.run(inputs, requests, [self.loops_of(r) for r in requests], carried, slots,
+                              self.config.step_passes)
+        result = StepResult([tokens or None for tokens in out.tokens])
+        result.mid_tokens = dict(enumerate(out.carried))
+        result.depth_tokens = {row: depth for row, depth in enumerate(out.depth) if depth}
         return result
 
     def _mid_token(self, request: Request) -> bool:
@@ -473,7 +503,7 @@ class ModelRunner:
         ran = stats.decode_loops - before
         stats.decode_passes += ran
         result.mid_tokens[row] = None
-        result.depth_tokens[row] = (ran, ran)
+        result.depth_tokens[row] = [(ran, ran)]
         return result
 
     def _depth_pass(self, batch: ScheduledBatch) -> StepResult:
@@ -514,7 +544,7 @@ class ModelRunner:
         if sampling:
             self._isolated(finished, part, self._sample_rows, "sampling", out.states.rows(sampling),
                            sampling)
-        part.depth_tokens = {i: (loops, passes) for i, (loops, passes)
+        part.depth_tokens = {i: [(loops, passes)] for i, (loops, passes)
                              in enumerate(zip(out.loops_run, out.passes))}
         return part
 
@@ -624,9 +654,9 @@ class ModelRunner:
                 self.in_flight[request.request_id] = chain
             else:
                 self.in_flight.pop(request.request_id, None)
-        for row, (loops, passes) in result.depth_tokens.items():
-            if appended[row] > 0:
-                request = staged.batch.requests[row]
+        for row, tokens in result.depth_tokens.items():
+            request = staged.batch.requests[row]
+            for loops, passes in tokens[:appended[row]]:
                 if request.depth is None:
                     request.depth = DepthStats()
                 request.depth.add(loops, passes)

@@ -21,7 +21,6 @@ import torch
 from attention.base import AttentionBackend, AttentionMetadata, SharedKVMetadata
 from model.looped import LoopedModel
 from runner.cuda_graph import PADDING_PROMPT_LEN, batch_buckets, capture, collect_garbage
-from runner.host_to_device import to_device
 
 
 class PassGraphs:
@@ -122,15 +121,16 @@ class PassGraphs:
         torch.cuda.synchronize()
 
     def run(self, states: torch.Tensor, injections: torch.Tensor | None, positions: torch.Tensor,
-            meta: AttentionMetadata, slot_offsets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass over the rows (at most the largest bucket): states [rows, H], each row's loop input;
         injections [rows, H] (a model with a prelude), its injection; positions [rows], its token's position;
-        meta, the rows' attention metadata (one token each); slot_offsets[i], row i's loop's slot offset.
-        Returns the loop's output [rows, H] and gate logits [rows] (zeros without a gate), fresh tensors of
-        their own."""
+        meta, the rows' attention metadata (one token each), with each row's loop as its slot offset
+        (meta.slot_offsets, int32 on the device; the host lists, context_lens_cpu and slot_offsets_cpu, are
+        read only before capture_all, when the body runs eagerly). Returns the loop's output [rows, H] and
+        gate logits [rows] (zeros without a gate), fresh tensors of their own."""
         n = meta.num_rows
         bs = self.bucket_for(n)
-        self._load(states, injections, positions, meta, slot_offsets, bs)
+        self._load(states, injections, positions, meta, bs)
         self.passes += 1
         if self.graphs:
             self.graphs[bs].replay()
@@ -138,12 +138,12 @@ class PassGraphs:
         else:
             pad = bs - n
             prompt_lens = [] if meta.shared_kv is None else meta.shared_kv.prompt_lens_cpu
-            self._pass(bs, self._meta(bs, meta.context_lens_cpu + [1] * pad, slot_offsets + [0] * pad,
-                                      prompt_lens + [PADDING_PROMPT_LEN] * pad))
+            lengths, offsets = meta.context_lens_cpu + [1] * pad, meta.slot_offsets_cpu + [0] * pad
+            self._pass(bs, self._meta(bs, lengths, offsets, prompt_lens + [PADDING_PROMPT_LEN] * pad))
         return self.output[:n].clone(), self.gate_logits[:n].clone()
 
     def _load(self, states: torch.Tensor, injections: torch.Tensor | None,
-              positions: torch.Tensor, meta: AttentionMetadata, slot_offsets: list[int], bs: int) -> None:
+              positions: torch.Tensor, meta: AttentionMetadata, bs: int) -> None:
         """The pass's rows into the static buffers, and rows n..bs as padding rows (restored here in case a
         larger pass used them)."""
         n = meta.num_rows
@@ -151,7 +151,7 @@ class PassGraphs:
         if self.injection is not None:
             self.injection[:n].copy_(injections)
         self.positions[:n].copy_(positions)
-        self.slot_offsets[:n].copy_(to_device(torch.tensor(slot_offsets, dtype=torch.int32), self.device))
+        self.slot_offsets[:n].copy_(meta.slot_offsets)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.context_lens[:n].copy_(meta.context_lens)
         self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)

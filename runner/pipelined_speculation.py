@@ -146,7 +146,7 @@ class PipelinedSpeculation:
                 result.errors[row] = f"sampling failed: {type(err).__name__}: {err}"
                 continue
             result.tokens[row] = token
-            result.depth_tokens[row] = (out.loops_run[i], out.passes[i])
+            result.depth_tokens[row] = [(out.loops_run[i], out.passes[i])]
             if traces[i] is not None:
                 result.traces[row] = [traces[i]]
             if entry is not None:
@@ -181,9 +181,9 @@ class PipelinedSpeculation:
         if chain[0].mid is not None:
             return chain
         if row in result.depth_tokens and chain[0].after_pass is not None:
-            loops, passes = result.depth_tokens[row]
-            result.depth_tokens[row] = (loops, min(passes, self.runner.loop_stats.decode_passes
-                                                   - chain[0].after_pass))
+            [(loops, passes)] = result.depth_tokens[row]
+            result.depth_tokens[row] = [(loops, min(passes, self.runner.loop_stats.decode_passes
+                                                    - chain[0].after_pass))]
         rest, token = chain[1:], result.tokens[row]
         if not rest or row in result.errors:
             return []

@@ -142,6 +142,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         admission: str = "reserve",
         pipelined: bool = False,
+        passes_per_step: int = 1,
     ) -> None:
         """admission: "greedy" admits a waiting request whenever its next chunk fits, and preempts when the
         running requests outgrow the pool (vLLM's rule); "reserve" admits one only if the free blocks also
@@ -149,11 +150,14 @@ class Scheduler:
         recompute of all T loops is rarely needed. pipelined: speculation runs pipelined in depth-batched
         passes (runner/pipelined_speculation.py): decode rows reserve the positions of up to k tokens in
         flight as above (ScheduledBatch.reserved says how many), each step appends at most one token a row,
-        and no step is a speculative one."""
+        and no step is a speculative one. passes_per_step > 1: depth-batched decode rows run that many loop
+        passes a step (runner/pass_chains.py), so each reserves the positions of up to that many tokens
+        (ScheduledBatch.reserved), and a step may append as many to it, each checked for stops in turn."""
         for name, value in [
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_model_len", max_model_len),
+            ("passes_per_step", passes_per_step),
         ]:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Scheduler.{name} must be an integer >= 1, got {value!r}")
@@ -168,6 +172,7 @@ class Scheduler:
         self.detokenizer = detokenizer
         self.num_speculative_tokens = num_speculative_tokens  # k: the most drafts per decode row and step
         self.pipelined = pipelined
+        self.passes_per_step = passes_per_step
         # Under early:Q and kv_sharing="last" a generated token must finish its loops before the next one
         # starts, so a recomputed request replays its generated tokens one per step, after its prompt.
         self.replay_generated_singly = block_manager.layout.replay_generated_singly
@@ -222,7 +227,13 @@ class Scheduler:
         for request in [r for r in self.running if r.pending and self._ends_with_pending(r)]:
             self._retire(request)
         rows: dict[Request, int] = {}
-        drafts: dict[Request, int] = {}  # decode rows' reserved positions, under speculative decoding
+        ahead: dict[Request, int] = {}  # decode rows' reserved positions (speculation, chained passes)
+        # the budget a row spends: its drafts under speculation; one token a pass in a chain of passes
+        drafts = self.num_speculative_tokens > 0
+
+        def spends(request: Request, num_new: int) -> int:
+            return ahead.get(request, num_new) if drafts else num_new
+
         budget = self.max_num_batched_tokens
         preempted = False
         decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
@@ -232,42 +243,45 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
             num_new = self._chunk_len(request, budget)
-            drafts_here = bool(self.num_speculative_tokens) and num_new == 1 and \
-                request.num_tokens - request.num_computed_tokens == 1
-            reserved = self._draft_len(request, budget) if drafts_here else num_new
+            decodes = num_new == 1 and request.num_tokens - request.num_computed_tokens == 1
+            ahead_here = decodes and (drafts or self.passes_per_step > 1)
+            wanted = request.draft_len or self.num_speculative_tokens or self.passes_per_step
+            reserved = self._room(request, wanted, budget if drafts else wanted) if ahead_here else num_new
             if reserved > num_new and not self.block_manager.can_append(request, reserved):
                 reserved = num_new  # drafting never preempts anyone
             num_preemptions = self.num_preemptions
             fits = self._make_room(request, reserved, rows)
             if self.num_preemptions != num_preemptions:
                 preempted = True
-                budget = self.max_num_batched_tokens - sum(drafts.get(r, n) for r, n in rows.items())
+                budget = self.max_num_batched_tokens - sum(spends(r, n) for r, n in rows.items())
             if fits:
                 self.block_manager.append_slots(request, reserved)
                 rows[request] = num_new
-                if drafts_here:
-                    drafts[request] = reserved
-                budget -= reserved
+                if ahead_here:
+                    ahead[request] = reserved
+                budget -= spends(request, num_new)
         if not preempted:  # as vLLM: no admissions in a step that had to preempt
             self._admit_waiting(rows, budget)
         if self.admission == "reserve":
             self.reserve_ratio = RESERVE_INIT if preempted else max(
                 RESERVE_FLOOR, self.reserve_ratio - (RESERVE_INIT - RESERVE_FLOOR) / RESERVE_DECAY_STEPS)
         # Speculative only when every row decodes (a prefill chunk runs every loop of its tokens anyway).
-        speculative = bool(rows) and len(drafts) == len(rows) and not self.pipelined
+        speculative = (bool(rows) and len(ahead) == len(rows) and self.num_speculative_tokens > 0
+                       and not self.pipelined)
         return ScheduledBatch(
             requests=list(rows),
             num_new_tokens=list(rows.values()),
             sample=[r.num_computed_tokens + n == r.num_tokens for r, n in rows.items()],
-            draft_lens=[drafts[r] for r in rows] if speculative else [],
-            reserved=[drafts.get(r, n) for r, n in rows.items()] if self.pipelined else [],
+            draft_lens=[ahead[r] for r in rows] if speculative else [],
+            reserved=[ahead.get(r, n) for r, n in rows.items()]
+            if self.pipelined or self.passes_per_step > 1 else [],
         )
 
-    def _draft_len(self, request: Request, budget: int) -> int:
-        """How many tokens a speculative step may draft for this decode row: k, or fewer where max_tokens,
-        max_model_len or the step's token budget leave less room (at least 1: the token it must produce)."""
-        room = min(request.draft_len or self.num_speculative_tokens, self.max_model_len - request.num_tokens,
-                   budget)
+    def _room(self, request: Request, wanted: int, budget: int) -> int:
+        """How many positions a decode row reserves: `wanted` (k drafts, or the tokens of chained passes), or
+        fewer where max_tokens, max_model_len or the step's token budget leave less room (at least 1: the
+        token it must produce)."""
+        room = min(wanted, self.max_model_len - request.num_tokens, budget)
         max_tokens = request.params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens)

@@ -172,15 +172,19 @@ def test_deterministic_mode_gives_lockstep_logprobs_bit_for_bit(tiny_checkpoint,
     assert_same_completions(lockstep, depth, bitwise=True)
 
 
-@pytest.mark.parametrize("engine_args", [dict(), dict(exit_policy="early:0.5")])
+@pytest.mark.parametrize("engine_args", [
+    dict(passes_per_step=1), dict(exit_policy="early:0.5", passes_per_step=1),
+    dict(passes_per_step=4), dict(exit_policy="early:0.5", passes_per_step=5)])
 def test_preempted_rows_restart_their_token_and_give_the_lockstep_tokens(tiny_checkpoint, engine_args):
-    """A pool too small for all four: preempted requests drop their token mid-loops and recompute."""
+    """A pool too small for all four: preempted requests drop their token mid-loops and recompute, with one
+    pass a step and with chains of passes (greedy rows without logprobs chain)."""
     params = greedy(max_tokens=24, logprobs=None)
     args = dict(loops=3, num_kv_blocks=16, block_size=4, enable_prefix_caching=False, admission="greedy",
                 **engine_args)
+    passes = args.pop("passes_per_step")
     lockstep, _ = run(tiny_checkpoint, PROMPTS, params, False, **args)
     with Engine(tiny_checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=6, verbose=False,
-                depth_batching=True, **args) as engine:
+                depth_batching=True, passes_per_step=passes, **args) as engine:
         scheduler, preempt, mid_token_victims = engine.scheduler, engine.scheduler._preempt, []
 
         def preempt_and_record(request):
@@ -189,7 +193,7 @@ def test_preempted_rows_restart_their_token_and_give_the_lockstep_tokens(tiny_ch
 
         scheduler._preempt = preempt_and_record
         depth = [o.outputs[0] for o in engine.generate(PROMPTS, params, use_tqdm=False)]
-        assert any(mid_token_victims)  # a row was preempted between its loops
+        assert mid_token_victims and (passes > 1 or any(mid_token_victims))  # a row preempted between loops
         assert not engine.runner.mid_tokens
         assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
     assert [c.token_ids for c in depth] == [c.token_ids for c in lockstep]

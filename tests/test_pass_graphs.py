@@ -113,6 +113,16 @@ def test_a_ring_gives_the_eager_pass_tokens():
                          kv_layout="compress:4", max_num_batched_tokens=64)
 
 
+@pytest.mark.parametrize("prompts", [PROMPTS[:3], FIVE_PROMPTS], ids=["3 rows", "5 rows"])
+def test_chained_passes_over_the_static_buffers_give_the_eager_chain_tokens(tiny_checkpoint, prompts):
+    """Greedy rows without logprobs chain 6 passes a step (runner/pass_chains.py): each pass's loops, slots
+    and lengths reach the static buffers as device tensors, padded to the bucket."""
+    params = greedy(logprobs=None)
+    _, sizes = static_against_eager(tiny_checkpoint, prompts, params, loops=3, exit_policy="early:0.5",
+                                    max_num_batched_tokens=64, passes_per_step=6)
+    assert max(sizes) == len(prompts)
+
+
 @pytest.mark.interpreter
 def test_triton_decode_kernel_over_the_static_buffers_gives_the_eager_pass_tokens(tiny_checkpoint):
     """The Triton backend's per-row-slot decode kernel (the variant a capture records) over the static

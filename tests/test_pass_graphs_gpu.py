@@ -1,7 +1,8 @@
 """CUDA-only: depth batching with captured loop passes (runner/pass_graphs.py). Every decode pass replays its
 bucket's graph, and a request's tokens are those of the eager depth-batched engine and of the lockstep
 engine, under full depth and early:0.5 with mixed exits (fp32, the Triton backend), over kv_sharing="last"
-and an fp8 cache, for Huginn; in deterministic mode bit for bit; pipelined self-speculation's passes too.
+and an fp8 cache, for Huginn; in deterministic mode bit for bit; chained passes and pipelined
+self-speculation's passes too.
 The same code without the capture runs on CPU in tests/test_pass_graphs.py."""
 
 import pytest
@@ -53,6 +54,20 @@ def test_replayed_passes_give_the_eager_depth_and_lockstep_tokens(tiny_checkpoin
     assert stats.decode_passes < stats.decode_loops  # rows at different loops shared passes
     if policy == "early:0.5":
         assert len({t.exit_loop for c in graphs for t in c.traces[1:]}) >= 2
+
+
+@pytest.mark.parametrize("policy", ["full", "early:0.5"])
+def test_replayed_chains_give_the_lockstep_tokens(tiny_checkpoint, policy):
+    """Greedy rows without logprobs chain 8 passes a step (runner/pass_chains.py), each pass a replay fed
+    from the device: the tokens are the eager chain's and lockstep's."""
+    params = greedy(max_tokens=12, logprobs=None)
+    graphs, stats = run(tiny_checkpoint, FIVE_PROMPTS, params, True, False, loops=4, exit_policy=policy,
+                        passes_per_step=8)
+    eager, eager_stats = run(tiny_checkpoint, FIVE_PROMPTS, params, True, True, loops=4, exit_policy=policy,
+                             passes_per_step=8)
+    lockstep, _ = run(tiny_checkpoint, FIVE_PROMPTS, params, False, False, loops=4, exit_policy=policy)
+    assert [c.token_ids for c in graphs] == [c.token_ids for c in eager] == [c.token_ids for c in lockstep]
+    assert stats.decode_loops == eager_stats.decode_loops
 
 
 @pytest.mark.parametrize("engine_args", [dict(kv_sharing="last"), dict(kv_cache_dtype="fp8_e4m3")],

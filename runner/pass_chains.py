@@ -1,0 +1,205 @@
+"""Chained loop passes (depth batching with Engine(passes_per_step=P)): a step's decode rows run P loop passes
+back to back on the device, with no host read between them, as vLLM's multi-step scheduling runs several
+decode steps per scheduler call.
+
+Why: a depth-batched pass that waits for its exit flags before the next one is planned serialises the host's
+work (scheduling, inputs, exit decisions, readout, commit: milliseconds a pass) with the device's (one loop's
+weight read). Chained, the host only queues each pass's launches while the device runs the pass before, and
+reads every pass's outcome once, at the end of the step.
+
+Between passes the device builds each row's next pass from the last. A row whose token finished (its last
+loop ran, or its exit rule fired) reads out (the head on its last state, then argmax: greedy rows only),
+copies its K/V forward through the KV layout, and starts its next token at loop 0 in the next pass, one
+position further: its state is the new token's embedding, its exit rule's memory is reset. The other rows go
+on to their next loop. Each row reserved up to P positions (Scheduler(passes_per_step=P):
+ScheduledBatch.reserved), whose slots the host lists before the first pass; a row that finished the tokens of
+all of them idles through the passes left, writing the scratch slot only. The host then replays the record
+(per pass and row: finished, token, loop run) into each row's tokens, which the scheduler checks for stops in
+turn, as it does a speculative row's: tokens after a stop are dropped, and their K/V lies past the request's
+end.
+
+Which rows: greedy, without logprobs, traces, penalties or min_tokens still pending; read out at their
+token's last run loop under the engine's exit policy (full, early:Q, or a criterion whose readout loop is
+the last); no warm start; a model without prelude or coda (Ouro); a KV pool whose slots the host can list
+ahead (not KVarN's side tables, not kv_sharing="last"). A step with any other decode row runs one pass
+(runner/depth_passes.py): the two continue each other's tokens (MidToken). A row's tokens are those of one
+pass a step: the same loops over the same inputs, the same readout and argmax. The head runs over every row of
+a pass here and over the finished rows there, which gives the same bits where the kernels are batch-invariant
+(deterministic mode) and may differ in the last bits elsewhere, as any change of batch does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from model.looped import LoopedModel
+from request import Request
+from runner.depth_passes import DepthPasses, MidToken, PassRows
+from runner.exit_rules import ExitRule
+from runner.host_to_device import upload
+from runner.loop_driver import StepInputs
+
+
+@dataclasses.dataclass(slots=True)
+class ChainResult:
+    """Per row of a chain: the tokens it finished, in order; (loops run, passes spanned) of each; and the
+    MidToken of the token it carries into the next step (None: its next token starts at loop 0)."""
+
+    tokens: list[list[int]]
+    depth: list[list[tuple[int, int]]]
+    carried: list[MidToken | None]
+
+
+@dataclasses.dataclass(slots=True)
+class _Rows:
+    """The chain's per-row device tensors between passes ([n] each but `state` [n, H] and the PassRows)."""
+
+    rows: PassRows
+    loop: torch.Tensor  # the loop each row runs next
+    finished: torch.Tensor  # tokens the row finished so far in this step
+    position: torch.Tensor  # its token's position, within the row's reservation
+    slot: torch.Tensor  # that position's slot (the scratch slot once the reservation is used)
+    active: torch.Tensor  # still within its reservation
+
+
+class PassChains:
+    """Runs P loop passes over decode rows with one host read: `run`. scratch_slot: an in-plane index no
+    request owns, which rows past their reservation write."""
+
+    def __init__(self, model: LoopedModel, depth: DepthPasses, scratch_slot: int,
+                 device: torch.device) -> None:
+        self.model, self.depth, self.scratch_slot = model, depth, scratch_slot
+        slot_map = model.slot_map
+        self.loops = depth.loops
+        # the slot offset of each loop, and whether its exit rule decides there
+        self.offset_of = torch.tensor([slot_map.slot(t, 0) - slot_map.slot(0, 0) for t in range(self.loops)],
+                                      dtype=torch.int32, device=device)
+        decides = depth.decides
+        self.decides_at = torch.tensor([decides is not None and decides(t) for t in range(self.loops)],
+                                       dtype=torch.bool, device=device)
+
+    @staticmethod
+    def eligible(request: Request, readout_is_last: bool) -> bool:
+        """Can this decode row run in a chain? (The module docstring says which rows can.)"""
+        p = request.params
+        return (readout_is_last and p.greedy and p.exit_policy is None and p.logprobs is None
+                and not p.loop_trace and not p.penalized and request.num_output_tokens >= p.min_tokens)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, requests: list[Request], loops: list[int],
+            carried: list[MidToken | None], slots: list[list[int]], passes: int) -> ChainResult:
+        """`passes` loop passes over these decode rows (inputs: their one token each); loops[i]: the loops row
+        i's request runs; carried[i]: its token's MidToken (None: it starts at loop 0); slots[i]: the slots
+        of the positions it reserved, from its current one on (at least one)."""
+        depth, n = self.depth, len(requests)
+        device = inputs.meta.slot_mapping.device
+        stats = depth.stats
+        first_pass = stats.decode_passes + 1
+        width = max(len(s) for s in slots)
+        table = [p for s in slots for p in s + [self.scratch_slot] * (width + 1 - len(s))]
+        start = [0 if mid is None else mid.loop for mid in carried]
+        loop, limit, reserved, flat = upload([start, loops, [len(s) for s in slots], table], torch.int64,
+                                             device)
+        table = flat.view(n, width + 1)  # a row's column j: the slot of its j-th reserved position
+        rule = depth.exit_rule(n)
+        rows = depth.pass_rows(inputs, carried)
+        if rule is not None:
+            for buffer, memory in zip(rule.buffers, rows.memory):
+                buffer.copy_(memory)
+        zero = torch.zeros(n, dtype=torch.int64, device=device)
+        chain = _Rows(rows, loop, zero, inputs.positions.clone(), inputs.meta.slot_mapping.clone(),
+                      zero < reserved)
+        # per pass: was the row active, did its token finish, the token, the loop it ran
+        record = torch.empty(passes, 4, n, dtype=torch.int64, device=device)
+        copies = rule is not None or min(loops) < self.loops
+        for i in range(passes):
+            done, token = self._pass(chain, inputs, limit, rule, copies)
+            record[i, 0], record[i, 1], record[i, 2], record[i, 3] = chain.active, done, token, chain.loop
+            self._advance(chain, inputs.positions, done, token, reserved, table, rule)
+        active, done, tokens, ran = record.permute(1, 2, 0).tolist()  # [n][passes] each
+        stats.decode_passes += passes
+        stats.decode_loops += sum(map(sum, active))
+        stats.decode_tokens += sum(map(sum, done))
+        memory = [] if rule is None else list(rule.buffers)
+        after = PassRows(chain.rows.state, None, chain.rows.hidden, chain.rows.gates, memory)
+        return self._replay(requests, carried, inputs, after, first_pass, active, done, tokens, ran)
+
+    def _pass(self, chain: _Rows, inputs: StepInputs, limit: torch.Tensor, rule: ExitRule | None,
+              copies: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass: every row through its loop; which rows' tokens finished, and each row's argmax token."""
+        rows, loop = chain.rows, chain.loop
+        offsets = self.offset_of[loop]
+        graphs, lengths = self.depth.graphs, chain.position + 1
+        replayed = graphs is not None and graphs.captured and graphs.bucket_for(len(offsets))
+        host = {} if replayed else dict(context_lens_cpu=lengths.tolist(), slot_offsets_cpu=offsets.tolist())
+        meta = dataclasses.replace(inputs.meta, slot_mapping=chain.slot, context_lens=lengths.int(),
+                                   slot_offsets=offsets, **host)  # an eager body reads the host lists
+        h, gate = self.depth.layer_pass(rows.state, None, chain.position, meta)
+        every = torch.arange(h.shape[0], device=h.device)
+        rows.hidden[every, loop] = h
+        rows.gates[every, loop] = gate.to(rows.gates.dtype)
+        done = chain.active & (loop == limit - 1)
+        if rule is not None:
+            deciding = chain.active & self.decides_at[loop] & ~done
+            before = [buffer.clone() for buffer in rule.buffers]
+            fired = rule.decide(h.shape[0], h, gate if rule.reads_gates else None)
+            _keep_where(rule.buffers, before, ~deciding)
+            done = done | (deciding & fired)
+        if copies:
+            for t in range(self.loops - 1):
+                self.depth.layout.copy_forward(self.depth.pool, chain.slot, t, done & (loop == t))
+        rows.state = h
+        return done, self.model.compute_logits(h).float().argmax(dim=-1)
+
+    def _advance(self, chain: _Rows, first: torch.Tensor, done: torch.Tensor, token: torch.Tensor,
+                 reserved: torch.Tensor, table: torch.Tensor, rule: ExitRule | None) -> None:
+        """The rows' next pass: a finished token's row starts the next token at loop 0, one position on (or
+        idles, its reservation used); the others go on to their next loop. first: each row's first
+        position."""
+        rows = chain.rows
+        chain.finished += done
+        chain.active = chain.finished < reserved
+        chain.loop = torch.where(done | ~chain.active, 0, chain.loop + 1)
+        chain.position = first + torch.minimum(chain.finished, reserved - 1)
+        chain.slot = table.gather(1, chain.finished.clamp(max=table.shape[1] - 1)[:, None])[:, 0]
+        starts = done[:, None]
+        rows.state = torch.where(starts, self.model.embed(token).to(rows.state.dtype), rows.state)
+        rows.hidden.masked_fill_(starts[:, :, None], 0)
+        rows.gates.masked_fill_(starts, math.nan)
+        if rule is not None:
+            before = [buffer.clone() for buffer in rule.buffers]
+            rule.reset(rows.state.shape[0], rows.state)
+            _keep_where(rule.buffers, before, ~done)
+
+    def _replay(self, requests: list[Request], carried: list[MidToken | None], inputs: StepInputs,
+                after: PassRows, first_pass: int, active: list[list[int]], done: list[list[int]],
+                tokens: list[list[int]], ran: list[list[int]]) -> ChainResult:
+        """The record, per row (lists [n][passes]), into its tokens, their loops and passes, and the MidToken
+        it carries on."""
+        result = ChainResult([], [], [])
+        positions = inputs.positions.tolist()
+        for i, request in enumerate(requests):
+            since = first_pass if carried[i] is None else carried[i].first_pass
+            out, depth = [], []
+            for j, (on, hit) in enumerate(zip(active[i], done[i])):
+                if hit:
+                    out.append(tokens[i][j])
+                    depth.append((ran[i][j] + 1, first_pass + j - since + 1))
+                    since = first_pass + j + 1
+            mid = None
+            if active[i][-1] and not done[i][-1]:
+                mid = MidToken(positions[i] + len(out), request.num_preemptions, ran[i][-1] + 1, since, after,
+                               i)
+            result.tokens.append(out)
+            result.depth.append(depth)
+            result.carried.append(mid)
+        return result
+
+
+def _keep_where(buffers: list[torch.Tensor], before: list[torch.Tensor], keep: torch.Tensor) -> None:
+    """Rows `keep` ([n] bool) of each buffer go back to `before`'s."""
+    for buffer, old in zip(buffers, before):
+        buffer.copy_(torch.where(keep.view(-1, *[1] * (buffer.dim() - 1)), old, buffer))

@@ -1,0 +1,127 @@
+"""Chained loop passes (Engine(depth_batching=True, passes_per_step=P), runner/pass_chains.py): a
+depth-batched decode step runs P passes on the device and the host reads them once. A request's tokens equal
+lockstep's under full depth, early:Q, an exit criterion and per-request loops, over the full and latest
+layouts, with chunked prefill and staggered arrivals, whatever P; a step appends several tokens a row; a stop
+inside a chain drops the tokens after it; a batch with a row that cannot chain runs one pass; the option is
+checked by name. CPU, fp32, the torch backend."""
+
+import pytest
+
+from engine import Engine, SamplingParams
+from tests.test_depth_batching import PROMPTS, run
+
+NEW_TOKENS = 9
+
+
+def greedy(**overrides) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": NEW_TOKENS, "ignore_eos": True, **overrides})
+
+
+def chained(checkpoint, prompts, params, passes: int, **engine_args):
+    """run() with depth batching and `passes` a step, counting the steps that chained passes and the tokens
+    their rows appended."""
+    steps, appended = [], []
+    engine_args = {"device": "cpu", "dtype": "float32", "max_num_batched_tokens": 6, "verbose": False,
+                   **engine_args}
+    with Engine(checkpoint, depth_batching=True, passes_per_step=passes, **engine_args) as engine:
+        runner = engine.runner
+        chain = runner._chained_passes
+
+        def counted(batch):
+            result = chain(batch)
+            steps.append(batch.num_seqs)
+            appended.extend(len(tokens or []) for tokens in result.tokens)
+            return result
+
+        runner._chained_passes = counted
+        outputs = [out.outputs[0] for out in engine.generate(prompts, params, use_tqdm=False)]
+        stats = engine.loop_stats
+        assert not runner.mid_tokens
+        assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
+    return outputs, stats, steps, appended
+
+
+@pytest.mark.parametrize("passes", [2, 5, 8])
+@pytest.mark.parametrize("policy", ["full", "early:0.5", "latent-diff:0.9"])
+def test_chains_give_the_lockstep_tokens_and_loops(tiny_checkpoint, policy, passes):
+    params = greedy()
+    lockstep, lockstep_stats = run(tiny_checkpoint, PROMPTS, params, False, loops=4, exit_policy=policy)
+    outputs, stats, steps, appended = chained(tiny_checkpoint, PROMPTS, params, passes, loops=4,
+                                              exit_policy=policy)
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in lockstep]
+    assert stats.decode_tokens == lockstep_stats.decode_tokens
+    assert stats.decode_loops == lockstep_stats.decode_loops  # rows idle past their reservation uncounted
+    assert steps and (passes < 5 or max(appended) > 1)  # past the loops a step appends several tokens a row
+    for completion in outputs:  # a chain's rows run every pass: a token spans one pass per loop it runs
+        assert completion.depth.tokens == NEW_TOKENS - 1 and completion.depth.passes == completion.depth.loops
+
+
+def test_per_request_loops_and_the_latest_layout_give_the_lockstep_tokens(tiny_checkpoint):
+    params = [greedy(loops=k) for k in (1, 4, 2, 3)]
+    lockstep, _ = run(tiny_checkpoint, PROMPTS, params, False, loops=4, kv_layout="latest")
+    outputs, _, steps, _ = chained(tiny_checkpoint, PROMPTS, params, 3, loops=4, kv_layout="latest")
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in lockstep]
+    assert steps
+    assert [c.depth.loops_per_token for c in outputs] == [1, 4, 2, 3]
+
+
+def test_a_stop_inside_a_chain_drops_the_tokens_after_it(tiny_checkpoint):
+    """Each request stops at a token it generates mid-chain (its lockstep output's fourth): its output ends
+    there, as lockstep's does with the same stop, and the tokens the chain computed after it are dropped."""
+    free = run(tiny_checkpoint, PROMPTS, greedy(), False, loops=4)[0]
+    params = [greedy(stop_token_ids=[c.token_ids[3]], ignore_eos=True) for c in free]
+    lockstep, _ = run(tiny_checkpoint, PROMPTS, params, False, loops=4)
+    outputs, _, steps, _ = chained(tiny_checkpoint, PROMPTS, params, 8, loops=4)
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in lockstep]
+    assert [c.finish_reason for c in outputs] == [c.finish_reason for c in lockstep]
+    assert all(len(c.token_ids) <= 4 for c in outputs) and steps
+
+
+def test_a_row_that_cannot_chain_makes_its_step_one_pass(tiny_checkpoint):
+    """A request that asks for logprobs reads its logits on the host: steps it decodes in run one pass, and
+    every request still gets lockstep's tokens."""
+    params = [greedy(logprobs=1)] + [greedy()] * 3
+    lockstep, _ = run(tiny_checkpoint, PROMPTS, params, False, loops=4, exit_policy="early:0.5")
+    outputs, _, steps, _ = chained(tiny_checkpoint, PROMPTS, params, 8, loops=4, exit_policy="early:0.5")
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in lockstep]
+    assert outputs[0].logprobs is not None and len(outputs[0].logprobs) == NEW_TOKENS
+    assert all(rows < len(PROMPTS) for rows in steps)  # no chain ever held the logprobs request's row
+
+
+def test_staggered_arrivals_join_chained_rows(tiny_checkpoint):
+    """Requests added while the others' chains run are prefilled beside them and join the next chain."""
+    params = greedy(max_tokens=7)
+    lockstep, _ = run(tiny_checkpoint, PROMPTS, params, False, loops=3, exit_policy="early:0.5")
+    with Engine(tiny_checkpoint, device="cpu", dtype="float32", loops=3, exit_policy="early:0.5",
+                max_num_batched_tokens=6, depth_batching=True, passes_per_step=4, verbose=False) as engine:
+        for i, prompt in enumerate(PROMPTS[:2]):
+            engine.add_request(prompt, params, str(i))
+        finished = {}
+        for step in range(200):
+            if step == 3:
+                for i, prompt in enumerate(PROMPTS[2:], start=2):
+                    engine.add_request(prompt, params, str(i))
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.outputs[0].token_ids
+            if len(finished) == len(PROMPTS):
+                break
+    assert [finished[str(i)] for i in range(len(PROMPTS))] == [c.token_ids for c in lockstep]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(passes_per_step=4), "passes_per_step=4 chains depth-batched loop passes; it needs depth_batching"),
+    (dict(depth_batching=True, passes_per_step=0), "passes_per_step must be a positive integer, got 0"),
+    (dict(depth_batching=True, passes_per_step=4, speculative="loops:2"),
+     "speculative='loops:2' and passes_per_step=4"),
+])
+def test_passes_per_step_is_checked_by_name(tiny_checkpoint, options, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(tiny_checkpoint, device="cpu", verbose=False, **options)
+
+
+def test_default_chains_twice_the_loops_under_depth_batching_only(tiny_checkpoint):
+    with Engine(tiny_checkpoint, device="cpu", loops=3, depth_batching=True, verbose=False) as engine:
+        assert engine.engine_config.step_passes == 6
+    with Engine(tiny_checkpoint, device="cpu", loops=3, verbose=False) as engine:
+        assert engine.engine_config.step_passes == 1
