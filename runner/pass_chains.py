@@ -91,10 +91,13 @@ class PassChains:
     @torch.inference_mode()
     def run(self, inputs: StepInputs, requests: list[Request], loops: list[int],
             carried: list[MidToken | None], slots: list[list[int]], passes: int) -> ChainResult:
-        """`passes` loop passes over these decode rows (inputs: their one token each); loops[i]: the loops row
-        i's request runs; carried[i]: its token's MidToken (None: it starts at loop 0); slots[i]: the slots
-        of the positions it reserved, from its current one on (at least one)."""
+        """Up to `passes` loop passes over these decode rows (inputs: their one token each); loops[i]: the
+        loops row i's request runs; carried[i]: its token's MidToken (None: it starts at loop 0); slots[i]:
+        the slots of the positions it reserved, from its current one on (at least one). No more passes than
+        the longest row can use: its reserved tokens at every loop, less the loops its token already ran."""
         depth, n = self.depth, len(requests)
+        passes = min(passes, max(len(s) * k - (0 if mid is None else mid.loop)
+                                 for s, k, mid in zip(slots, loops, carried)))
         device = inputs.meta.slot_mapping.device
         stats = depth.stats
         first_pass = stats.decode_passes + 1

@@ -125,3 +125,12 @@ def test_default_chains_twice_the_loops_under_depth_batching_only(tiny_checkpoin
         assert engine.engine_config.step_passes == 6
     with Engine(tiny_checkpoint, device="cpu", loops=3, verbose=False) as engine:
         assert engine.engine_config.step_passes == 1
+
+
+@pytest.mark.parametrize("max_tokens", [2, 3])
+def test_a_chain_runs_no_more_passes_than_its_rows_can_use(tiny_checkpoint, max_tokens):
+    """max_tokens leaves a row max_tokens - 1 tokens after prefill: at full depth a chain of 8 passes needs
+    only 4 a token, so it stops there instead of idling."""
+    outputs, stats, steps, _ = chained(tiny_checkpoint, PROMPTS[:1], greedy(max_tokens=max_tokens), 8, loops=4)
+    assert len(outputs[0].token_ids) == max_tokens and steps == [1]
+    assert stats.decode_passes == stats.decode_loops == 4 * (max_tokens - 1)
