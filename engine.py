@@ -134,7 +134,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, self.tokenizer, config.speculative_tokens,
                                    config.admission, pipelined=config.pipelines_speculation,
-                                   passes_per_step=config.step_passes)
+                                   chain_positions=config.chain_positions)
         self.runner = ModelRunner(config, self.model, self.backend, self.kv_pool, self.layout,
                                   scratch_block=num_blocks, token_text=self.tokenizer.token_text,
                                   scratch_side_block=kv_format.scratch_side_block(side_rows))

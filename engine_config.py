@@ -178,9 +178,6 @@ class EngineConfig:
         ]
         if (self.passes_per_step or 1) > 1:
             refused += [
-                (self.speculative is not None,
-                 f"speculative={self.speculative!r} and passes_per_step={self.passes_per_step}: pipelined "
-                 "speculation checks each draft on the host after its pass"),
                 (self.model.init_scale is not None,
                  f"passes_per_step={self.passes_per_step} and a checkpoint with a prelude and a coda "
                  "(Huginn): a chain starts a token with its embedding alone"),
@@ -280,13 +277,25 @@ class EngineConfig:
     @property
     def step_passes(self) -> int:
         """The loop passes a decode step chains (passes_per_step resolved): by default twice the loops under
-        depth batching where chains apply (not with speculation, a prelude or kv_sharing), so a step's
-        host work is paid once per about two tokens a row at full depth; else 1."""
+        depth batching where chains apply (not with a prelude or kv_sharing), so a step's host work is paid
+        once per about two tokens a row at full depth; else 1."""
         if self.passes_per_step is not None:
             return self.passes_per_step
-        chains = (self.depth_batching and self.speculative is None and self.model.init_scale is None
-                  and self.kv_sharing == "none")
+        chains = self.depth_batching and self.model.init_scale is None and self.kv_sharing == "none"
         return 2 * self.loops if chains else 1
+
+    @property
+    def chain_positions(self) -> int:
+        """The positions a decode row reserves for a step of chained passes (1: no chains): a token a pass
+        at most; under pipelined speculation the tokens of P passes at d loops each, and the drafts then in
+        flight."""
+        passes = self.step_passes
+        if passes == 1:
+            return 1
+        if self.pipelines_speculation:
+            d = self.draft_loops
+            return -(-passes // d) + -(-self.loops // d)
+        return passes
 
     @property
     def pipelines_speculation(self) -> bool:

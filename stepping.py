@@ -82,8 +82,8 @@ class Stepper(ABC):
         decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests]
         before = [r.num_tokens for r in batch.requests]
         mid_token = result.mid_token_rows
-        decision = self.scheduler.decide(batch, result.tokens, result.errors,
-                                         {row: a for row, (_, a) in result.drafts.items()}, mid_token)
+        accepted = {row: sum(check[1] for check in checks if check) for row, checks in result.drafts.items()}
+        decision = self.scheduler.decide(batch, result.tokens, result.errors, accepted, mid_token)
         staged = self.runner.take_staged()  # the point of no return
         self.count_tokens(batch, set(result.errors) | mid_token, decode, decision.appended)
         error = self.run_parts([functools.partial(self.scheduler.apply, decision),

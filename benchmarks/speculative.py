@@ -49,8 +49,7 @@ def force_acceptance(engine: Engine, accept_all: bool) -> None:
     """Benchmark-only: every greedy draft is accepted (accept_all) or every one rejected, whatever the
     target says, in a speculative step and pipelined alike (both ask SelfSpeculation.accept). The tokens are
     then not the model's (an accepted draft is the token); only the timing means anything."""
-    engine.runner.speculation.accept = (lambda drafts, targets: len(drafts)) if accept_all else \
-        (lambda drafts, targets: 0)
+    engine.runner.speculation.forced_acceptance = accept_all
 
 
 def acceptance(ds: list[int], ks: list[int], num_prompts: int, max_tokens: int) -> list[dict]:

@@ -53,6 +53,7 @@ from runner.piecewise_graphs import PiecewiseGraphs
 from runner.request_loops import RequestLoops
 from runner.sampler import logprob_dicts, logprobs_topn, process_logits, sample
 from runner.speculative import SelfSpeculation
+from runner.speculative_chains import SpeculativeChains
 
 
 @dataclasses.dataclass(slots=True)
@@ -60,14 +61,15 @@ class StepResult:
     """One step's outcome, before any request changes. Per batch row: the next token (None where the row
     does not sample or failed; a list of tokens in a speculative step), why it failed, and what commit()
     appends to its request: per new token its loop trace and logprobs, the prompt logprobs of its chunk, and
-    (speculative) how many tokens it drafted and how many of them were accepted."""
+    (speculative) per verification, how many tokens it drafted and how many of them were accepted (a chain
+    of pipelined passes: one entry per token, None where no draft was behind it)."""
 
     tokens: list[int | list[int] | None]
     errors: dict[int, str] = dataclasses.field(default_factory=dict)
     traces: dict[int, list[LoopTrace]] = dataclasses.field(default_factory=dict)
     logprobs: dict[int, list[dict[int, Logprob]]] = dataclasses.field(default_factory=dict)
     prompt_logprobs: dict[int, list[dict[int, Logprob]]] = dataclasses.field(default_factory=dict)
-    drafts: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    drafts: dict[int, list[tuple[int, int] | None]] = dataclasses.field(default_factory=dict)
     # Under a warm start (runner/initial_states.py): row -> (the position of its last token, the warm start of
     # the token after it), kept for its request once the step is applied
     warm: dict[int, tuple[int, torch.Tensor]] = dataclasses.field(default_factory=dict)
@@ -173,6 +175,10 @@ class ModelRunner:
         # depth batching: decode steps whose rows allow it chain several passes on the device
         self.chains = PassChains(model, self.depth, scratch_block * config.block_size, self.device) \
             if self.depth is not None and config.step_passes > 1 else None
+        self.speculative_chains = None
+        if self.chains is not None and self.pipelined is not None:
+            self.speculative_chains = SpeculativeChains(self.chains, self.pipelined, self.loops,
+                                                        config.draft_loops)
         if self.device.type == "cuda" and not config.enforce_eager and backend.capabilities.cuda_graphs:
             self._reserve_fused_workspace()
             if self.depth is None:
@@ -455,7 +461,8 @@ class ModelRunner:
         chosen = set(decode)
         others = [row for row in range(batch.num_seqs) if row not in chosen]
         if decode and self._chainable(batch, decode):
-            result.take(decode, self._chained_passes(batch.select(decode)))
+            chained = self._chained_passes if self.pipelined is None else self._speculative_chain
+            result.take(decode, chained(batch.select(decode)))
         elif len(decode) == 1 and self.pipelined is None and not self._mid_token(batch.requests[decode[0]]):
             return self._lone_token(batch, decode[0])
         elif decode:
@@ -469,7 +476,9 @@ class ModelRunner:
         """Can these decode rows run chained passes (runner/pass_chains.py)?"""
         if self.chains is None or not batch.reserved:
             return False
-        readout_is_last = self.depth.readout_loop == self.loops - 1
+        policy = self.config.exit_policy  # read out at a token's last run loop (_readout_policies)
+        readout_is_last = policy.kind in ("full", "early") or (
+            policy.is_criterion and policy.readout_loop(self.loops) == self.loops - 1)
         return all(self.chains.eligible(batch.requests[row], readout_is_last) for row in decode)
 
     def _chained_passes(self, batch: ScheduledBatch) -> StepResult:
@@ -486,6 +495,12 @@ class ModelRunner:
         result = StepResult([tokens or None for tokens in out.tokens])
         result.mid_tokens = dict(enumerate(out.carried))
         result.depth_tokens = {row: depth for row, depth in enumerate(out.depth) if depth}
+        return result
+
+    def _speculative_chain(self, batch: ScheduledBatch) -> StepResult:
+        """Pipelined speculation over decode rows, config.step_passes passes chained on the device."""
+        result = StepResult([None] * batch.num_seqs)
+        self.speculative_chains.run(batch, self.config.step_passes, result)
         return result
 
     def _mid_token(self, request: Request) -> bool:
@@ -665,11 +680,13 @@ class ModelRunner:
             if added > 0:
                 request.traces += result.traces.get(row, [])[:added]
                 request.logprobs += result.logprobs.get(row, [])[:added]
-            if row in result.drafts:
+            for check in result.drafts.get(row, [])[:max(added, 1)]:
+                if check is None:
+                    continue
                 if request.speculative is None:
                     request.speculative = SpeculativeStats()
-                request.speculative.add(*result.drafts[row])
-                self.speculation.stats.add(*result.drafts[row])
+                request.speculative.add(*check)
+                self.speculation.stats.add(*check)
             if row in result.prompt_logprobs and advances[row]:
                 request.prompt_logprobs.extend(result.prompt_logprobs[row])
 

@@ -54,7 +54,7 @@ class ChainResult:
 
 
 @dataclasses.dataclass(slots=True)
-class _Rows:
+class ChainRows:
     """The chain's per-row device tensors between passes ([n] each but `state` [n, H] and the PassRows)."""
 
     rows: PassRows
@@ -113,13 +113,13 @@ class PassChains:
             for buffer, memory in zip(rule.buffers, rows.memory):
                 buffer.copy_(memory)
         zero = torch.zeros(n, dtype=torch.int64, device=device)
-        chain = _Rows(rows, loop, zero, inputs.positions.clone(), inputs.meta.slot_mapping.clone(),
+        chain = ChainRows(rows, loop, zero, inputs.positions.clone(), inputs.meta.slot_mapping.clone(),
                       zero < reserved)
         # per pass: was the row active, did its token finish, the token, the loop it ran
         record = torch.empty(passes, 4, n, dtype=torch.int64, device=device)
         copies = rule is not None or min(loops) < self.loops
         for i in range(passes):
-            done, token = self._pass(chain, inputs, limit, rule, copies)
+            done, token = self.loop_pass(chain, inputs, limit, rule, copies)
             record[i, 0], record[i, 1], record[i, 2], record[i, 3] = chain.active, done, token, chain.loop
             self._advance(chain, inputs.positions, done, token, reserved, table, rule)
         active, done, tokens, ran = record.permute(1, 2, 0).tolist()  # [n][passes] each
@@ -130,9 +130,11 @@ class PassChains:
         after = PassRows(chain.rows.state, None, chain.rows.hidden, chain.rows.gates, memory)
         return self._replay(requests, carried, inputs, after, first_pass, active, done, tokens, ran)
 
-    def _pass(self, chain: _Rows, inputs: StepInputs, limit: torch.Tensor, rule: ExitRule | None,
+    def loop_pass(self, chain: ChainRows, inputs: StepInputs, limit: torch.Tensor, rule: ExitRule | None,
               copies: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass: every row through its loop; which rows' tokens finished, and each row's argmax token."""
+        """One pass: every row through its loop (the active ones' own slots; the others write the scratch
+        slot); which active rows' tokens finished (limit: each row's loops), with their K/V copied forward
+        where `copies`, and each row's argmax token."""
         rows, loop = chain.rows, chain.loop
         offsets = self.offset_of[loop]
         graphs, lengths = self.depth.graphs, chain.position + 1
@@ -157,7 +159,7 @@ class PassChains:
         rows.state = h
         return done, self.model.compute_logits(h).float().argmax(dim=-1)
 
-    def _advance(self, chain: _Rows, first: torch.Tensor, done: torch.Tensor, token: torch.Tensor,
+    def _advance(self, chain: ChainRows, first: torch.Tensor, done: torch.Tensor, token: torch.Tensor,
                  reserved: torch.Tensor, table: torch.Tensor, rule: ExitRule | None) -> None:
         """The rows' next pass: a finished token's row starts the next token at loop 0, one position on (or
         idles, its reservation used); the others go on to their next loop. first: each row's first

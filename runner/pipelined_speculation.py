@@ -189,9 +189,9 @@ class PipelinedSpeculation:
             return []
         if self.runner.speculation.accept([rest[0].token], [token]):
             result.tokens[row] = rest[0].token  # an accepted draft is the token, as a speculative step's are
-            result.drafts[row] = (1, 1)
+            result.drafts[row] = [(1, 1)]
             return [dataclasses.replace(rest[0], after_pass=self.runner.loop_stats.decode_passes)] + rest[1:]
-        result.drafts[row] = (len(rest), 0)
+        result.drafts[row] = [(len(rest), 0)]
         return []
 
 

@@ -52,6 +52,9 @@ class SelfSpeculation:
         self.d = draft_loops
         self.loops = runner.loops
         self.stats = SpeculativeStats()  # every request's, since the engine started
+        # For benchmarks and tests: every greedy draft accepted (True) or every one rejected (False), whatever
+        # the targets say (an accepted draft is then the token); None: the greedy rule
+        self.forced_acceptance: bool | None = None
 
     def run(self, batch: ScheduledBatch, result) -> None:
         """Fill result (a StepResult) for a speculative batch: per row its tokens (a list), their traces and
@@ -153,7 +156,9 @@ class SelfSpeculation:
         return tokens
 
     def accept(self, drafts: list[int], targets: list[int]) -> int:
-        """Greedy: how many leading drafts the targets confirm."""
+        """Greedy: how many leading drafts the targets confirm (forced_acceptance: all, or none)."""
+        if self.forced_acceptance is not None:
+            return len(drafts) if self.forced_acceptance else 0
         for i, (draft, target) in enumerate(zip(drafts, targets)):
             if draft != target:
                 return i
@@ -191,7 +196,7 @@ class SelfSpeculation:
                 accepted, resampled = self._accept_sampled(request, drafts[row], draft_probs[row], p)
                 tokens = drafts[row][:accepted] + ([resampled] if resampled is not None else [])
             result.tokens[row] = tokens
-            result.drafts[row] = (k, accepted)
+            result.drafts[row] = [(k, accepted)]
             if request.params.loop_trace:
                 kept = [traces[i] for i in span[:len(tokens)]]
                 for i, trace in enumerate(kept):

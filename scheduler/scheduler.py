@@ -142,7 +142,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         admission: str = "reserve",
         pipelined: bool = False,
-        passes_per_step: int = 1,
+        chain_positions: int = 1,
     ) -> None:
         """admission: "greedy" admits a waiting request whenever its next chunk fits, and preempts when the
         running requests outgrow the pool (vLLM's rule); "reserve" admits one only if the free blocks also
@@ -150,14 +150,15 @@ class Scheduler:
         recompute of all T loops is rarely needed. pipelined: speculation runs pipelined in depth-batched
         passes (runner/pipelined_speculation.py): decode rows reserve the positions of up to k tokens in
         flight as above (ScheduledBatch.reserved says how many), each step appends at most one token a row,
-        and no step is a speculative one. passes_per_step > 1: depth-batched decode rows run that many loop
-        passes a step (runner/pass_chains.py), so each reserves the positions of up to that many tokens
-        (ScheduledBatch.reserved), and a step may append as many to it, each checked for stops in turn."""
+        and no step is a speculative one. chain_positions > 1: depth-batched decode rows run several loop
+        passes a step (runner/pass_chains.py, runner/speculative_chains.py), so each reserves up to that many
+        positions (ScheduledBatch.reserved; its budget spends one token a pass), and a step may append
+        several tokens to it, each checked for stops in turn."""
         for name, value in [
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_model_len", max_model_len),
-            ("passes_per_step", passes_per_step),
+            ("chain_positions", chain_positions),
         ]:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Scheduler.{name} must be an integer >= 1, got {value!r}")
@@ -172,7 +173,7 @@ class Scheduler:
         self.detokenizer = detokenizer
         self.num_speculative_tokens = num_speculative_tokens  # k: the most drafts per decode row and step
         self.pipelined = pipelined
-        self.passes_per_step = passes_per_step
+        self.chain_positions = chain_positions
         # Under early:Q and kv_sharing="last" a generated token must finish its loops before the next one
         # starts, so a recomputed request replays its generated tokens one per step, after its prompt.
         self.replay_generated_singly = block_manager.layout.replay_generated_singly
@@ -229,10 +230,10 @@ class Scheduler:
         rows: dict[Request, int] = {}
         ahead: dict[Request, int] = {}  # decode rows' reserved positions (speculation, chained passes)
         # the budget a row spends: its drafts under speculation; one token a pass in a chain of passes
-        drafts = self.num_speculative_tokens > 0
+        drafts, chains = self.num_speculative_tokens > 0, self.chain_positions > 1
 
         def spends(request: Request, num_new: int) -> int:
-            return ahead.get(request, num_new) if drafts else num_new
+            return ahead.get(request, num_new) if drafts and not chains else num_new
 
         budget = self.max_num_batched_tokens
         preempted = False
@@ -244,9 +245,9 @@ class Scheduler:
                 continue
             num_new = self._chunk_len(request, budget)
             decodes = num_new == 1 and request.num_tokens - request.num_computed_tokens == 1
-            ahead_here = decodes and (drafts or self.passes_per_step > 1)
-            wanted = request.draft_len or self.num_speculative_tokens or self.passes_per_step
-            reserved = self._room(request, wanted, budget if drafts else wanted) if ahead_here else num_new
+            ahead_here = decodes and (drafts or chains)
+            wanted = self.chain_positions if chains else request.draft_len or self.num_speculative_tokens
+            reserved = self._room(request, wanted, wanted if chains else budget) if ahead_here else num_new
             if reserved > num_new and not self.block_manager.can_append(request, reserved):
                 reserved = num_new  # drafting never preempts anyone
             num_preemptions = self.num_preemptions
@@ -274,7 +275,7 @@ class Scheduler:
             sample=[r.num_computed_tokens + n == r.num_tokens for r, n in rows.items()],
             draft_lens=[ahead[r] for r in rows] if speculative else [],
             reserved=[ahead.get(r, n) for r, n in rows.items()]
-            if self.pipelined or self.passes_per_step > 1 else [],
+            if self.pipelined or chains else [],
         )
 
     def _room(self, request: Request, wanted: int, budget: int) -> int:

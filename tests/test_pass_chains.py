@@ -112,8 +112,8 @@ def test_staggered_arrivals_join_chained_rows(tiny_checkpoint):
 @pytest.mark.parametrize("options, message", [
     (dict(passes_per_step=4), "passes_per_step=4 chains depth-batched loop passes; it needs depth_batching"),
     (dict(depth_batching=True, passes_per_step=0), "passes_per_step must be a positive integer, got 0"),
-    (dict(depth_batching=True, passes_per_step=4, speculative="loops:2"),
-     "speculative='loops:2' and passes_per_step=4"),
+    (dict(depth_batching=True, passes_per_step=4, kv_sharing="last"),
+     "passes_per_step=4 and kv_sharing='last'"),
 ])
 def test_passes_per_step_is_checked_by_name(tiny_checkpoint, options, message):
     with pytest.raises(ValueError, match=message):
@@ -131,6 +131,7 @@ def test_default_chains_twice_the_loops_under_depth_batching_only(tiny_checkpoin
 def test_a_chain_runs_no_more_passes_than_its_rows_can_use(tiny_checkpoint, max_tokens):
     """max_tokens leaves a row max_tokens - 1 tokens after prefill: at full depth a chain of 8 passes needs
     only 4 a token, so it stops there instead of idling."""
-    outputs, stats, steps, _ = chained(tiny_checkpoint, PROMPTS[:1], greedy(max_tokens=max_tokens), 8, loops=4)
+    params = greedy(max_tokens=max_tokens)
+    outputs, stats, steps, _ = chained(tiny_checkpoint, PROMPTS[:1], params, 8, loops=4)
     assert len(outputs[0].token_ids) == max_tokens and steps == [1]
     assert stats.decode_passes == stats.decode_loops == 4 * (max_tokens - 1)

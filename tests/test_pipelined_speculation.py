@@ -84,6 +84,29 @@ def test_greedy_tokens_equal_plain_decoding(plain, pipelined, d):
     assert all(o.depth.passes_per_token >= d for o in outputs)
 
 
+@pytest.mark.parametrize("d", [1, 2])
+def test_one_pass_a_step_gives_the_chains_tokens_and_passes(plain, pipelined, d):
+    """passes_per_step=1: greedy rows run a pass a step on the host's decisions
+    (runner/pipelined_speculation.py) instead of chains of passes (runner/speculative_chains.py): the same
+    tokens, drafts and passes."""
+    chained, chained_stats = pipelined(d)
+    outputs, stats, _ = run(TRAINED, greedy(), True, d=d, passes_per_step=1)
+    assert [o.token_ids for o in outputs] == plain
+    assert (stats.num_drafted, stats.num_accepted) == (chained_stats.num_drafted, chained_stats.num_accepted)
+    assert [o.depth.passes for o in outputs] == [o.depth.passes for o in chained]
+
+
+def test_a_row_that_cannot_chain_hands_its_steps_to_one_pass_and_back():
+    """A request with logprobs reads its logits on the host: while it decodes, every step runs one pass; once
+    it has finished, the others' tokens in flight go on in chains. Every request keeps plain decoding's
+    tokens."""
+    params = [greedy(logprobs=1, max_tokens=4)] + [greedy()] * (len(PROMPTS) - 1)
+    base, _, _ = run(TRAINED, params, False)
+    outputs, stats, _ = run(TRAINED, params, True)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in base]
+    assert len(outputs[0].logprobs) == 4 and stats.num_drafted > 0
+
+
 @pytest.mark.parametrize("policy", ["step:1", "weighted", "threshold:0.5"])
 def test_readout_policies_and_logprobs_as_plain_decoding(policy):
     """A finished token reads out under the request's policy from all its loops' states, the loops it ran as
@@ -118,7 +141,7 @@ def forced(checkpoint, pipelined: bool, accept: int, d: int = 2):
     and by pipelined speculation) is forced: every draft kept (accept=1) or none (accept=0). A token budget
     wide enough that every row reserves its k positions."""
     with engine_of(checkpoint, pipelined, d, speculative=f"loops:{d}", max_num_batched_tokens=512) as engine:
-        engine.runner.speculation.accept = lambda drafts, targets: accept * len(drafts)
+        engine.runner.speculation.forced_acceptance = bool(accept)
         outputs = [o.outputs[0] for o in engine.generate(PROMPTS, greedy(), use_tqdm=False)]
         assert_clean(engine)
     return outputs

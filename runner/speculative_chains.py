@@ -1,0 +1,194 @@
+"""Pipelined self-speculation chained on the device (depth batching with speculative="loops:d" and
+passes_per_step=P): runner/pipelined_speculation.py's passes, P of them a step with one host read, for
+greedy requests, as runner/pass_chains.py chains plain depth-batched passes.
+
+Each request holds m = ceil(T/d) rows of the chain, one per token it may have in flight (a row whose flag is
+off writes the scratch slot and counts nothing). After each pass, per request, on the device:
+- its first token in flight finishes when it has run loop T-1: its token (the head's argmax on its last
+  state) is appended; it is accepted when the token in flight behind it started from that very token (the
+  greedy rule of runner/speculative.py: SelfSpeculation.accept). Then the token behind goes on as the first
+  in flight; otherwise every token behind it is dropped and the finished token starts the next position at
+  loop 0 (as it does when none was behind it);
+- its last token in flight that has just run loop d-1 drafts: the head's argmax on that state starts the next
+  position at loop 0, in a row of the request that is free, if the position is within the request's
+  reservation (ScheduledBatch.reserved);
+- every other token in flight goes on to its next loop.
+The tokens are plain decoding's, token for token (the pipelined pass's argument: a dropped token's K/V is
+rewritten loop by loop before any later position reads it). The host replays the record (per pass and
+request: finished, token, accepted, the tokens dropped, the row a token started in) into each request's
+tokens, its verifications (SpeculativeStats), passes per token (DepthStats) and its tokens in flight, which a
+later step, chained or not, continues. The speculation runs at full depth (speculation refuses exit
+policies), so no K/V is copied forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from request import Request, ScheduledBatch
+from runner.depth_passes import MidToken, PassRows
+from runner.host_to_device import upload
+from runner.pass_chains import ChainRows, PassChains
+from runner.pipelined_speculation import InFlight, PipelinedSpeculation
+
+# what the record holds per pass and request: did a token finish, its token, its row, was it the draft
+# behind it, how many tokens behind it were dropped, did a token start, in which row
+FIELDS = 7
+
+
+@dataclasses.dataclass(slots=True)
+class _Requests:
+    """Per request [R]: its first position this step, and the end of its reservation."""
+
+    first: torch.Tensor
+    end: torch.Tensor
+
+
+class SpeculativeChains:
+    """Runs a step of P pipelined passes over greedy requests: `run`. chains: the plain chains, whose pass
+    this runs; pipelined: the one-pass path, whose tokens in flight this continues and leaves."""
+
+    def __init__(self, chains: PassChains, pipelined: PipelinedSpeculation, loops: int, draft_loops: int
+                 ) -> None:
+        self.chains, self.pipelined = chains, pipelined
+        self.loops, self.d = loops, draft_loops
+        self.m = -(-loops // draft_loops)  # the most tokens a request has in flight
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, passes: int, result) -> None:
+        """Up to `passes` passes over the batch's requests (one decode row each), into result (a StepResult):
+        each row's tokens, verifications, passes per token and tokens in flight after the step. No more
+        passes than the request with most to do needs when every draft is accepted: its first token's loops
+        left, then d a reserved position."""
+        runner, m = self.pipelined.runner, self.m
+        requests = batch.requests
+        flights = [self.pipelined._continued(r, room) for r, room in zip(requests, batch.reserved)]
+        passes = min(passes, max(self.loops - (f[0].mid.loop if f[0].mid else 0) + self.d * (room - 1)
+                                 for f, room in zip(flights, batch.reserved)))
+        rows = [(r, flight[s] if s < len(flight) else None) for r, flight in enumerate(flights)
+                for s in range(m)]
+        flat = [requests[r] for r, _ in rows]
+        positions = [entry.position if entry else requests[r].num_computed_tokens for r, entry in rows]
+        tokens = [entry.token if entry else 0 for _, entry in rows]
+        inputs = runner.decode_inputs(flat, tokens, positions)
+        device = inputs.meta.slot_mapping.device
+        slots = [runner.layout.slot_mapping(r, r.num_computed_tokens, r.num_computed_tokens + room)
+                 for r, room in zip(requests, batch.reserved)]
+        width = max(map(len, slots))
+        scratch = self.chains.scratch_slot
+        table = [p for s in slots for p in s + [scratch] * (width + 1 - len(s))]
+        active = [entry is not None for _, entry in rows]
+        loop = [entry.mid.loop if entry and entry.mid else 0 for _, entry in rows]
+        first = [r.num_computed_tokens for r in requests]
+        ends = [f + room for f, room in zip(first, batch.reserved)]
+        loop_d, active_d, given, first_d, end_d, flat_table = upload(
+            [loop, active, tokens, first, ends, table], torch.int64, device)
+        owners = _Requests(first_d, end_d)
+        table = flat_table.view(len(requests), width + 1)
+        depth = self.chains.depth
+        pass_rows = depth.pass_rows(inputs, [entry.mid if entry else None for _, entry in rows])
+        chain = ChainRows(pass_rows, loop_d, torch.zeros_like(loop_d), inputs.positions.clone(), None,
+                          active_d.bool())
+        chain.slot = self._slots(chain, owners, table)
+        limit = torch.full_like(loop_d, self.loops)
+        stats = depth.stats
+        first_pass = stats.decode_passes + 1
+        record = torch.zeros(passes, FIELDS, len(requests), dtype=torch.int64, device=device)
+        served = torch.zeros(passes, dtype=torch.int64, device=device)
+        for i in range(passes):
+            served[i] = chain.active.sum()
+            done, token = self.chains.loop_pass(chain, inputs, limit, None, False)
+            self._advance(chain, given, done, token, owners, table, record[i])
+        host = record.permute(2, 0, 1).tolist()  # [R][passes][FIELDS]
+        final = torch.stack([chain.active.long(), chain.position, chain.loop, given]).tolist()
+        stats.decode_passes += passes
+        stats.decode_loops += int(served.sum())
+        after = PassRows(chain.rows.state, None, chain.rows.hidden, chain.rows.gates, [])
+        for r, request in enumerate(requests):
+            self._replay(r, request, flights[r], host[r], final, after, first_pass, result)
+            stats.decode_tokens += len(result.tokens[r] or [])
+
+    def _slots(self, chain: ChainRows, owners: _Requests, table: torch.Tensor) -> torch.Tensor:
+        """Each row's slot: its position's in its request's reservation (the scratch slot where inactive)."""
+        m = self.m
+        column = (chain.position.view(-1, m) - owners.first[:, None]).clamp(0, table.shape[1] - 1)
+        slot = table.gather(1, column).view(-1)
+        return torch.where(chain.active, slot, self.chains.scratch_slot)
+
+    def _advance(self, chain: ChainRows, given: torch.Tensor, done: torch.Tensor, token: torch.Tensor,
+                 owners: _Requests, table: torch.Tensor, record: torch.Tensor) -> None:
+        """After a pass, per request: its finished token's verification, the draft it starts (or the
+        finished token restarting the next position), every other token's next loop; into `record`
+        [FIELDS, R]."""
+        m, model = self.m, self.chains.model
+        active, position, loop = (t.view(-1, m) for t in (chain.active, chain.position, chain.loop))
+        finished, argmax, started = done.view(-1, m), token.view(-1, m), given.view(-1, m)
+        ended = finished.any(1)
+        head = finished.int().argmax(1, keepdim=True)  # the finished row (any row where none finished)
+        head_position = position.gather(1, head)
+        emitted = argmax.gather(1, head)[:, 0]
+        behind = active & (position == head_position + 1)  # the token that started from the head's draft
+        draft = (started * behind).sum(1)
+        forced = self.pipelined.runner.speculation.forced_acceptance
+        confirms = (draft == emitted) if forced is None else torch.full_like(ended, forced)
+        accepted = ended & behind.any(1) & confirms
+        emitted = torch.where(accepted, draft, emitted)  # the same token, but where acceptance is forced
+        dropped = ended[:, None] & ~accepted[:, None] & active & (position > head_position)
+        alive = active & ~finished & ~dropped
+        ran = loop  # the loop each row just ran
+        last = torch.where(alive, position, -1).max(1, keepdim=True).values
+        drafting = alive & (ran == self.d - 1) & (position == last) & (last + 1 < owners.end[:, None])
+        restart = ended & ~accepted & (head_position[:, 0] + 1 < owners.end)  # from the finished token
+        starts = restart | drafting.any(1)
+        start_position = torch.where(restart, head_position[:, 0], last[:, 0]) + 1
+        start_token = torch.where(restart, emitted, (argmax * drafting).sum(1))
+        free = (~alive).int().argmax(1, keepdim=True)  # the request's first free row
+        seat = starts[:, None] & (torch.arange(m, device=free.device)[None, :] == free)
+        for i, value in enumerate((ended, emitted, head[:, 0], accepted, dropped.sum(1), starts, free[:, 0])):
+            record[i] = value
+        chain.loop = torch.where(seat, 0, torch.where(alive, loop + 1, 0)).view(-1)
+        chain.position = torch.where(seat, start_position[:, None], position).view(-1)
+        chain.active = (alive | seat).view(-1)
+        given.copy_(torch.where(seat, start_token[:, None], started).view(-1))
+        rows = chain.rows
+        fresh = seat.view(-1)
+        rows.state = torch.where(fresh[:, None], model.embed(given).to(rows.state.dtype), rows.state)
+        rows.hidden.masked_fill_(fresh[:, None, None], 0)
+        rows.gates.masked_fill_(fresh[:, None], math.nan)
+        chain.slot = self._slots(chain, owners, table)
+
+    def _replay(self, r: int, request: Request, flight: list[InFlight], record: list[list[int]],
+                final: list[list[int]], after: PassRows, first_pass: int, result) -> None:
+        """Request r's record into its tokens, verifications (drafted, accepted), passes per token (from the
+        later of a token's start and the finish of the one before it) and tokens in flight after the step."""
+        started = {s: entry.mid.first_pass if entry.mid else first_pass for s, entry in enumerate(flight)}
+        after_pass = flight[0].after_pass if flight else None
+        tokens, drafts, depth = [], [], []
+        for j, (ended, token, head, accepted, dropped, starts, row) in enumerate(record):
+            now = first_pass + j
+            if ended:
+                tokens.append(token)
+                passes = now - started[head] + 1
+                depth.append((self.loops, passes if after_pass is None else min(passes, now - after_pass)))
+                drafts.append((1, 1) if accepted else (dropped, 0) if dropped else None)
+                after_pass = now
+            if starts:
+                started[row] = now + 1
+        result.tokens[r] = tokens or None
+        result.drafts[r] = drafts
+        result.depth_tokens[r] = depth
+        in_flight = []
+        for s in range(self.m):
+            i = r * self.m + s
+            active, position, loop, token = (final[k][i] for k in range(4))
+            if active:
+                mid = MidToken(position, request.num_preemptions, loop, started[s], after, i) \
+                    if loop else None
+                in_flight.append(InFlight(position, token, request.num_preemptions, mid))
+        in_flight.sort(key=lambda entry: entry.position)
+        if in_flight:
+            in_flight[0] = dataclasses.replace(in_flight[0], after_pass=after_pass)
+        result.in_flight[r] = in_flight
