@@ -127,8 +127,9 @@ def tpot_rows(path: str, args: argparse.Namespace) -> tuple[list[dict], int]:
         if name not in args.paths:
             continue
         label = f"{spec}, k={args.k}" if name == "step" else f"pipelined {spec}, k={args.k}"
+        chain = dict(passes_per_step=args.passes_per_step) if name == "pipelined" else {}
         with Engine(path, depth_batching=name == "pipelined", speculative=spec,
-                    num_speculative_tokens=args.k, **common) as engine:
+                    num_speculative_tokens=args.k, **chain, **common) as engine:
             for accept_all, forced in ((True, "forced 100%"), (False, "forced 0%")):
                 force_acceptance(engine, accept_all)
                 rows += timed_rows(engine, f"{label}, acceptance {forced}", name, float(accept_all), args)
@@ -205,6 +206,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=64, help="timed tokens per row")
+    parser.add_argument("--passes-per-step", type=int, default=None,
+                        help="pipelined: passes a step (default: the engine's, chains of twice the loops; "
+                             "1: a pass a step, the host deciding after each)")
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
                         help="beside the non-speculative rows: the speculative step's, pipelined, depth "
                              "batching's at full depth")
