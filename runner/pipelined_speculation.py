@@ -88,7 +88,7 @@ class PipelinedSpeculation:
         """One pass over decode rows (every row samples), into result (a StepResult): the finished tokens,
         each row's tokens in flight after the pass (result.in_flight) and its verification (result.drafts)."""
         runner = self.runner
-        chains = [self._continued(r, room) for r, room in zip(batch.requests, batch.reserved)]
+        chains = [self.tokens_in_flight(r, room) for r, room in zip(batch.requests, batch.reserved)]
         flat = [(row, entry) for row, chain in enumerate(chains) for entry in chain]
         requests = [batch.requests[row] for row, _ in flat]
         positions = [entry.position for _, entry in flat]
@@ -156,13 +156,13 @@ class PipelinedSpeculation:
         """The end of the positions the row's next pass holds tokens in flight at: this pass's reservation's,
         one further when its first token finished here and it reserved the full k (the next pass reserves k
         from one position on; where max_tokens or max_model_len then leave one fewer, a draft past them is
-        dropped before that pass, as _continued drops any)."""
+        dropped before that pass, as tokens_in_flight drops any)."""
         request = batch.requests[row]
         room = request.num_computed_tokens + batch.reserved[row]
         k = request.draft_len or self.runner.config.speculative_tokens
         return room + 1 if result.tokens[row] is not None and batch.reserved[row] == k else room
 
-    def _continued(self, request: Request, room: int) -> list[InFlight]:
+    def tokens_in_flight(self, request: Request, room: int) -> list[InFlight]:
         """The request's tokens in flight for this pass: those it kept, within its reserved positions, if the
         first is still its next token (not preempted since); else its next token alone, starting at loop 0."""
         start = request.num_computed_tokens

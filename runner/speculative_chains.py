@@ -65,7 +65,7 @@ class SpeculativeChains:
         left, then d a reserved position."""
         runner, m = self.pipelined.runner, self.m
         requests = batch.requests
-        flights = [self.pipelined._continued(r, room) for r, room in zip(requests, batch.reserved)]
+        flights = [self.pipelined.tokens_in_flight(r, room) for r, room in zip(requests, batch.reserved)]
         passes = min(passes, max(self.loops - (f[0].mid.loop if f[0].mid else 0) + self.d * (room - 1)
                                  for f, room in zip(flights, batch.reserved)))
         rows = [(r, flight[s] if s < len(flight) else None) for r, flight in enumerate(flights)
