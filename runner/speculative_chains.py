@@ -145,7 +145,10 @@ class SpeculativeChains:
         starts = restart | drafting.any(1)
         start_position = torch.where(restart, head_position[:, 0], last[:, 0]) + 1
         start_token = torch.where(restart, emitted, (argmax * drafting).sum(1))
-        free = (~alive).int().argmax(1, keepdim=True)  # the request's first free row
+        # The request's first free row. There always is one where a token starts: a restart drops every row
+        # but the finished one, and a draft starts from the last token in flight at loop d-1, the others
+        # being d, 2d, ... loops ahead of it and below T once the finished one is gone: fewer than ceil(T/d).
+        free = (~alive).int().argmax(1, keepdim=True)
         seat = starts[:, None] & (torch.arange(m, device=free.device)[None, :] == free)
         for i, value in enumerate((ended, emitted, head[:, 0], accepted, dropped.sum(1), starts, free[:, 0])):
             record[i] = value
