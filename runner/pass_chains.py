@@ -11,7 +11,7 @@ Between passes the device builds each row's next pass from the last. A row whose
 loop ran, or its exit rule fired) reads out (the head on its last state, then argmax: greedy rows only),
 copies its K/V forward through the KV layout, and starts its next token at loop 0 in the next pass, one
 position further: its state is the new token's embedding, its exit rule's memory is reset. The other rows go
-on to their next loop. Each row reserved up to P positions (Scheduler(passes_per_step=P):
+on to their next loop. Each row reserved up to P positions (Scheduler(chain_positions=P):
 ScheduledBatch.reserved), whose slots the host lists before the first pass; a row that finished the tokens of
 all of them idles through the passes left, writing the scratch slot only. The host then replays the record
 (per pass and row: finished, token, loop run) into each row's tokens, which the scheduler checks for stops in
@@ -55,7 +55,8 @@ class ChainResult:
 
 @dataclasses.dataclass(slots=True)
 class ChainRows:
-    """The chain's per-row device tensors between passes ([n] each but `state` [n, H] and the PassRows)."""
+    """The chain's per-row device tensors between passes: the PassRows (states, outputs, gates) and [n] each
+    of the rest."""
 
     rows: PassRows
     loop: torch.Tensor  # the loop each row runs next
