@@ -488,14 +488,18 @@ class ModelRunner:
         inputs = self.prepare(batch)
         carried = [self.mid_tokens.get(r.request_id) for r in requests]
         carried = [mid if mid is not None and mid.continues(r) else None for mid, r in zip(carried, requests)]
-        slots = [self.layout.slot_mapping(r, r.num_computed_tokens, r.num_computed_tokens + reserved)
-                 for r, reserved in zip(requests, batch.reserved)]
-        out = self.chains.run(inputs, requests, [self.loops_of(r) for r in requests], carried, slots,
-                              self.config.step_passes)
+        out = self.chains.run(inputs, requests, [self.loops_of(r) for r in requests], carried,
+                              self.reserved_slots(batch), self.config.step_passes)
         result = StepResult([tokens or None for tokens in out.tokens])
         result.mid_tokens = dict(enumerate(out.carried))
         result.depth_tokens = {row: depth for row, depth in enumerate(out.depth) if depth}
         return result
+
+    def reserved_slots(self, batch: ScheduledBatch) -> list[list[int]]:
+        """Per decode row, the slots of the positions it reserved (ScheduledBatch.reserved), from its next
+        one on."""
+        return [self.layout.slot_mapping(r, r.num_computed_tokens, r.num_computed_tokens + reserved)
+                for r, reserved in zip(batch.requests, batch.reserved)]
 
     def _speculative_chain(self, batch: ScheduledBatch) -> StepResult:
         """Pipelined speculation over decode rows, config.step_passes passes chained on the device."""

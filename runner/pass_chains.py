@@ -102,12 +102,11 @@ class PassChains:
         device = inputs.meta.slot_mapping.device
         stats = depth.stats
         first_pass = stats.decode_passes + 1
-        width = max(len(s) for s in slots)
-        table = [p for s in slots for p in s + [self.scratch_slot] * (width + 1 - len(s))]
+        table, columns = self.slot_table(slots)
         start = [0 if mid is None else mid.loop for mid in carried]
         loop, limit, reserved, flat = upload([start, loops, [len(s) for s in slots], table], torch.int64,
                                              device)
-        table = flat.view(n, width + 1)  # a row's column j: the slot of its j-th reserved position
+        table = flat.view(n, columns)  # a row's column j: the slot of its j-th reserved position
         rule = depth.exit_rule(n)
         rows = depth.pass_rows(inputs, carried)
         if rule is not None:
@@ -129,10 +128,17 @@ class PassChains:
         stats.decode_tokens += sum(map(sum, done))
         memory = [] if rule is None else list(rule.buffers)
         after = PassRows(chain.rows.state, None, chain.rows.hidden, chain.rows.gates, memory)
-        return self._replay(requests, carried, inputs, after, first_pass, active, done, tokens, ran)
+        return self._replay(requests, carried, after, first_pass, active, done, tokens, ran)
+
+    def slot_table(self, slots: list[list[int]]) -> tuple[list[int], int]:
+        """Each row's reserved slots, padded with the scratch slot to one more column than the longest
+        (flattened, for upload), and that column count: column j holds the slot of a row's j-th reserved
+        position, the scratch slot past its reservation."""
+        columns = max(map(len, slots)) + 1
+        return [p for s in slots for p in s + [self.scratch_slot] * (columns - len(s))], columns
 
     def loop_pass(self, chain: ChainRows, inputs: StepInputs, limit: torch.Tensor, rule: ExitRule | None,
-              copies: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  copies: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass: every row through its loop (the active ones' own slots; the others write the scratch
         slot); which active rows' tokens finished (limit: each row's loops), with their K/V copied forward
         where `copies`, and each row's argmax token."""
@@ -180,25 +186,24 @@ class PassChains:
             rule.reset(rows.state.shape[0], rows.state)
             _keep_where(rule.buffers, before, ~done)
 
-    def _replay(self, requests: list[Request], carried: list[MidToken | None], inputs: StepInputs,
-                after: PassRows, first_pass: int, active: list[list[int]], done: list[list[int]],
-                tokens: list[list[int]], ran: list[list[int]]) -> ChainResult:
+    def _replay(self, requests: list[Request], carried: list[MidToken | None], after: PassRows,
+                first_pass: int, active: list[list[int]], done: list[list[int]], tokens: list[list[int]],
+                ran: list[list[int]]) -> ChainResult:
         """The record, per row (lists [n][passes]), into its tokens, their loops and passes, and the MidToken
-        it carries on."""
+        it carries on (a row's first position is its request's num_computed_tokens, as prepare gave it)."""
         result = ChainResult([], [], [])
-        positions = inputs.positions.tolist()
         for i, request in enumerate(requests):
             since = first_pass if carried[i] is None else carried[i].first_pass
             out, depth = [], []
-            for j, (on, hit) in enumerate(zip(active[i], done[i])):
+            for j, hit in enumerate(done[i]):
                 if hit:
                     out.append(tokens[i][j])
                     depth.append((ran[i][j] + 1, first_pass + j - since + 1))
                     since = first_pass + j + 1
             mid = None
             if active[i][-1] and not done[i][-1]:
-                mid = MidToken(positions[i] + len(out), request.num_preemptions, ran[i][-1] + 1, since, after,
-                               i)
+                position = request.num_computed_tokens + len(out)
+                mid = MidToken(position, request.num_preemptions, ran[i][-1] + 1, since, after, i)
             result.tokens.append(out)
             result.depth.append(depth)
             result.carried.append(mid)

@@ -75,11 +75,7 @@ class SpeculativeChains:
         tokens = [entry.token if entry else 0 for _, entry in rows]
         inputs = runner.decode_inputs(flat, tokens, positions)
         device = inputs.meta.slot_mapping.device
-        slots = [runner.layout.slot_mapping(r, r.num_computed_tokens, r.num_computed_tokens + room)
-                 for r, room in zip(requests, batch.reserved)]
-        width = max(map(len, slots))
-        scratch = self.chains.scratch_slot
-        table = [p for s in slots for p in s + [scratch] * (width + 1 - len(s))]
+        table, columns = self.chains.slot_table(runner.reserved_slots(batch))
         active = [entry is not None for _, entry in rows]
         loop = [entry.mid.loop if entry and entry.mid else 0 for _, entry in rows]
         first = [r.num_computed_tokens for r in requests]
@@ -87,7 +83,7 @@ class SpeculativeChains:
         loop_d, active_d, given, first_d, end_d, flat_table = upload(
             [loop, active, tokens, first, ends, table], torch.int64, device)
         owners = _Requests(first_d, end_d)
-        table = flat_table.view(len(requests), width + 1)
+        table = flat_table.view(len(requests), columns)
         depth = self.chains.depth
         pass_rows = depth.pass_rows(inputs, [entry.mid if entry else None for _, entry in rows])
         chain = ChainRows(pass_rows, loop_d, torch.zeros_like(loop_d), inputs.positions.clone(), None,
