@@ -212,12 +212,17 @@ def sigint_in_engine_code():
 
 
 def test_ctrl_c_at_random_moments_loses_nothing(tiny_checkpoint, fault_free, sigint_in_engine_code):
-    """Real SIGINTs from a timer thread, at random times of the run."""
+    """Real SIGINTs from a timer thread, at random times of the run. Where one lands depends on the machine's
+    timing (a run faster than the fault-free one outlives its timers, one in the test's loop is dropped), so
+    the trials go on until 24 have landed in engine code rather than counting the landings of a fixed number
+    of trials; the cap only stops a run in which SIGINTs never reach the engine."""
     stop, expected, elapsed = fault_free
     rng = random.Random(0)
     main = threading.main_thread().ident
     with small_engine(tiny_checkpoint) as engine:
-        for trial in range(24):
+        for trial in range(400):
+            if sigint_in_engine_code["raised"] >= 24:
+                break
             timers = [threading.Timer(rng.uniform(0, elapsed), signal.pthread_kill, (main, signal.SIGINT))
                       for _ in range(2)]
 
@@ -231,7 +236,7 @@ def test_ctrl_c_at_random_moments_loses_nothing(tiny_checkpoint, fault_free, sig
                 timer.join()
             assert {i: summary(o) for i, o in outputs.items()} == expected, trial
             assert_clean(engine)
-    assert sigint_in_engine_code["raised"] >= 24  # most landed inside a step
+    assert sigint_in_engine_code["raised"] >= 24, sigint_in_engine_code  # landed inside a step
 
 
 class CallInterrupts:
