@@ -163,16 +163,21 @@ class Engine:
         depth = ""
         if config.depth_batching:
             depth = ", depth_batching"
-            if config.step_passes > 1:
-                depth += f" ({config.step_passes} passes a step where rows allow)"
-            graphs = self.runner.depth.graphs
+            chains = f"chains of {config.step_passes} passes a step where rows allow" \
+                if config.step_passes > 1 else ""
+            graphs, chain_graphs = self.runner.depth.graphs, self.runner.chains and self.runner.chains.graphs
             if graphs is not None and graphs.captured:
                 prompts = "piecewise graphs" if self.runner.piecewise is not None else "eager"
+                if chains:
+                    whole = "each pass one graph with the step to the next" \
+                        if chain_graphs is not None and chain_graphs.captured else "eager between passes"
+                    chains = f"; {chains}, {whole}"
                 depth += (f" (CUDA graphs: a loop pass's layer stack, {len(graphs.buckets)} batch sizes up "
-                          f"to {graphs.buckets[-1]}; eager: a token's start, exits, coda, readout; prompt "
-                          f"steps: {prompts})")
-            elif config.device.type == "cuda":
-                depth += " (eager)"
+                          f"to {graphs.buckets[-1]}{chains}; otherwise eager: a token's start, exits, coda, "
+                          f"readout; prompt steps: {prompts})")
+            else:
+                depth += f" ({chains}{'; ' if chains else ''}eager)" if config.device.type == "cuda" \
+                    else f" ({chains})" if chains else ""
         print(f"loop-engine: {config.loops} loops x {self.model.slot_map.loop_layers} layers, "
               f"{config.dtype}{kv}, {config.device}, attention={self.backend.name}, "
               f"exit_policy={config.exit_policy}{speculation}{depth}; "

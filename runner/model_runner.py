@@ -40,6 +40,7 @@ from model.exit_criteria import ExitCriterion
 from model.looped import LoopedModel, LoopStates
 from request import DepthStats, Logprob, Request, ScheduledBatch, SpeculativeStats
 from runner.block_tables import BlockTables
+from runner.chain_graphs import ChainGraphs
 from runner.cuda_graph import DecodeGraphs
 from runner.depth_passes import DepthPasses, MidToken, PassResult
 from runner.exit_rules import CriterionRows, ExitRule, GateCDFRows, RuleExit, check_readout
@@ -186,6 +187,9 @@ class ModelRunner:
             else:  # decode steps are loop passes: their layer stack, per bucket
                 self.depth.graphs = self.pass_graphs()
                 self.depth.graphs.capture_all()
+                if self.chains is not None and self.pipelined is None:  # a chained pass, whole
+                    self.chains.graphs = self.chain_graphs()
+                    self.chains.graphs.capture_all()
                 if self.pipelined is None:  # and a lone decode row's token (_lone_token)
                     self.graphs = self._capture(scratch_block, 1)
             # Steps with prompt tokens: piecewise, unless an exit hook must see each loop (early:Q).
@@ -258,6 +262,13 @@ class ModelRunner:
         rows = self.config.max_num_seqs * (self.config.speculative_tokens if self.config.speculative else 1)
         return PassGraphs(self.model, self.backend, rows, self.block_tables.width,
                           self.config.block_size, self.scratch_block, self.device, self._shared_kv())
+
+    def chain_graphs(self) -> ChainGraphs:
+        """Chained passes over static buffers (runner/chain_graphs.py), on the pass graphs' (depth.graphs),
+        not captured yet: until its capture_all runs, PassChains given it runs the graphs' body eagerly."""
+        graphs = self.depth.graphs
+        return ChainGraphs(self.chains, graphs, self._exit_rule(graphs.buckets[-1]), self.config.step_passes,
+                           self.config.chain_positions + 1)
 
     @property
     def uses_cuda_graphs(self) -> bool:

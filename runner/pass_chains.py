@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import torch
 
+from attention.base import AttentionMetadata
 from model.looped import LoopedModel
 from request import Request
 from runner.depth_passes import DepthPasses, MidToken, PassRows
@@ -66,9 +68,30 @@ class ChainRows:
     active: torch.Tensor  # still within its reservation
 
 
+@dataclasses.dataclass(slots=True)
+class ChainSteps:
+    """What a chain's steps between passes read and never change, [n] each: the rows' first positions,
+    loops to run and reserved positions; the slot table [n, columns] (slot_table); and whether a row may run
+    fewer loops than the model's (SamplingParams.loops), which copies K/V forward without an exit rule."""
+
+    first: torch.Tensor
+    limit: torch.Tensor
+    reserved: torch.Tensor
+    table: torch.Tensor
+    stops_early: bool
+
+
+# layer(state, positions, slot, offsets) -> (the loop's output, gate logits): the rows through the layer
+# stack, each writing its K/V at `slot` of its own loop's plane (`offsets`, int32), attending to positions + 1
+# keys
+Tensor = torch.Tensor
+LayerPass = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
 class PassChains:
     """Runs P loop passes over decode rows with one host read: `run`. scratch_slot: an in-plane index no
-    request owns, which rows past their reservation write."""
+    request owns, which rows past their reservation write. `graphs` (runner/chain_graphs.py; the runner sets
+    it on CUDA): the passes as captured graphs over static buffers, for rows that fit a bucket."""
 
     def __init__(self, model: LoopedModel, depth: DepthPasses, scratch_slot: int,
                  device: torch.device) -> None:
@@ -81,6 +104,7 @@ class PassChains:
         decides = depth.decides
         self.decides_at = torch.tensor([decides is not None and decides(t) for t in range(self.loops)],
                                        dtype=torch.bool, device=device)
+        self.graphs = None
 
     @staticmethod
     def eligible(request: Request, readout_is_last: bool) -> bool:
@@ -107,27 +131,19 @@ class PassChains:
         loop, limit, reserved, flat = upload([start, loops, [len(s) for s in slots], table], torch.int64,
                                              device)
         table = flat.view(n, columns)  # a row's column j: the slot of its j-th reserved position
-        rule = depth.exit_rule(n)
         rows = depth.pass_rows(inputs, carried)
-        if rule is not None:
-            for buffer, memory in zip(rule.buffers, rows.memory):
-                buffer.copy_(memory)
         zero = torch.zeros(n, dtype=torch.int64, device=device)
         chain = ChainRows(rows, loop, zero, inputs.positions.clone(), inputs.meta.slot_mapping.clone(),
-                      zero < reserved)
-        # per pass: was the row active, did its token finish, the token, the loop it ran
-        record = torch.empty(passes, 4, n, dtype=torch.int64, device=device)
-        copies = rule is not None or min(loops) < self.loops
-        for i in range(passes):
-            done, token = self.loop_pass(chain, inputs, limit, rule, copies)
-            record[i, 0], record[i, 1], record[i, 2], record[i, 3] = chain.active, done, token, chain.loop
-            self._advance(chain, inputs.positions, done, token, reserved, table, rule)
+                          zero < reserved)
+        steps = ChainSteps(inputs.positions, limit, reserved, table, min(loops) < self.loops)
+        if self.graphs is not None and self.graphs.fits(n, columns, passes):
+            record, after = self.graphs.run(chain, steps, inputs.meta, passes)
+        else:
+            record, after = self._eager(chain, steps, self.eager_layer(inputs.meta), passes)
         active, done, tokens, ran = record.permute(1, 2, 0).tolist()  # [n][passes] each
         stats.decode_passes += passes
         stats.decode_loops += sum(map(sum, active))
         stats.decode_tokens += sum(map(sum, done))
-        memory = [] if rule is None else list(rule.buffers)
-        after = PassRows(chain.rows.state, None, chain.rows.hidden, chain.rows.gates, memory)
         return self._replay(requests, carried, after, first_pass, active, done, tokens, ran)
 
     def slot_table(self, slots: list[list[int]]) -> tuple[list[int], int]:
@@ -137,19 +153,58 @@ class PassChains:
         columns = max(map(len, slots)) + 1
         return [p for s in slots for p in s + [self.scratch_slot] * (columns - len(s))], columns
 
-    def loop_pass(self, chain: ChainRows, inputs: StepInputs, limit: torch.Tensor, rule: ExitRule | None,
+    def _eager(self, chain: ChainRows, steps: ChainSteps, layer: LayerPass, passes: int
+               ) -> tuple[torch.Tensor, PassRows]:
+        """The passes, one by one, over the rows' own tensors (a batch larger than every captured bucket, or
+        no graphs): the record [passes, 4, n] and the rows after the last pass."""
+        n = chain.loop.shape[0]
+        rule = self.depth.exit_rule(n)
+        if rule is not None:
+            for buffer, memory in zip(rule.buffers, chain.rows.memory):
+                buffer.copy_(memory)
+        record = torch.empty(passes, 4, n, dtype=torch.int64, device=chain.loop.device)
+        count = torch.zeros(1, dtype=torch.int64, device=chain.loop.device)
+        for _ in range(passes):
+            self.step(chain, steps, layer, rule, record, count)
+        memory = [] if rule is None else list(rule.buffers)
+        return record, PassRows(chain.rows.state, None, chain.rows.hidden, chain.rows.gates, memory)
+
+    def step(self, chain: ChainRows, steps: ChainSteps, layer: LayerPass, rule: ExitRule | None,
+             record: torch.Tensor, count: torch.Tensor) -> None:
+        """One pass and the step to the next: row `count` of `record` [passes, 4, n] gets, per row, whether it
+        was active, whether its token finished, the token, and the loop it ran; then count += 1. No host
+        read: a CUDA graph records it whole (runner/chain_graphs.py)."""
+        done, token = self.loop_pass(chain, layer, steps.limit, rule, rule is not None or steps.stops_early)
+        ran = torch.stack([chain.active.long(), done.long(), token, chain.loop])
+        record.index_copy_(0, count, ran[None])
+        count += 1
+        self._advance(chain, steps, done, token, rule)
+
+    def eager_layer(self, meta: AttentionMetadata) -> LayerPass:
+        """The layer pass of rows that are not in the captured buffers: the step's metadata (block tables)
+        with each pass's slots, lengths and loops (DepthPasses.layer_pass: a bucket's graph where one fits).
+        An eager body reads the host lists, so they are read here where no graph replays."""
+        depth = self.depth
+
+        def layer(state: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, offsets: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+            graphs, lengths = depth.graphs, positions + 1
+            replayed = graphs is not None and graphs.captured and graphs.bucket_for(len(offsets))
+            host = {} if replayed else dict(context_lens_cpu=lengths.tolist(),
+                                            slot_offsets_cpu=offsets.tolist())
+            at = dataclasses.replace(meta, slot_mapping=slot, context_lens=lengths.int(),
+                                     slot_offsets=offsets, **host)
+            return depth.layer_pass(state, None, positions, at)
+
+        return layer
+
+    def loop_pass(self, chain: ChainRows, layer: LayerPass, limit: torch.Tensor, rule: ExitRule | None,
                   copies: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass: every row through its loop (the active ones' own slots; the others write the scratch
         slot); which active rows' tokens finished (limit: each row's loops), with their K/V copied forward
         where `copies`, and each row's argmax token."""
         rows, loop = chain.rows, chain.loop
-        offsets = self.offset_of[loop]
-        graphs, lengths = self.depth.graphs, chain.position + 1
-        replayed = graphs is not None and graphs.captured and graphs.bucket_for(len(offsets))
-        host = {} if replayed else dict(context_lens_cpu=lengths.tolist(), slot_offsets_cpu=offsets.tolist())
-        meta = dataclasses.replace(inputs.meta, slot_mapping=chain.slot, context_lens=lengths.int(),
-                                   slot_offsets=offsets, **host)  # an eager body reads the host lists
-        h, gate = self.depth.layer_pass(rows.state, None, chain.position, meta)
+        h, gate = layer(rows.state, chain.position, chain.slot, self.offset_of[loop])
         every = torch.arange(h.shape[0], device=h.device)
         rows.hidden[every, loop] = h
         rows.gates[every, loop] = gate.to(rows.gates.dtype)
@@ -166,16 +221,17 @@ class PassChains:
         rows.state = h
         return done, self.model.compute_logits(h).float().argmax(dim=-1)
 
-    def _advance(self, chain: ChainRows, first: torch.Tensor, done: torch.Tensor, token: torch.Tensor,
-                 reserved: torch.Tensor, table: torch.Tensor, rule: ExitRule | None) -> None:
+    def _advance(self, chain: ChainRows, steps: ChainSteps, done: torch.Tensor, token: torch.Tensor,
+                 rule: ExitRule | None) -> None:
         """The rows' next pass: a finished token's row starts the next token at loop 0, one position on (or
-        idles, its reservation used); the others go on to their next loop. first: each row's first
-        position."""
-        rows = chain.rows
+        idles, its reservation used); the others go on to their next loop."""
+        rows, reserved = chain.rows, steps.reserved
         chain.finished += done
         chain.active = chain.finished < reserved
         chain.loop = torch.where(done | ~chain.active, 0, chain.loop + 1)
-        chain.position = first + torch.minimum(chain.finished, reserved - 1)
+        # (clamped at 0 for a captured bucket's padding rows, which reserve nothing)
+        chain.position = steps.first + torch.minimum(chain.finished, reserved - 1).clamp(min=0)
+        table = steps.table
         chain.slot = table.gather(1, chain.finished.clamp(max=table.shape[1] - 1)[:, None])[:, 0]
         starts = done[:, None]
         rows.state = torch.where(starts, self.model.embed(token).to(rows.state.dtype), rows.state)
@@ -211,6 +267,9 @@ class PassChains:
 
 
 def _keep_where(buffers: list[torch.Tensor], before: list[torch.Tensor], keep: torch.Tensor) -> None:
-    """Rows `keep` ([n] bool) of each buffer go back to `before`'s."""
+    """Rows `keep` ([n] bool) of each buffer's first n go back to `before`'s (a rule's buffers may hold more
+    rows than the pass: a captured bucket's)."""
+    n = keep.shape[0]
     for buffer, old in zip(buffers, before):
-        buffer.copy_(torch.where(keep.view(-1, *[1] * (buffer.dim() - 1)), old, buffer))
+        rows = buffer[:n]
+        rows.copy_(torch.where(keep.view(-1, *[1] * (buffer.dim() - 1)), old[:n], rows))

@@ -71,7 +71,7 @@ class PassGraphs:
                 return bs
         return None
 
-    def _meta(self, bs: int, context_lens: list[int], slot_offsets: list[int],
+    def metadata(self, bs: int, context_lens: list[int], slot_offsets: list[int],
               prompt_lens: list[int]) -> AttentionMetadata:
         """The bucket's metadata over the static buffers. The host lists are the pass's (with its padding
         rows) for an eager run; a capture's are placeholders, since a graph-mode backend reads the device
@@ -86,7 +86,7 @@ class PassGraphs:
                                  self.block_size, shared,
                                  slot_offsets=self.slot_offsets[:bs], slot_offsets_cpu=slot_offsets)
 
-    def _pass(self, bs: int, meta: AttentionMetadata) -> None:
+    def pass_body(self, bs: int, meta: AttentionMetadata) -> None:
         """The graph's body: the bucket's rows through loop 0's layer stack, each moved to its own loop's
         slots by the slot offsets, into the output buffer, and their exit gate logits into theirs."""
         model = self.model
@@ -107,11 +107,11 @@ class PassGraphs:
         the graph, paid here rather than by a request's first pass), write the scratch block only."""
         stream = torch.cuda.Stream()
         for bs in reversed(self.buckets):
-            meta = self._meta(bs, [1] * bs, [0] * bs, [PADDING_PROMPT_LEN] * bs)
+            meta = self.metadata(bs, [1] * bs, [0] * bs, [PADDING_PROMPT_LEN] * bs)
             graph = torch.cuda.CUDAGraph()
             self.backend.capture_begin(bs)
             try:
-                capture(graph, lambda bs=bs, meta=meta: self._pass(bs, meta), self.pool, stream, collect)
+                capture(graph, lambda bs=bs, meta=meta: self.pass_body(bs, meta), self.pool, stream, collect)
             finally:
                 self.backend.capture_end()
             graph.replay()
@@ -130,7 +130,7 @@ class PassGraphs:
         gate logits [rows] (zeros without a gate), fresh tensors of their own."""
         n = meta.num_rows
         bs = self.bucket_for(n)
-        self._load(states, injections, positions, meta, bs)
+        self.load(states, injections, positions, meta, bs)
         self.passes += 1
         if self.graphs:
             self.graphs[bs].replay()
@@ -139,10 +139,10 @@ class PassGraphs:
             pad = bs - n
             prompt_lens = [] if meta.shared_kv is None else meta.shared_kv.prompt_lens_cpu
             lengths, offsets = meta.context_lens_cpu + [1] * pad, meta.slot_offsets_cpu + [0] * pad
-            self._pass(bs, self._meta(bs, lengths, offsets, prompt_lens + [PADDING_PROMPT_LEN] * pad))
+            self.pass_body(bs, self.metadata(bs, lengths, offsets, prompt_lens + [PADDING_PROMPT_LEN] * pad))
         return self.output[:n].clone(), self.gate_logits[:n].clone()
 
-    def _load(self, states: torch.Tensor, injections: torch.Tensor | None,
+    def load(self, states: torch.Tensor, injections: torch.Tensor | None,
               positions: torch.Tensor, meta: AttentionMetadata, bs: int) -> None:
         """The pass's rows into the static buffers, and rows n..bs as padding rows (restored here in case a
         larger pass used them)."""

@@ -94,9 +94,10 @@ class SpeculativeChains:
         first_pass = stats.decode_passes + 1
         record = torch.zeros(passes, FIELDS, len(requests), dtype=torch.int64, device=device)
         served = torch.zeros(passes, dtype=torch.int64, device=device)
+        layer = self.chains.eager_layer(inputs.meta)
         for i in range(passes):
             served[i] = chain.active.sum()
-            done, token = self.chains.loop_pass(chain, inputs, limit, None, False)
+            done, token = self.chains.loop_pass(chain, layer, limit, None, False)
             self._advance(chain, given, done, token, owners, table, record[i])
         host = record.permute(2, 0, 1).tolist()  # [R][passes][FIELDS]
         final = torch.stack([chain.active.long(), chain.position, chain.loop, given]).tolist()

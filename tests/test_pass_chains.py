@@ -17,15 +17,18 @@ def greedy(**overrides) -> SamplingParams:
     return SamplingParams(**{"temperature": 0, "max_tokens": NEW_TOKENS, "ignore_eos": True, **overrides})
 
 
-def chained(checkpoint, prompts, params, passes: int, **engine_args):
+def chained(checkpoint, prompts, params, passes: int, static: bool = False, **engine_args):
     """run() with depth batching and `passes` a step, counting the steps that chained passes and the tokens
-    their rows appended."""
+    their rows appended. static: every chained pass through the chain graphs' static buffers, uncaptured
+    (runner/chain_graphs.py: the body a CUDA capture records)."""
     steps, appended = [], []
     engine_args = {"device": "cpu", "dtype": "float32", "max_num_batched_tokens": 6, "verbose": False,
                    **engine_args}
     with Engine(checkpoint, depth_batching=True, passes_per_step=passes, **engine_args) as engine:
         runner = engine.runner
         chain = runner._chained_passes
+        if static:
+            counts = static_chain_graphs(runner)
 
         def counted(batch):
             result = chain(batch)
@@ -36,9 +39,32 @@ def chained(checkpoint, prompts, params, passes: int, **engine_args):
         runner._chained_passes = counted
         outputs = [out.outputs[0] for out in engine.generate(prompts, params, use_tqdm=False)]
         stats = engine.loop_stats
+        if static:  # every chain ran through the graphs' buffers, one body a pass
+            assert counts["runs"] == len(steps) and counts["bodies"] == counts["passes"] >= len(steps)
         assert not runner.mid_tokens
         assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
     return outputs, stats, steps, appended
+
+
+def static_chain_graphs(runner) -> dict[str, int]:
+    """The runner's chains through uncaptured chain graphs (and its one-pass steps through the pass graphs'
+    buffers, which they share); counts of the chains run, the passes they asked and the bodies run."""
+    runner.depth.graphs = runner.pass_graphs()
+    graphs = runner.chains.graphs = runner.chain_graphs()
+    counts = {"runs": 0, "passes": 0, "bodies": 0}
+    run, body = graphs.run, graphs._body
+
+    def counted_run(chain, steps, meta, passes):
+        counts["runs"] += 1
+        counts["passes"] += passes
+        return run(chain, steps, meta, passes)
+
+    def counted_body(bs, eager):
+        counts["bodies"] += 1
+        return body(bs, eager)
+
+    graphs.run, graphs._body = counted_run, counted_body
+    return counts
 
 
 @pytest.mark.parametrize("passes", [2, 5, 8])
@@ -54,6 +80,28 @@ def test_chains_give_the_lockstep_tokens_and_loops(tiny_checkpoint, policy, pass
     assert steps and (passes < 5 or max(appended) > 1)  # past the loops a step appends several tokens a row
     for completion in outputs:  # a chain's rows run every pass: a token spans one pass per loop it runs
         assert completion.depth.tokens == NEW_TOKENS - 1 and completion.depth.passes == completion.depth.loops
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:3], PROMPTS], ids=["3 rows", "4 rows"])
+@pytest.mark.parametrize("policy", ["full", "early:0.5", "latent-diff:0.9"])
+def test_chain_graphs_body_gives_the_lockstep_tokens_and_loops(tiny_checkpoint, policy, prompts):
+    """Each chained pass through the chain graphs' static buffers (runner/chain_graphs.py), uncaptured: the
+    pass and the step to the next over a bucket, 3 rows padded to 4."""
+    params = greedy()
+    lockstep, lockstep_stats = run(tiny_checkpoint, prompts, params, False, loops=4, exit_policy=policy)
+    outputs, stats, steps, _ = chained(tiny_checkpoint, prompts, params, 6, static=True, loops=4,
+                                       exit_policy=policy)
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in lockstep]
+    assert stats.decode_loops == lockstep_stats.decode_loops and steps
+
+
+def test_chain_graphs_body_with_per_request_loops_and_the_latest_layout(tiny_checkpoint):
+    params = [greedy(loops=k) for k in (1, 4, 2)]
+    lockstep, _ = run(tiny_checkpoint, PROMPTS[:3], params, False, loops=4, kv_layout="latest")
+    outputs, _, steps, _ = chained(tiny_checkpoint, PROMPTS[:3], params, 5, static=True, loops=4,
+                                   kv_layout="latest")
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in lockstep]
+    assert steps
 
 
 def test_per_request_loops_and_the_latest_layout_give_the_lockstep_tokens(tiny_checkpoint):
