@@ -22,105 +22,90 @@ from typing import Callable
 import torch
 
 from attention.base import AttentionMetadata
-from runner.cuda_graph import capture, collect_garbage
+from runner.cuda_graph import batch_buckets, capture, collect_garbage
 from runner.depth_passes import PassRows
 from runner.exit_rules import ExitRule
 from runner.pass_chains import ChainRows, ChainSteps, LayerPass, PassChains
 from runner.pass_graphs import PassGraphs
+from runner.speculative_chains import FIELDS, ChainOutcome, Reservations, SpeculativeChains
 
 
-class ChainGraphs:
-    """Per batch bucket, one chained pass over static buffers: `run` loads a chain's rows and runs its passes
-    (a replay each once captured). rule: the engine's exit rule over the largest bucket (None: no exits);
-    max_passes: the most passes a chain runs (EngineConfig.step_passes); columns: the slot table's width
-    (the most positions a row reserves, plus the scratch slot's column)."""
+class BucketChains:
+    """What plain and speculative chain graphs share: per bucket of rows, one captured graph of a subclass's
+    `body(bs, eager)` (a pass and the step to the next over the first bs rows of the static buffers), the
+    layer stack through the pass graphs' body (`layer`), and `passes`, which replays a bucket's graph (or,
+    before capture_all, runs its body) so many times. Subclasses hold the chain's own buffers."""
 
-    def __init__(self, chains: PassChains, graphs: PassGraphs, rule: ExitRule | None, max_passes: int,
-                 columns: int) -> None:
-        self.chains, self.graphs, self.rule = chains, graphs, rule
-        n, device, model = graphs.buckets[-1], graphs.device, chains.model
-        hidden_size = graphs.state.shape[1]
-        self.hidden = torch.zeros(n, chains.loops, hidden_size, dtype=model.dtype, device=device)
-        self.gates = torch.full((n, chains.loops), math.nan, dtype=model.dtype, device=device)
-        self.loop, self.finished, self.first, self.limit, self.reserved = (
-            torch.zeros(n, dtype=torch.int64, device=device) for _ in range(5))
-        self.active = torch.zeros(n, dtype=torch.bool, device=device)
-        self.table = torch.full((n, columns), chains.scratch_slot, dtype=torch.int64, device=device)
-        self.record = torch.zeros(max_passes, 4, n, dtype=torch.int64, device=device)
-        self.count = torch.zeros(1, dtype=torch.int64, device=device)
+    def __init__(self, graphs: PassGraphs, buckets: list[int], loops: int, dtype: torch.dtype) -> None:
+        self.graphs, self.buckets = graphs, buckets
         self.cuda_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        n, device = buckets[-1], graphs.device
+        # the rows' loop outputs and gates, next loop, tokens finished, and whether within their reservation
+        self.hidden = torch.zeros(n, loops, graphs.state.shape[1], dtype=dtype, device=device)
+        self.gates = torch.full((n, loops), math.nan, dtype=dtype, device=device)
+        self.loop, self.finished = (torch.zeros(n, dtype=torch.int64, device=device) for _ in range(2))
+        self.active = torch.zeros(n, dtype=torch.bool, device=device)
+        self.count = torch.zeros(1, dtype=torch.int64, device=device)  # the passes run since the load
 
     @property
     def captured(self) -> bool:
         return bool(self.cuda_graphs)
 
-    def fits(self, rows: int, columns: int, passes: int) -> bool:
-        """Does a chain of these rows, slot table columns and passes fit the buffers?"""
-        return (self.graphs.bucket_for(rows) is not None and columns <= self.table.shape[1]
-                and passes <= self.record.shape[0])
+    def bucket_for(self, rows: int) -> int | None:
+        return next((bs for bs in self.buckets if bs >= rows), None)
 
-    def run(self, chain: ChainRows, steps: ChainSteps, meta: AttentionMetadata, passes: int
-            ) -> tuple[torch.Tensor, PassRows]:
-        """The chain's passes over the static buffers: its record [passes, 4, n] (a view that the next chain
-        rewrites) and its rows after the last pass (copies)."""
-        n = chain.loop.shape[0]
-        bs = self.graphs.bucket_for(n)
-        self._load(chain, steps, meta, bs)
+    def body(self, bs: int, eager: bool) -> None:
+        raise NotImplementedError
+
+    def pad_all(self) -> None:
+        """Every row of the buffers a padding row (for the captures)."""
+        raise NotImplementedError
+
+    def passes(self, bs: int, passes: int) -> None:
         for _ in range(passes):
             if self.cuda_graphs:
                 self.cuda_graphs[bs].replay()
             else:
-                self._body(bs, eager=True)
-        memory = [] if self.rule is None else [buffer[:n].clone() for buffer in self.rule.buffers]
-        after = PassRows(self.graphs.state[:n].clone(), None, self.hidden[:n].clone(), self.gates[:n].clone(),
-                         memory)
-        return self.record[:passes, :, :n], after
+                self.body(bs, eager=True)
 
-    def _load(self, chain: ChainRows, steps: ChainSteps, meta: AttentionMetadata, bs: int) -> None:
-        """The chain's rows into the buffers, rows n..bs as padding rows, and the pass counter to 0."""
-        n = chain.loop.shape[0]
-        rows, offsets = chain.rows, self.chains.offset_of[chain.loop]
-        at = dataclasses.replace(meta, slot_mapping=chain.slot, context_lens=(chain.position + 1).int(),
-                                 slot_offsets=offsets)
-        self.graphs.load(rows.state, None, chain.position, at, bs)
-        self.hidden[:n].copy_(rows.hidden)
-        self.gates[:n].copy_(rows.gates)
-        for buffer, memory in zip([] if self.rule is None else self.rule.buffers, rows.memory):
-            buffer[:n].copy_(memory)
-        for buffer, values in ((self.loop, chain.loop), (self.finished, chain.finished),
-                               (self.active, chain.active), (self.first, steps.first),
-                               (self.limit, steps.limit), (self.reserved, steps.reserved)):
-            buffer[:n].copy_(values)
-        columns = steps.table.shape[1]
-        self.table[:n, :columns].copy_(steps.table)
-        self.table[:n, columns:].fill_(self.chains.scratch_slot)
-        self._pad(n, bs)
-        self.count.zero_()
-
-    def _pad(self, start: int, end: int) -> None:
-        """Rows start..end of the chain's buffers as padding rows: inactive, reserving nothing."""
-        for buffer in (self.loop, self.finished, self.first, self.reserved):
-            buffer[start:end].zero_()
-        self.active[start:end].fill_(False)
-        self.limit[start:end].fill_(self.chains.loops)
-        self.table[start:end].fill_(self.chains.scratch_slot)
-
-    def _body(self, bs: int, eager: bool) -> None:
-        """The graph's body: one pass and the step to the next over the bucket's rows (PassChains.step),
-        whose next states, positions and slots go back into the pass graphs' inputs."""
+    def static_chain(self, bs: int) -> ChainRows:
+        """The bucket's rows as a chain over the static buffers (states, positions and slots: the pass
+        graphs' inputs)."""
         graphs = self.graphs
         rows = PassRows(graphs.state[:bs], None, self.hidden[:bs], self.gates[:bs], [])
-        chain = ChainRows(rows, self.loop[:bs], self.finished[:bs], graphs.positions[:bs],
-                          graphs.slot_mapping[:bs], self.active[:bs])
-        steps = ChainSteps(self.first[:bs], self.limit[:bs], self.reserved[:bs], self.table[:bs], True)
-        self.chains.step(chain, steps, self._layer(bs, eager), self.rule, self.record[:, :, :bs], self.count)
-        graphs.state[:bs].copy_(rows.state)
-        self.loop[:bs].copy_(chain.loop)
-        self.active[:bs].copy_(chain.active)
+        return ChainRows(rows, self.loop[:bs], self.finished[:bs], graphs.positions[:bs],
+                         graphs.slot_mapping[:bs], self.active[:bs])
+
+    def write_back(self, chain: ChainRows, bs: int) -> None:
+        """What a step rebound (next states, positions, slots, loops, activity) into the static buffers (the
+        rest it wrote in place)."""
+        graphs = self.graphs
+        graphs.state[:bs].copy_(chain.rows.state)
         graphs.positions[:bs].copy_(chain.position)
         graphs.slot_mapping[:bs].copy_(chain.slot)
+        self.loop[:bs].copy_(chain.loop)
+        self.active[:bs].copy_(chain.active)
 
-    def _layer(self, bs: int, eager: bool) -> LayerPass:
+    def load_rows(self, chain: ChainRows, meta: AttentionMetadata, offset_of: torch.Tensor, bs: int) -> None:
+        """A chain's rows into the static buffers (rows n..bs of the pass graphs' as padding rows), and the
+        pass counter to 0."""
+        n = chain.loop.shape[0]
+        rows = chain.rows
+        self.graphs.load(rows.state, None, chain.position, at_loops(chain, meta, offset_of), bs)
+        for buffer, values in ((self.hidden, rows.hidden), (self.gates, rows.gates), (self.loop, chain.loop),
+                               (self.finished, chain.finished), (self.active, chain.active)):
+            buffer[:n].copy_(values)
+        self.loop[n:bs].zero_()
+        self.finished[n:bs].zero_()
+        self.active[n:bs].fill_(False)
+        self.count.zero_()
+
+    def after(self, n: int, memory: list[torch.Tensor]) -> PassRows:
+        """The first n rows after the last pass, copied (the next chain rewrites the buffers)."""
+        return PassRows(self.graphs.state[:n].clone(), None, self.hidden[:n].clone(), self.gates[:n].clone(),
+                        [buffer[:n].clone() for buffer in memory])
+
+    def layer(self, bs: int, eager: bool) -> LayerPass:
         """The pass graphs' body over the bucket (its inputs are the chain's rows: states, positions and
         slots in place; the lengths and loops written here); eager: with the host lists an eager attention
         backend reads (a capture's are placeholders)."""
@@ -143,16 +128,149 @@ class ChainGraphs:
         is a padding row while capturing, so the warm-up and the first replay write the scratch slot only."""
         graphs, backend = self.graphs, self.graphs.backend
         stream = torch.cuda.Stream()
-        self._pad(0, self.loop.shape[0])
-        for bs in reversed(graphs.buckets):
-            self.count.zero_()
+        self.pad_all()
+        for bs in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
             backend.capture_begin(bs)
             try:
-                capture(graph, lambda bs=bs: self._body(bs, eager=False), graphs.pool, stream, collect)
+                capture(graph, lambda bs=bs: self.body(bs, eager=False), graphs.pool, stream, collect)
             finally:
                 backend.capture_end()
-            self.count.zero_()
+            self.pad_all()
             graph.replay()
             self.cuda_graphs[bs] = graph
         torch.cuda.synchronize()
+
+
+class ChainGraphs(BucketChains):
+    """Plain chains (runner/pass_chains.py) per batch bucket over static buffers: `run` loads a chain's rows
+    and runs its passes (a replay each once captured). rule: the engine's exit rule over the largest bucket
+    (None: no exits); max_passes: the most passes a chain runs (EngineConfig.step_passes); columns: the slot
+    table's width (the most positions a row reserves, plus the scratch slot's column)."""
+
+    def __init__(self, chains: PassChains, graphs: PassGraphs, rule: ExitRule | None, max_passes: int,
+                 columns: int) -> None:
+        super().__init__(graphs, graphs.buckets, chains.loops, chains.model.dtype)
+        self.chains, self.rule = chains, rule
+        n, device = graphs.buckets[-1], graphs.device
+        self.first, self.limit, self.reserved = (torch.zeros(n, dtype=torch.int64, device=device)
+                                                 for _ in range(3))
+        self.table = torch.full((n, columns), chains.scratch_slot, dtype=torch.int64, device=device)
+        self.record = torch.zeros(max_passes, 4, n, dtype=torch.int64, device=device)
+
+    def fits(self, rows: int, columns: int, passes: int) -> bool:
+        """Does a chain of these rows, slot table columns and passes fit the buffers?"""
+        return (self.bucket_for(rows) is not None and columns <= self.table.shape[1]
+                and passes <= self.record.shape[0])
+
+    def run(self, chain: ChainRows, steps: ChainSteps, meta: AttentionMetadata, passes: int
+            ) -> tuple[torch.Tensor, PassRows]:
+        """The chain's passes over the static buffers: its record [passes, 4, n] (a view that the next chain
+        rewrites) and its rows after the last pass."""
+        n = chain.loop.shape[0]
+        bs = self.bucket_for(n)
+        self.load_rows(chain, meta, self.chains.offset_of, bs)
+        for buffer, memory in zip([] if self.rule is None else self.rule.buffers, chain.rows.memory):
+            buffer[:n].copy_(memory)
+        for buffer, values in ((self.first, steps.first), (self.limit, steps.limit),
+                               (self.reserved, steps.reserved)):
+            buffer[:n].copy_(values)
+        columns = steps.table.shape[1]
+        self.table[:n, :columns].copy_(steps.table)
+        self.table[:n, columns:].fill_(self.chains.scratch_slot)
+        self._pad(n, bs)
+        self.passes(bs, passes)
+        return self.record[:passes, :, :n], self.after(n, [] if self.rule is None else self.rule.buffers)
+
+    def pad_all(self) -> None:
+        self._pad(0, self.loop.shape[0])
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows start..end as padding rows: inactive at loop 0 on the scratch slot, reserving nothing."""
+        for buffer in (self.loop, self.finished, self.first, self.reserved):
+            buffer[start:end].zero_()
+        self.active[start:end].fill_(False)
+        self.limit[start:end].fill_(self.chains.loops)
+        self.table[start:end].fill_(self.chains.scratch_slot)
+        self.count.zero_()
+
+    def body(self, bs: int, eager: bool) -> None:
+        """One pass and the step to the next over the bucket's rows (PassChains.step)."""
+        chain = self.static_chain(bs)
+        steps = ChainSteps(self.first[:bs], self.limit[:bs], self.reserved[:bs], self.table[:bs], True)
+        self.chains.step(chain, steps, self.layer(bs, eager), self.rule, self.record[:, :, :bs], self.count)
+        self.write_back(chain, bs)
+
+
+class SpeculativeChainGraphs(BucketChains):
+    """Pipelined speculation's chains (runner/speculative_chains.py) per bucket of requests, m = ceil(T/d)
+    rows each, over static buffers: `run`. max_requests: the most requests a step decodes (max_num_seqs;
+    buckets whose rows outgrow the pass graphs' are left out); max_passes, columns: as ChainGraphs'."""
+
+    def __init__(self, chains: SpeculativeChains, graphs: PassGraphs, max_requests: int, max_passes: int,
+                 columns: int) -> None:
+        m = chains.m
+        buckets = [b * m for b in batch_buckets(max_requests) if b * m <= graphs.buckets[-1]]
+        super().__init__(graphs, buckets, chains.loops, chains.chains.model.dtype)
+        self.chains = chains
+        n, device = buckets[-1], graphs.device
+        requests = n // m
+        self.given = torch.zeros(n, dtype=torch.int64, device=device)  # the token each row started from
+        self.limit = torch.full((n,), chains.loops, dtype=torch.int64, device=device)
+        self.first, self.end = (torch.zeros(requests, dtype=torch.int64, device=device) for _ in range(2))
+        self.table = torch.full((requests, columns), chains.chains.scratch_slot, dtype=torch.int64,
+                                device=device)
+        self.record = torch.zeros(max_passes, FIELDS, requests, dtype=torch.int64, device=device)
+        self.served = torch.zeros(max_passes, dtype=torch.int64, device=device)
+
+    def fits(self, requests: int, columns: int, passes: int) -> bool:
+        return (self.bucket_for(requests * self.chains.m) is not None and columns <= self.table.shape[1]
+                and passes <= self.record.shape[0])
+
+    def run(self, chain: ChainRows, given: torch.Tensor, owners: Reservations, table: torch.Tensor,
+            meta: AttentionMetadata, passes: int) -> ChainOutcome:
+        """The chain's passes over the static buffers (SpeculativeChains._eager's outcome; the record and
+        served counts are views that the next chain rewrites)."""
+        n, requests = chain.loop.shape[0], owners.first.shape[0]
+        bs = self.bucket_for(n)
+        self.load_rows(chain, meta, self.chains.chains.offset_of, bs)
+        self.given[:n].copy_(given)
+        self.first[:requests].copy_(owners.first)
+        self.end[:requests].copy_(owners.end)
+        columns = table.shape[1]
+        self.table[:requests, :columns].copy_(table)
+        self.table[:requests, columns:].fill_(self.chains.chains.scratch_slot)
+        self._pad(n, bs)
+        self.passes(bs, passes)
+        positions = self.graphs.positions[:n]
+        final = torch.stack([self.active[:n].long(), positions, self.loop[:n], self.given[:n]])
+        return self.record[:passes, :, :requests], self.served[:passes], final, self.after(n, [])
+
+    def pad_all(self) -> None:
+        self._pad(0, self.loop.shape[0])
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows start..end and their requests as padding: inactive, reserving nothing."""
+        m = self.chains.m
+        for buffer in (self.loop, self.finished, self.given):
+            buffer[start:end].zero_()
+        self.active[start:end].fill_(False)
+        for buffer in (self.first, self.end):
+            buffer[start // m:end // m].zero_()
+        self.table[start // m:end // m].fill_(self.chains.chains.scratch_slot)
+        self.count.zero_()
+
+    def body(self, bs: int, eager: bool) -> None:
+        """One pass and the step to the next over the bucket's requests (SpeculativeChains.step)."""
+        requests = bs // self.chains.m
+        chain = self.static_chain(bs)
+        owners = Reservations(self.first[:requests], self.end[:requests])
+        self.chains.step(chain, self.given[:bs], owners, self.table[:requests], self.limit[:bs],
+                         self.layer(bs, eager), self.record[:, :, :requests], self.served, self.count)
+        self.write_back(chain, bs)
+
+
+def at_loops(chain: ChainRows, meta: AttentionMetadata, offset_of: torch.Tensor) -> AttentionMetadata:
+    """The step's metadata (its block tables) with the chain rows' slots, lengths and loops (slot offsets)."""
+    return dataclasses.replace(meta, slot_mapping=chain.slot, context_lens=(chain.position + 1).int(),
+                               slot_offsets=offset_of[chain.loop])

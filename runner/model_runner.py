@@ -40,7 +40,7 @@ from model.exit_criteria import ExitCriterion
 from model.looped import LoopedModel, LoopStates
 from request import DepthStats, Logprob, Request, ScheduledBatch, SpeculativeStats
 from runner.block_tables import BlockTables
-from runner.chain_graphs import ChainGraphs
+from runner.chain_graphs import BucketChains, ChainGraphs, SpeculativeChainGraphs
 from runner.cuda_graph import DecodeGraphs
 from runner.depth_passes import DepthPasses, MidToken, PassResult
 from runner.exit_rules import CriterionRows, ExitRule, GateCDFRows, RuleExit, check_readout
@@ -187,9 +187,8 @@ class ModelRunner:
             else:  # decode steps are loop passes: their layer stack, per bucket
                 self.depth.graphs = self.pass_graphs()
                 self.depth.graphs.capture_all()
-                if self.chains is not None and self.pipelined is None:  # a chained pass, whole
-                    self.chains.graphs = self.chain_graphs()
-                    self.chains.graphs.capture_all()
+                for chains in self.chain_graphs():  # a chained pass with the step to the next, whole
+                    chains.capture_all()
                 if self.pipelined is None:  # and a lone decode row's token (_lone_token)
                     self.graphs = self._capture(scratch_block, 1)
             # Steps with prompt tokens: piecewise, unless an exit hook must see each loop (early:Q).
@@ -263,12 +262,22 @@ class ModelRunner:
         return PassGraphs(self.model, self.backend, rows, self.block_tables.width,
                           self.config.block_size, self.scratch_block, self.device, self._shared_kv())
 
-    def chain_graphs(self) -> ChainGraphs:
+    def chain_graphs(self) -> list[BucketChains]:
         """Chained passes over static buffers (runner/chain_graphs.py), on the pass graphs' (depth.graphs),
-        not captured yet: until its capture_all runs, PassChains given it runs the graphs' body eagerly."""
-        graphs = self.depth.graphs
-        return ChainGraphs(self.chains, graphs, self._exit_rule(graphs.buckets[-1]), self.config.step_passes,
-                           self.config.chain_positions + 1)
+        set on the chains that run them (the plain chains, or pipelined speculation's), not captured yet:
+        until their capture_all runs, the chains run the graphs' body eagerly. [] without chains."""
+        graphs, config = self.depth.graphs, self.config
+        columns = config.chain_positions + 1
+        if self.speculative_chains is not None:
+            chains = self.speculative_chains
+            chains.graphs = SpeculativeChainGraphs(chains, graphs, config.max_num_seqs, config.step_passes,
+                                                   columns)
+            return [chains.graphs]
+        if self.chains is None:
+            return []
+        rule = self._exit_rule(graphs.buckets[-1])
+        self.chains.graphs = ChainGraphs(self.chains, graphs, rule, config.step_passes, columns)
+        return [self.chains.graphs]
 
     @property
     def uses_cuda_graphs(self) -> bool:

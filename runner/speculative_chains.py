@@ -28,19 +28,22 @@ import math
 
 import torch
 
+from attention.base import AttentionMetadata
 from request import Request, ScheduledBatch
 from runner.depth_passes import MidToken, PassRows
 from runner.host_to_device import upload
-from runner.pass_chains import ChainRows, PassChains
+from runner.pass_chains import ChainRows, LayerPass, PassChains
 from runner.pipelined_speculation import InFlight, PipelinedSpeculation
 
 # what the record holds per pass and request: did a token finish, its token, its row, was it the draft
 # behind it, how many tokens behind it were dropped, did a token start, in which row
 FIELDS = 7
+# a chain's record, rows served per pass, final (active, position, loop, token) per row [4, n], PassRows
+ChainOutcome = tuple[torch.Tensor, torch.Tensor, torch.Tensor, PassRows]
 
 
 @dataclasses.dataclass(slots=True)
-class _Requests:
+class Reservations:
     """Per request [R]: its first position this step, and the end of its reservation."""
 
     first: torch.Tensor
@@ -56,6 +59,9 @@ class SpeculativeChains:
         self.chains, self.pipelined = chains, pipelined
         self.loops, self.d = loops, draft_loops
         self.m = -(-loops // draft_loops)  # the most tokens a request has in flight
+        # SelfSpeculation.forced_acceptance on the device (-1: none), so a captured step reads it
+        self.force = torch.full((1,), -1, dtype=torch.int64, device=chains.offset_of.device)
+        self.graphs = None  # runner/chain_graphs.py: SpeculativeChainGraphs, set by the runner on CUDA
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, passes: int, result) -> None:
@@ -82,33 +88,58 @@ class SpeculativeChains:
         ends = [f + room for f, room in zip(first, batch.reserved)]
         loop_d, active_d, given, first_d, end_d, flat_table = upload(
             [loop, active, tokens, first, ends, table], torch.int64, device)
-        owners = _Requests(first_d, end_d)
+        owners = Reservations(first_d, end_d)
         table = flat_table.view(len(requests), columns)
         depth = self.chains.depth
         pass_rows = depth.pass_rows(inputs, [entry.mid if entry else None for _, entry in rows])
         chain = ChainRows(pass_rows, loop_d, torch.zeros_like(loop_d), inputs.positions.clone(), None,
                           active_d.bool())
         chain.slot = self._slots(chain, owners, table)
-        limit = torch.full_like(loop_d, self.loops)
         stats = depth.stats
         first_pass = stats.decode_passes + 1
-        record = torch.zeros(passes, FIELDS, len(requests), dtype=torch.int64, device=device)
-        served = torch.zeros(passes, dtype=torch.int64, device=device)
-        layer = self.chains.eager_layer(inputs.meta)
-        for i in range(passes):
-            served[i] = chain.active.sum()
-            done, token = self.chains.loop_pass(chain, layer, limit, None, False)
-            self._advance(chain, given, done, token, owners, table, record[i])
+        forced = runner.speculation.forced_acceptance
+        self.force.fill_(-1 if forced is None else int(bool(forced)))
+        graphs = self.graphs
+        if graphs is not None and graphs.fits(len(requests), columns, passes):
+            record, served, final, after = graphs.run(chain, given, owners, table, inputs.meta, passes)
+        else:
+            record, served, final, after = self._eager(chain, given, owners, table, inputs.meta, passes)
         host = record.permute(2, 0, 1).tolist()  # [R][passes][FIELDS]
-        final = torch.stack([chain.active.long(), chain.position, chain.loop, given]).tolist()
+        final = final.tolist()
         stats.decode_passes += passes
         stats.decode_loops += int(served.sum())
-        after = PassRows(chain.rows.state, None, chain.rows.hidden, chain.rows.gates, [])
         for r, request in enumerate(requests):
             self._replay(r, request, flights[r], host[r], final, after, first_pass, result)
             stats.decode_tokens += len(result.tokens[r] or [])
 
-    def _slots(self, chain: ChainRows, owners: _Requests, table: torch.Tensor) -> torch.Tensor:
+    def _eager(self, chain: ChainRows, given: torch.Tensor, owners: Reservations, table: torch.Tensor,
+               meta: AttentionMetadata, passes: int) -> ChainOutcome:
+        """The passes one by one over the chain's own tensors (no graphs, or a batch larger than every
+        bucket): the record [passes, FIELDS, R], the rows served a pass, the rows' (active, position, loop,
+        token) after the last pass, and their PassRows."""
+        device = given.device
+        record = torch.zeros(passes, FIELDS, owners.first.shape[0], dtype=torch.int64, device=device)
+        served = torch.zeros(passes, dtype=torch.int64, device=device)
+        count = torch.zeros(1, dtype=torch.int64, device=device)
+        limit = torch.full_like(given, self.loops)
+        layer = self.chains.eager_layer(meta)
+        for _ in range(passes):
+            self.step(chain, given, owners, table, limit, layer, record, served, count)
+        final = torch.stack([chain.active.long(), chain.position, chain.loop, given])
+        rows = chain.rows
+        return record, served, final, PassRows(rows.state, None, rows.hidden, rows.gates, [])
+
+    def step(self, chain: ChainRows, given: torch.Tensor, owners: Reservations, table: torch.Tensor,
+             limit: torch.Tensor, layer: LayerPass, record: torch.Tensor, served: torch.Tensor,
+             count: torch.Tensor) -> None:
+        """One pass and the step to the next, without a host read: row `count` of `record` [passes, FIELDS, R]
+        and of `served` (the rows that ran) get the pass's; then count += 1."""
+        served.index_copy_(0, count, chain.active.sum()[None])
+        done, token = self.chains.loop_pass(chain, layer, limit, None, False)
+        self._advance(chain, given, done, token, owners, table, record, count)
+        count += 1
+
+    def _slots(self, chain: ChainRows, owners: Reservations, table: torch.Tensor) -> torch.Tensor:
         """Each row's slot: its position's in its request's reservation (the scratch slot where inactive)."""
         m = self.m
         column = (chain.position.view(-1, m) - owners.first[:, None]).clamp(0, table.shape[1] - 1)
@@ -116,10 +147,11 @@ class SpeculativeChains:
         return torch.where(chain.active, slot, self.chains.scratch_slot)
 
     def _advance(self, chain: ChainRows, given: torch.Tensor, done: torch.Tensor, token: torch.Tensor,
-                 owners: _Requests, table: torch.Tensor, record: torch.Tensor) -> None:
+                 owners: Reservations, table: torch.Tensor, record: torch.Tensor, count: torch.Tensor
+                 ) -> None:
         """After a pass, per request: its finished token's verification, the draft it starts (or the
-        finished token restarting the next position), every other token's next loop; into `record`
-        [FIELDS, R]."""
+        finished token restarting the next position), every other token's next loop; into row `count` of
+        `record` [passes, FIELDS, R]."""
         m, model = self.m, self.chains.model
         active, position, loop = (t.view(-1, m) for t in (chain.active, chain.position, chain.loop))
         finished, argmax, started = done.view(-1, m), token.view(-1, m), given.view(-1, m)
@@ -129,8 +161,8 @@ class SpeculativeChains:
         emitted = argmax.gather(1, head)[:, 0]
         behind = active & (position == head_position + 1)  # the token that started from the head's draft
         draft = (started * behind).sum(1)
-        forced = self.pipelined.runner.speculation.forced_acceptance
-        confirms = (draft == emitted) if forced is None else torch.full_like(ended, forced)
+        force = self.force  # SelfSpeculation.forced_acceptance on the device: -1 none, 0 or 1
+        confirms = torch.where(force < 0, draft == emitted, force > 0)
         accepted = ended & behind.any(1) & confirms
         emitted = torch.where(accepted, draft, emitted)  # the same token, but where acceptance is forced
         dropped = ended[:, None] & ~accepted[:, None] & active & (position > head_position)
@@ -147,8 +179,9 @@ class SpeculativeChains:
         # being d, 2d, ... loops ahead of it and below T once the finished one is gone: fewer than ceil(T/d).
         free = (~alive).int().argmax(1, keepdim=True)
         seat = starts[:, None] & (torch.arange(m, device=free.device)[None, :] == free)
-        for i, value in enumerate((ended, emitted, head[:, 0], accepted, dropped.sum(1), starts, free[:, 0])):
-            record[i] = value
+        fields = torch.stack([v.long() for v in (ended, emitted, head[:, 0], accepted, dropped.sum(1), starts,
+                                                 free[:, 0])])
+        record.index_copy_(0, count, fields[None])
         chain.loop = torch.where(seat, 0, torch.where(alive, loop + 1, 0)).view(-1)
         chain.position = torch.where(seat, start_position[:, None], position).view(-1)
         chain.active = (alive | seat).view(-1)

@@ -50,9 +50,9 @@ def static_chain_graphs(runner) -> dict[str, int]:
     """The runner's chains through uncaptured chain graphs (and its one-pass steps through the pass graphs'
     buffers, which they share); counts of the chains run, the passes they asked and the bodies run."""
     runner.depth.graphs = runner.pass_graphs()
-    graphs = runner.chains.graphs = runner.chain_graphs()
+    graphs, = runner.chain_graphs()
     counts = {"runs": 0, "passes": 0, "bodies": 0}
-    run, body = graphs.run, graphs._body
+    run, body = graphs.run, graphs.body
 
     def counted_run(chain, steps, meta, passes):
         counts["runs"] += 1
@@ -63,7 +63,7 @@ def static_chain_graphs(runner) -> dict[str, int]:
         counts["bodies"] += 1
         return body(bs, eager)
 
-    graphs.run, graphs._body = counted_run, counted_body
+    graphs.run, graphs.body = counted_run, counted_body
     return counts
 
 

@@ -296,6 +296,61 @@ def test_pass_graphs_static_path_carries_both_phases_and_keeps_tokens(plain):
     assert max(sizes) > len(PROMPTS)  # more rows than requests: tokens in flight shared passes
 
 
+def static_chains(engine: Engine) -> dict[str, int]:
+    """The engine's speculative chains through uncaptured chain graphs (runner/chain_graphs.py: the body a
+    CUDA capture records, run eagerly); counts of the chains run, the passes they asked and bodies run."""
+    runner = engine.runner
+    runner.depth.graphs = runner.pass_graphs()
+    graphs, = runner.chain_graphs()
+    counts = {"runs": 0, "passes": 0, "bodies": 0}
+    run_chain, body = graphs.run, graphs.body
+
+    def counted_run(*args):
+        counts["runs"] += 1
+        counts["passes"] += args[-1]
+        return run_chain(*args)
+
+    def counted_body(bs, eager):
+        counts["bodies"] += 1
+        return body(bs, eager)
+
+    graphs.run, graphs.body = counted_run, counted_body
+    return counts
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_chain_graphs_body_gives_the_eager_chains_tokens_drafts_and_passes(plain, pipelined, d):
+    """Every chained pass through the speculative chain graphs' static buffers (m rows a request, requests
+    padded to a bucket as they finish): the eager chains' tokens, verifications and passes."""
+    eager, eager_stats = pipelined(d)
+    with engine_of(TRAINED, True, d) as engine:
+        counts = static_chains(engine)
+        outputs = [o.outputs[0] for o in engine.generate(PROMPTS, greedy(), use_tqdm=False)]
+        stats = engine.speculative_stats
+        assert_clean(engine)
+    assert counts["runs"] > 0 and counts["bodies"] == counts["passes"]
+    assert [o.token_ids for o in outputs] == plain
+    assert (stats.num_drafted, stats.num_accepted) == (eager_stats.num_drafted, eager_stats.num_accepted)
+    assert [o.depth.passes for o in outputs] == [o.depth.passes for o in eager]
+
+
+@pytest.mark.parametrize("accept", [0, 1])
+def test_chain_graphs_body_reads_the_forced_acceptance_from_the_device(accept):
+    """A captured step cannot read SelfSpeculation.forced_acceptance on the host: it reads the device copy
+    each chain fills. Forced, the passes a token are those of the eager chains."""
+    eager = forced(TRAINED, True, accept)
+    with engine_of(TRAINED, True, 2, max_num_batched_tokens=512) as engine:
+        counts = static_chains(engine)
+        engine.runner.speculation.forced_acceptance = bool(accept)
+        outputs = [o.outputs[0] for o in engine.generate(PROMPTS, greedy(), use_tqdm=False)]
+        assert_clean(engine)
+    assert counts["bodies"] > 0
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in eager]
+    for out in outputs:
+        tokens = out.depth.tokens
+        assert out.depth.passes == (LOOPS + 2 * (tokens - 1) if accept else LOOPS * tokens)
+
+
 # the hook points a decode pass reaches (a pass reads out and samples; the step's outcome is decided, applied
 # and committed; a finished request is released); tests/test_step_faults.py covers the rest of a step
 PASS_HOOKS = ["readout", "sample", "decide", "apply", "commit", "release"]
