@@ -34,11 +34,13 @@ class BucketChains:
     """What plain and speculative chain graphs share: per bucket of rows, one captured graph of a subclass's
     `body(bs, eager)` (a pass and the step to the next over the first bs rows of the static buffers), the
     layer stack through the pass graphs' body (`layer`), and `passes`, which replays a bucket's graph (or,
-    before capture_all, runs its body) so many times. Subclasses hold the chain's own buffers."""
+    before capture_all, runs its body) so many times (`replays` counts the replays). Subclasses hold the
+    chain's own buffers."""
 
     def __init__(self, graphs: PassGraphs, buckets: list[int], loops: int, dtype: torch.dtype) -> None:
         self.graphs, self.buckets = graphs, buckets
         self.cuda_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0
         n, device = buckets[-1], graphs.device
         # the rows' loop outputs and gates, next loop, tokens finished, and whether within their reservation
         self.hidden = torch.zeros(n, loops, graphs.state.shape[1], dtype=dtype, device=device)
@@ -65,6 +67,7 @@ class BucketChains:
         for _ in range(passes):
             if self.cuda_graphs:
                 self.cuda_graphs[bs].replay()
+                self.replays += 1
             else:
                 self.body(bs, eager=True)
 

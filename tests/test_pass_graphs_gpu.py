@@ -32,8 +32,15 @@ def run(checkpoint, prompts, params, depth_batching: bool, enforce_eager: bool, 
             if enforce_eager:
                 assert graphs is None
             else:
-                # every loop pass is a replay (a lone row's token runs lockstep's one-row graphs)
-                assert graphs.captured and 0 < graphs.replays == graphs.passes <= stats.decode_passes
+                # every loop pass is a replay, of a pass graph or (a chained pass) of a chain graph (a lone
+                # row's token runs lockstep's one-row graphs)
+                chains = [c.graphs for c in (engine.runner.chains, engine.runner.speculative_chains)
+                          if c is not None and c.graphs is not None]
+                chained = sum(c.replays for c in chains)
+                assert graphs.captured and all(c.captured for c in chains)
+                assert graphs.replays == graphs.passes and 0 < graphs.passes + chained <= stats.decode_passes
+                if engine_args.get("passes_per_step", 1) > 1:
+                    assert chained > 0
             assert not engine.runner.mid_tokens
         assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
     return [out.outputs[0] for out in outputs], stats
