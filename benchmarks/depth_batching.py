@@ -165,8 +165,9 @@ def timed_window(engine: Engine, batch: int, prompt: int, warm: int, window: int
 
 
 def token_budget(engine: Engine, batch: int, prompt: int, steps: int) -> int:
-    """Tokens a request may generate so that it outlasts its head start and `steps` steps."""
-    return head_start(batch, prompt, BATCHED_TOKENS) + steps * engine.engine_config.step_passes + 2
+    """Tokens a request may generate so that it outlasts its head start and `steps` steps (a step, prompt
+    chunks beside it or not, appends at most step_passes tokens a row)."""
+    return (head_start(batch, prompt, BATCHED_TOKENS) + steps) * engine.engine_config.step_passes + 2
 
 
 def row(engine: Engine, label: str, target: float | None, batch: int, args: argparse.Namespace,
