@@ -180,7 +180,7 @@ def add_engine_flags(engine: argparse._ArgumentGroup) -> None:
                              "read")
     engine.add_argument("--passes-per-step", type=int, default=None,
                         help="depth batching: loop passes a decode step chains on the device before the host "
-                             "reads their tokens (default: twice the loops where chains apply, else 1)")
+                             "reads their tokens (default: four times the loops where chains apply, else 1)")
     engine.add_argument("--no-check-finite-weights", action="store_true",
                         help="skip the check that every weight is finite (no NaN or inf) as it loads: on a "
                              "CPU it takes about 7%% of the load")

@@ -102,7 +102,7 @@ class EngineConfig:
     # its decode rows through all their loops together (lockstep).
     depth_batching: bool = False
     # Depth batching: the loop passes a decode step chains on the device, read by the host once a step
-    # (runner/pass_chains.py); None: twice the loops where chains apply (step_passes), else 1.
+    # (runner/pass_chains.py); None: four times the loops where chains apply (step_passes), else 1.
     passes_per_step: int | None = None
 
     def __post_init__(self) -> None:
@@ -276,13 +276,14 @@ class EngineConfig:
 
     @property
     def step_passes(self) -> int:
-        """The loop passes a decode step chains (passes_per_step resolved): by default twice the loops under
-        depth batching where chains apply (not with a prelude or kv_sharing), so a step's host work is paid
-        once per about two tokens a row at full depth; else 1."""
+        """The loop passes a decode step chains (passes_per_step resolved): by default four times the loops
+        under depth batching where chains apply (not with a prelude or kv_sharing), so the device's wait for
+        the host between steps (~1.1 ms on an H100) is paid once per four tokens a row at full depth, eight at
+        two loops a token (vLLM's multi-step scheduling ran 8 steps a call); else 1."""
         if self.passes_per_step is not None:
             return self.passes_per_step
         chains = self.depth_batching and self.model.init_scale is None and self.kv_sharing == "none"
-        return 2 * self.loops if chains else 1
+        return 4 * self.loops if chains else 1
 
     @property
     def chain_positions(self) -> int:

@@ -278,7 +278,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--deterministic", action="store_true",
                         help="every engine in deterministic mode (then (b) and (c) give the same bits)")
     parser.add_argument("--passes-per-step", type=int, default=None,
-                        help="depth batching's passes a step (default: the engine's, twice the loops)")
+                        help="depth batching's passes a step (default: the engine's, four times the loops)")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--device", default="cuda", help="cuda (cpu only to smoke-test with --preset tiny)")
     parser.add_argument("--dtype", default="auto",

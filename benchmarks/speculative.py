@@ -207,8 +207,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=64, help="timed tokens per row")
     parser.add_argument("--passes-per-step", type=int, default=None,
-                        help="pipelined: passes a step (default: the engine's, chains of twice the loops; "
-                             "1: a pass a step, the host deciding after each)")
+                        help="pipelined: passes a step (default: the engine's, chains of four times the "
+                             "loops; 1: a pass a step, the host deciding after each)")
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
                         help="beside the non-speculative rows: the speculative step's, pipelined, depth "
                              "batching's at full depth")

@@ -64,8 +64,8 @@ def test_every_row_is_timed_and_depth_batching_gives_locksteps_tokens(run):
         else:
             assert r["gate_bias"] == bias[r["target_loops"]] and r["exit_policy"] == "early:0.5"
         if r["row"] == DEPTH:
-            assert r["depth_batching"] and r["passes_per_step"] == 8  # twice the loops: chains
-            assert r["timed_steps"] == max(1, round(4 * r["target_loops"] / 8))
+            assert r["depth_batching"] and r["passes_per_step"] == 16  # four times the loops: chains
+            assert r["timed_steps"] == max(1, round(4 * r["target_loops"] / 16))
             assert r["same_tokens_as_lockstep"] and r["requests_equal"] == r["batch"]
             assert r["tokens_compared"] >= r["batch"] * 4  # the first token and one at least every 4 passes
     assert "| 2.0 | depth batching | eager | 4 |" in table and "True (±0.05)" in table

@@ -168,9 +168,9 @@ def test_passes_per_step_is_checked_by_name(tiny_checkpoint, options, message):
         Engine(tiny_checkpoint, device="cpu", verbose=False, **options)
 
 
-def test_default_chains_twice_the_loops_under_depth_batching_only(tiny_checkpoint):
+def test_default_chains_four_times_the_loops_under_depth_batching_only(tiny_checkpoint):
     with Engine(tiny_checkpoint, device="cpu", loops=3, depth_batching=True, verbose=False) as engine:
-        assert engine.engine_config.step_passes == 6
+        assert engine.engine_config.step_passes == 12
     with Engine(tiny_checkpoint, device="cpu", loops=3, verbose=False) as engine:
         assert engine.engine_config.step_passes == 1
 

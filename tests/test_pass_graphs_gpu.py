@@ -108,7 +108,7 @@ def test_start_line_says_what_is_captured(tiny_checkpoint, capsys):
                 depth_batching=True):
         pass
     line = capsys.readouterr().err
-    assert ("depth_batching (CUDA graphs: a loop pass's layer stack, 3 batch sizes up to 4; chains of 8 "
+    assert ("depth_batching (CUDA graphs: a loop pass's layer stack, 3 batch sizes up to 4; chains of 16 "
             "passes a step where rows allow, each pass one graph with the step to the next;") in line
     assert "prompt steps: piecewise graphs)" in line
 

@@ -287,7 +287,7 @@ def test_pass_graphs_static_path_carries_both_phases_and_keeps_tokens(plain):
     here) take a pipelined pass as any other: verifying and drafting rows of one request in one call, each at
     its own slot offset; every pass goes through them, and the tokens stay plain decoding's."""
     sizes = []
-    with engine_of(TRAINED, True) as engine:
+    with engine_of(TRAINED, True, max_num_batched_tokens=48) as engine:  # the requests decode together
         graphs = static_pass_graphs(engine, sizes)
         outputs = [o.outputs[0] for o in engine.generate(PROMPTS, greedy(), use_tqdm=False)]
         assert graphs.passes == len(sizes) == engine.loop_stats.decode_passes and graphs.replays == 0
