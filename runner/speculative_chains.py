@@ -18,7 +18,8 @@ rewritten loop by loop before any later position reads it). The host replays the
 request: finished, token, accepted, the tokens dropped, the row a token started in) into each request's
 tokens, its verifications (SpeculativeStats), passes per token (DepthStats) and its tokens in flight, which a
 later step, chained or not, continues. The speculation runs at full depth (speculation refuses exit
-policies), so no K/V is copied forward.
+policies), so no K/V is copied forward. On CUDA each pass with its step replays as one graph per bucket of
+requests (runner/chain_graphs.py: SpeculativeChainGraphs), reading the forced verdict from the device.
 """
 
 from __future__ import annotations
