@@ -1,7 +1,8 @@
 """CUDA graphs of a depth-batched loop pass (runner/depth_passes.py), per batch bucket: the layer stack over
 every decode row, each at its own loop, and the exit gate where the model has one. What surrounds it stays
 eager: the starting rows' embedding, prelude and initial states, the exit rules' decisions, copy-forward, the
-coda, readout and sampling.
+coda, readout and sampling. A chained pass (runner/chain_graphs.py) captures this body and those steps in one
+graph, over these same static buffers.
 
 A row's loop is data, not shape: it reaches the graph as a slot offset (AttentionMetadata.slot_offsets, an
 int32 device buffer), so one graph per bucket serves every mix of loops, and the Triton backend records its
@@ -72,7 +73,7 @@ class PassGraphs:
         return None
 
     def metadata(self, bs: int, context_lens: list[int], slot_offsets: list[int],
-              prompt_lens: list[int]) -> AttentionMetadata:
+                 prompt_lens: list[int]) -> AttentionMetadata:
         """The bucket's metadata over the static buffers. The host lists are the pass's (with its padding
         rows) for an eager run; a capture's are placeholders, since a graph-mode backend reads the device
         tensors only (runner/cuda_graph.py: DecodeGraphs does the same)."""
@@ -143,7 +144,7 @@ class PassGraphs:
         return self.output[:n].clone(), self.gate_logits[:n].clone()
 
     def load(self, states: torch.Tensor, injections: torch.Tensor | None,
-              positions: torch.Tensor, meta: AttentionMetadata, bs: int) -> None:
+             positions: torch.Tensor, meta: AttentionMetadata, bs: int) -> None:
         """The pass's rows into the static buffers, and rows n..bs as padding rows (restored here in case a
         larger pass used them)."""
         n = meta.num_rows
