@@ -17,7 +17,8 @@ and untimed warm-up steps have run (Triton compiles stay out; under depth batchi
 loops). It reports output tok/s, TPOT (batch / tok/s), the loops a token ran in the window, GB/s (the bytes
 its tokens need when each loop's weights are read once for the whole batch, over the time), the speed-up over
 (a) beside its bound T / (loops a token), and whether (c)'s tokens equal (b)'s. 64 rows of 2K need about
-110 GB of KV (an 80 GB card holds about 38): a row that does not fit is recorded as such.
+110 GB of KV (an 80 GB card holds about 38): a row that does not fit is recorded as such, and one whose rows
+outgrew the pool (a preemption) says so beside its numbers.
 
 Self-speculation's rows (d = 2, k = 4, acceptance forced to 100% and 0%), the speculative step's and
 pipelined in depth-batched passes (depth_batching=True with speculative), are benchmarks/speculative.py's.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import random
 import time
 from pathlib import Path
@@ -184,10 +186,20 @@ def row(engine: Engine, label: str, target: float | None, batch: int, args: argp
            "dtype": str(engine.dtype).removeprefix("torch."), "target_loops": target,
            "gate_bias": engine.model.early_exit_gate.bias.item() if target is not None else None,
            "batch": batch, "prompt": args.prompt, "timed_steps": window, "passes_per_step": passes}
+    # The budget bounds the worst case (head_start's steps, every token of a chain exiting at loop 0); the KV
+    # a row is expected to need, by the steps its prompts take to prefill and the tokens a step appends at the
+    # target loops (P / loops under depth batching), decides whether the batch fits; a run that outgrows the
+    # pool anyway (a preemption) is noted.
     budget = token_budget(engine, batch, args.prompt, warm + window)
-    if engine.max_concurrent_sequences(args.prompt, budget) < batch:
-        return {**out, "note": f"does not fit: {batch} rows of {args.prompt} + {budget} tokens"}
+    per_step = math.ceil(passes / target) if depth else 1
+    prefill_steps = -(-batch * args.prompt // BATCHED_TOKENS) + 1
+    expected = (prefill_steps + warm + window) * per_step + 2
+    if engine.max_concurrent_sequences(args.prompt, min(budget, expected)) < batch:
+        return {**out, "note": f"does not fit: {batch} rows of {args.prompt} + {expected} tokens"}
+    preemptions = engine.scheduler.num_preemptions
     run = timed_window(engine, batch, args.prompt, warm, window, seed=batch)
+    if engine.scheduler.num_preemptions != preemptions:
+        out["note"] = "preempted: the KV pool filled, the time includes recomputed prompts"
     tok_s = run["tokens"] / run["seconds"]
     loops = run["loops_per_token"]
     need = costs.bytes_per_token(batch, run["context"], loops)
@@ -234,6 +246,8 @@ def table(rows: list[dict], calibrations: list[dict], env: dict, args: argparse.
     for r in rows:
         same = (f"{r['requests_equal']}/{r['batch']} requests ({r['tokens_compared']} tokens)"
                 if "requests_equal" in r else "")
+        if "note" in r and "tok_s" in r:
+            same += f" ({r['note']})"
         lines.append(f"| {r['target_loops'] or '-'} | {r['row']} | {r['mode']} | {r['batch']} | "
                      f"{r.get('loops_per_token', r.get('note'))} | {r.get('tpot_ms', '')} | "
                      f"{r.get('tok_s', '')} | "
@@ -299,8 +313,10 @@ def main(argv: list[str] | None = None) -> dict:
     path = checkpoint(args.model, args.preset)
     bandwidth = copy_bandwidth() if args.device.startswith("cuda") else None
     loops = read_config(Path(path)).shape.loops
-    longest = args.prompt + head_start(max(args.batches), args.prompt, BATCHED_TOKENS) + \
-        (args.warm + args.steps) * loops + 2
+    # the longest a request may grow (token_budget at the most passes a step; it sizes block tables only)
+    passes = args.passes_per_step or 4 * loops
+    longest = args.prompt + (head_start(max(args.batches), args.prompt, BATCHED_TOKENS) + args.warm * loops
+                             + args.steps) * passes + 2
     common = dict(device=args.device, dtype=args.dtype, attention=args.attention,
                   max_num_seqs=max(*args.batches, args.calibration_batch),
                   max_model_len=max(longest, args.calibration_prompt + args.calibration_tokens) + 8,
