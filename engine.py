@@ -165,7 +165,9 @@ class Engine:
             depth = ", depth_batching"
             chains = f"chains of {config.step_passes} passes a step where rows allow" \
                 if config.step_passes > 1 else ""
-            graphs, chain_graphs = self.runner.depth.graphs, self.runner.chains and self.runner.chains.graphs
+            graphs = self.runner.depth.graphs
+            chained = self.runner.speculative_chains or self.runner.chains  # the chains a step runs
+            chain_graphs = chained.graphs if chained is not None else None
             if graphs is not None and graphs.captured:
                 prompts = "piecewise graphs" if self.runner.piecewise is not None else "eager"
                 if chains:

@@ -91,18 +91,14 @@ class BucketChains:
         self.active[:bs].copy_(chain.active)
 
     def load_rows(self, chain: ChainRows, meta: AttentionMetadata, offset_of: torch.Tensor, bs: int) -> None:
-        """A chain's rows into the static buffers (rows n..bs of the pass graphs' as padding rows), and the
-        pass counter to 0."""
+        """A chain's rows into the static buffers, rows n..bs of the pass graphs' as padding rows (the
+        subclass pads its own, and zeroes the pass counter)."""
         n = chain.loop.shape[0]
         rows = chain.rows
         self.graphs.load(rows.state, None, chain.position, at_loops(chain, meta, offset_of), bs)
         for buffer, values in ((self.hidden, rows.hidden), (self.gates, rows.gates), (self.loop, chain.loop),
                                (self.finished, chain.finished), (self.active, chain.active)):
             buffer[:n].copy_(values)
-        self.loop[n:bs].zero_()
-        self.finished[n:bs].zero_()
-        self.active[n:bs].fill_(False)
-        self.count.zero_()
 
     def after(self, n: int, memory: list[torch.Tensor]) -> PassRows:
         """The first n rows after the last pass, copied (the next chain rewrites the buffers)."""
