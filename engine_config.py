@@ -35,6 +35,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 KV_SHARING = ("none", "last")
 CONTINUOUS_COMPUTE = ("normalized", "raw")  # the warm starts (EngineConfig.continuous_compute)
+CHAIN_PASSES_PER_LOOP = 4  # depth batching's default passes a step, per loop (EngineConfig.step_passes)
 # deterministic=None, per device type: on where its measured cost is small (docs/deterministic.md).
 DETERMINISTIC_BY_DEFAULT = {"cpu": False, "cuda": False}
 
@@ -283,7 +284,7 @@ class EngineConfig:
         if self.passes_per_step is not None:
             return self.passes_per_step
         chains = self.depth_batching and self.model.init_scale is None and self.kv_sharing == "none"
-        return 4 * self.loops if chains else 1
+        return CHAIN_PASSES_PER_LOOP * self.loops if chains else 1
 
     @property
     def chain_positions(self) -> int:

@@ -39,6 +39,7 @@ from benchmarks.common import (BATCHED_TOKENS, add_random_prompts, checkpoint, c
                                head_start, kv_bytes_read_per_token, loop_and_step_weight_bytes,
                                prefill_until_first_tokens, sync, write_results)
 from engine import Engine, SamplingParams
+from engine_config import CHAIN_PASSES_PER_LOOP
 from model.registry import read_config
 
 CALIBRATION_SEED = 1_000_003  # other prompts than the timed rows' (seeded by their batch size)
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     bandwidth = copy_bandwidth() if args.device.startswith("cuda") else None
     loops = read_config(Path(path)).shape.loops
     # the longest a request may grow (token_budget at the most passes a step; it sizes block tables only)
-    passes = args.passes_per_step or 4 * loops
+    passes = args.passes_per_step or CHAIN_PASSES_PER_LOOP * loops
     longest = args.prompt + (head_start(max(args.batches), args.prompt, BATCHED_TOKENS) + args.warm * loops
                              + args.steps) * passes + 2
     common = dict(device=args.device, dtype=args.dtype, attention=args.attention,

@@ -62,6 +62,10 @@ class BucketChains:
 
     def pad_all(self) -> None:
         """Every row of the buffers a padding row (for the captures)."""
+        self.pad(0, self.loop.shape[0])
+
+    def pad(self, start: int, end: int) -> None:
+        """Rows start..end of the buffers as padding rows, and the pass counter to 0."""
         raise NotImplementedError
 
     def passes(self, bs: int, passes: int) -> None:
@@ -178,14 +182,11 @@ class ChainGraphs(BucketChains):
         columns = steps.table.shape[1]
         self.table[:n, :columns].copy_(steps.table)
         self.table[:n, columns:].fill_(self.chains.scratch_slot)
-        self._pad(n, bs)
+        self.pad(n, bs)
         self.passes(bs, passes)
         return self.record[:passes, :, :n], self.after(n, [] if self.rule is None else self.rule.buffers)
 
-    def pad_all(self) -> None:
-        self._pad(0, self.loop.shape[0])
-
-    def _pad(self, start: int, end: int) -> None:
+    def pad(self, start: int, end: int) -> None:
         """Rows start..end as padding rows: inactive at loop 0 on the scratch slot, reserving nothing."""
         for buffer in (self.loop, self.finished, self.first, self.reserved):
             buffer[start:end].zero_()
@@ -240,16 +241,13 @@ class SpeculativeChainGraphs(BucketChains):
         columns = table.shape[1]
         self.table[:requests, :columns].copy_(table)
         self.table[:requests, columns:].fill_(self.chains.chains.scratch_slot)
-        self._pad(n, bs)
+        self.pad(n, bs)
         self.passes(bs, passes)
         positions = self.graphs.positions[:n]
         final = torch.stack([self.active[:n].long(), positions, self.loop[:n], self.given[:n]])
         return self.record[:passes, :, :requests], self.served[:passes], final, self.after(n, [])
 
-    def pad_all(self) -> None:
-        self._pad(0, self.loop.shape[0])
-
-    def _pad(self, start: int, end: int) -> None:
+    def pad(self, start: int, end: int) -> None:
         """Rows start..end and their requests as padding: inactive, reserving nothing."""
         m = self.chains.m
         for buffer in (self.loop, self.finished, self.given):

@@ -234,14 +234,18 @@ class PassChains:
         chain.position = steps.first + torch.minimum(chain.finished, reserved - 1).clamp(min=0)
         table = steps.table
         chain.slot = table.gather(1, chain.finished.clamp(max=table.shape[1] - 1)[:, None])[:, 0]
-        starts = done[:, None]
-        rows.state = torch.where(starts, self.model.embed(token).to(rows.state.dtype), rows.state)
-        rows.hidden.masked_fill_(starts[:, :, None], 0)
-        rows.gates.masked_fill_(starts, math.nan)
+        self.start_tokens(rows, done, token)
         if rule is not None:
             before = [buffer.clone() for buffer in rule.buffers]
             rule.reset(rows.state.shape[0], rows.state)
             _keep_where(rule.buffers, before, ~done)
+
+    def start_tokens(self, rows: PassRows, starts: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Rows `starts` ([n] bool) start a token at loop 0: their state becomes the token's embedding (of
+        `tokens`, [n]), their loop outputs zeros and their gates NaN, as a one-pass step's fresh rows."""
+        rows.state = torch.where(starts[:, None], self.model.embed(tokens).to(rows.state.dtype), rows.state)
+        rows.hidden.masked_fill_(starts[:, None, None], 0)
+        rows.gates.masked_fill_(starts[:, None], math.nan)
 
     def _replay(self, requests: list[Request], carried: list[MidToken | None], after: PassRows,
                 first_pass: int, active: list[list[int]], done: list[list[int]], tokens: list[list[int]],

@@ -25,7 +25,6 @@ requests (runner/chain_graphs.py: SpeculativeChainGraphs), reading the forced ve
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -153,7 +152,7 @@ class SpeculativeChains:
         """After a pass, per request: its finished token's verification, the draft it starts (or the
         finished token restarting the next position), every other token's next loop; into row `count` of
         `record` [passes, FIELDS, R]."""
-        m, model = self.m, self.chains.model
+        m = self.m
         active, position, loop = (t.view(-1, m) for t in (chain.active, chain.position, chain.loop))
         finished, argmax, started = done.view(-1, m), token.view(-1, m), given.view(-1, m)
         ended = finished.any(1)
@@ -187,11 +186,7 @@ class SpeculativeChains:
         chain.position = torch.where(seat, start_position[:, None], position).view(-1)
         chain.active = (alive | seat).view(-1)
         given.copy_(torch.where(seat, start_token[:, None], started).view(-1))
-        rows = chain.rows
-        fresh = seat.view(-1)
-        rows.state = torch.where(fresh[:, None], model.embed(given).to(rows.state.dtype), rows.state)
-        rows.hidden.masked_fill_(fresh[:, None, None], 0)
-        rows.gates.masked_fill_(fresh[:, None], math.nan)
+        self.chains.start_tokens(chain.rows, seat.view(-1), given)
         chain.slot = self._slots(chain, owners, table)
 
     def _replay(self, r: int, request: Request, flight: list[InFlight], record: list[list[int]],

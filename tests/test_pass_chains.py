@@ -47,17 +47,18 @@ def chained(checkpoint, prompts, params, passes: int, static: bool = False, **en
 
 
 def static_chain_graphs(runner) -> dict[str, int]:
-    """The runner's chains through uncaptured chain graphs (and its one-pass steps through the pass graphs'
-    buffers, which they share); counts of the chains run, the passes they asked and the bodies run."""
+    """The runner's chains, plain or pipelined speculation's, through uncaptured chain graphs
+    (runner/chain_graphs.py: the body a CUDA capture records, run eagerly; its one-pass steps through the pass
+    graphs' buffers, which they share); counts of the chains run, the passes they asked and the bodies run."""
     runner.depth.graphs = runner.pass_graphs()
     graphs, = runner.chain_graphs()
     counts = {"runs": 0, "passes": 0, "bodies": 0}
     run, body = graphs.run, graphs.body
 
-    def counted_run(chain, steps, meta, passes):
+    def counted_run(*args):  # the passes come last
         counts["runs"] += 1
-        counts["passes"] += passes
-        return run(chain, steps, meta, passes)
+        counts["passes"] += args[-1]
+        return run(*args)
 
     def counted_body(bs, eager):
         counts["bodies"] += 1

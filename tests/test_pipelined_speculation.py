@@ -9,6 +9,7 @@ name. All on CPU, fp32, the torch backend."""
 import pytest
 
 from engine import DEFAULT_MODEL, Engine, SamplingParams
+from tests.test_pass_chains import static_chain_graphs
 from tests.test_pass_graphs import static_pass_graphs
 from tests.test_speculative import assert_same_distribution
 from tests.conftest import ROOT
@@ -296,35 +297,13 @@ def test_pass_graphs_static_path_carries_both_phases_and_keeps_tokens(plain):
     assert max(sizes) > len(PROMPTS)  # more rows than requests: tokens in flight shared passes
 
 
-def static_chains(engine: Engine) -> dict[str, int]:
-    """The engine's speculative chains through uncaptured chain graphs (runner/chain_graphs.py: the body a
-    CUDA capture records, run eagerly); counts of the chains run, the passes they asked and bodies run."""
-    runner = engine.runner
-    runner.depth.graphs = runner.pass_graphs()
-    graphs, = runner.chain_graphs()
-    counts = {"runs": 0, "passes": 0, "bodies": 0}
-    run_chain, body = graphs.run, graphs.body
-
-    def counted_run(*args):
-        counts["runs"] += 1
-        counts["passes"] += args[-1]
-        return run_chain(*args)
-
-    def counted_body(bs, eager):
-        counts["bodies"] += 1
-        return body(bs, eager)
-
-    graphs.run, graphs.body = counted_run, counted_body
-    return counts
-
-
 @pytest.mark.parametrize("d", [1, 2])
 def test_chain_graphs_body_gives_the_eager_chains_tokens_drafts_and_passes(plain, pipelined, d):
     """Every chained pass through the speculative chain graphs' static buffers (m rows a request, requests
     padded to a bucket as they finish): the eager chains' tokens, verifications and passes."""
     eager, eager_stats = pipelined(d)
     with engine_of(TRAINED, True, d) as engine:
-        counts = static_chains(engine)
+        counts = static_chain_graphs(engine.runner)
         outputs = [o.outputs[0] for o in engine.generate(PROMPTS, greedy(), use_tqdm=False)]
         stats = engine.speculative_stats
         assert_clean(engine)
@@ -340,7 +319,7 @@ def test_chain_graphs_body_reads_the_forced_acceptance_from_the_device(accept):
     each chain fills. Forced, the passes a token are those of the eager chains."""
     eager = forced(TRAINED, True, accept)
     with engine_of(TRAINED, True, 2, max_num_batched_tokens=512) as engine:
-        counts = static_chains(engine)
+        counts = static_chain_graphs(engine.runner)
         engine.runner.speculation.forced_acceptance = bool(accept)
         outputs = [o.outputs[0] for o in engine.generate(PROMPTS, greedy(), use_tqdm=False)]
         assert_clean(engine)
