@@ -115,12 +115,13 @@ class BucketChains:
         backend reads (a capture's are placeholders)."""
         graphs = self.graphs
 
-        def layer(state: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, offsets: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-            lengths = graphs.context_lens[:bs]
-            lengths.copy_(positions + 1)
-            graphs.slot_offsets[:bs].copy_(offsets)
-            host = (lengths.tolist(), offsets.tolist()) if eager else ([1] * bs, [0] * bs)
+        def layer(state: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
+                  offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            lengths, at_loops = graphs.context_lens[:bs], graphs.slot_offsets[:bs]
+            if offsets is not None:  # None: the step before wrote both (a fused step)
+                lengths.copy_(positions + 1)
+                at_loops.copy_(offsets)
+            host = (lengths.tolist(), at_loops.tolist()) if eager else ([1] * bs, [0] * bs)
             graphs.pass_body(bs, graphs.metadata(bs, *host, []))
             return graphs.output[:bs], graphs.gate_logits[:bs]
 
@@ -223,6 +224,9 @@ class SpeculativeChainGraphs(BucketChains):
                                 device=device)
         self.record = torch.zeros(max_passes, FIELDS, requests, dtype=torch.int64, device=device)
         self.served = torch.zeros(max_passes, dtype=torch.int64, device=device)
+        # the step to the next pass as one kernel (SpeculativeChains.fused_step): on CUDA; tests set it on
+        # CPU, where Triton runs in the interpreter
+        self.fused = device.type == "cuda"
 
     def fits(self, requests: int, columns: int, passes: int) -> bool:
         return (self.bucket_for(requests * self.chains.m) is not None and columns <= self.table.shape[1]
@@ -242,6 +246,7 @@ class SpeculativeChainGraphs(BucketChains):
         self.table[:requests, :columns].copy_(table)
         self.table[:requests, columns:].fill_(self.chains.chains.scratch_slot)
         self.pad(n, bs)
+        self.served.zero_()
         self.passes(bs, passes)
         positions = self.graphs.positions[:n]
         final = torch.stack([self.active[:n].long(), positions, self.loop[:n], self.given[:n]])
@@ -263,8 +268,14 @@ class SpeculativeChainGraphs(BucketChains):
         requests = bs // self.chains.m
         chain = self.static_chain(bs)
         owners = Reservations(self.first[:requests], self.end[:requests])
-        self.chains.step(chain, self.given[:bs], owners, self.table[:requests], self.limit[:bs],
-                         self.layer(bs, eager), self.record[:, :, :requests], self.served, self.count)
+        given, table, record, layer = self.given[:bs], self.table[:requests], self.record[:, :, :requests], \
+            self.layer(bs, eager)
+        if self.fused:  # in place, the next pass's lengths and loops included
+            inputs = (self.graphs.context_lens[:bs], self.graphs.slot_offsets[:bs])
+            self.chains.fused_step(chain, given, owners, table, layer, record, self.served, self.count,
+                                   inputs)
+            return
+        self.chains.step(chain, given, owners, table, self.limit[:bs], layer, record, self.served, self.count)
         self.write_back(chain, bs)
 
 

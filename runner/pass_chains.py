@@ -84,9 +84,9 @@ class ChainSteps:
 
 # layer(state, positions, slot, offsets) -> (the loop's output, gate logits): the rows through the layer
 # stack, each writing its K/V at `slot` of its own loop's plane (`offsets`, int32), attending to positions + 1
-# keys
+# keys (offsets None: the lengths and offsets the chain graphs' buffers hold, which a fused step wrote)
 Tensor = torch.Tensor
-LayerPass = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+LayerPass = Callable[[Tensor, Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor]]
 
 
 class PassChains:

@@ -31,6 +31,7 @@ from attention.triton_kvarn import decode_maxnreg
 from cache.copy_forward_kernel import copy_forward_kernel
 from model.kernels.fused import rmsnorm_kernel, rope_qkv_kernel, silu_mul_kernel
 from model.kernels.gemv import skinny_gemm_kernel
+from runner.pipelined_step_kernel import pipelined_step_kernel
 from model.kernels.gemv_epilogues import (skinny_gemm_add_norms_kernel, skinny_gemm_rope_kernel,
                                           skinny_gemm_silu_mul_kernel)
 from tests.pdl_ptx import pre_wait_violations
@@ -241,6 +242,15 @@ def variants() -> list[tuple]:
             pointers = {**KVARN_POINTERS, "q_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
             constexprs = {**kvarn, "BLOCK_M": block_m, "EXACT_FP32": dtype == "fp32"}
             out.append((kvarn_prefill_kernel, dtype, constexprs, num_warps, None, pointers))
+    # pipelined speculation's step between chained passes, d = 2 and 1 of Ouro's 4 loops
+    step_pointers = {name: "*i64" for name in ("position_ptr", "loop_ptr", "given_ptr", "token_ptr",
+                                               "first_ptr", "end_ptr", "table_ptr", "force_ptr", "count_ptr",
+                                               "record_ptr", "served_ptr", "slot_ptr")}
+    step_pointers.update(active_ptr="*i1", lengths_ptr="*i32", offsets_ptr="*i32", offset_of_ptr="*i32")
+    for dtype in ("bf16", "fp32"):
+        for m, d in ((2, 2), (4, 1)):
+            out.append((pipelined_step_kernel, dtype, {"M": m, "BLOCK_M": m, "LOOPS": 4, "D": d, "H": 2048,
+                                                       "BLOCK_H": 1024}, 4, None, step_pointers))
     for base in (False, True):  # KVarN's rotations of the decode query and of its output back
         out.append((rotate_rows_kernel, "fp32", {"D": 128, "BLOCK_R": 16, "BLOCK_K": 16, "BLOCK_N": 16,
                                                  "BASE": base}, 4, None, {"matrix_ptr": "*fp32"}))
