@@ -49,6 +49,9 @@ class BucketChains:
         self.loop, self.finished = (torch.zeros(n, dtype=torch.int64, device=device) for _ in range(2))
         self.active = torch.zeros(n, dtype=torch.bool, device=device)
         self.count = torch.zeros(1, dtype=torch.int64, device=device)  # the passes run since the load
+        # the step to the next pass as one kernel (runner/chain_step_kernels.py) on CUDA; tests set it on CPU,
+        # where Triton runs in the interpreter
+        self.fused = device.type == "cuda"
 
     @property
     def captured(self) -> bool:
@@ -200,7 +203,12 @@ class ChainGraphs(BucketChains):
         """One pass and the step to the next over the bucket's rows (PassChains.step)."""
         chain = self.static_chain(bs)
         steps = ChainSteps(self.first[:bs], self.limit[:bs], self.reserved[:bs], self.table[:bs], True)
-        self.chains.step(chain, steps, self.layer(bs, eager), self.rule, self.record[:, :, :bs], self.count)
+        layer, record = self.layer(bs, eager), self.record[:, :, :bs]
+        if self.fused:  # in place, the next pass's lengths and loops included
+            inputs = (self.graphs.context_lens[:bs], self.graphs.slot_offsets[:bs])
+            self.chains.fused_step(chain, steps, layer, self.rule, record, self.count, inputs)
+            return
+        self.chains.step(chain, steps, layer, self.rule, record, self.count)
         self.write_back(chain, bs)
 
 
@@ -224,9 +232,6 @@ class SpeculativeChainGraphs(BucketChains):
                                 device=device)
         self.record = torch.zeros(max_passes, FIELDS, requests, dtype=torch.int64, device=device)
         self.served = torch.zeros(max_passes, dtype=torch.int64, device=device)
-        # the step to the next pass as one kernel (SpeculativeChains.fused_step): on CUDA; tests set it on
-        # CPU, where Triton runs in the interpreter
-        self.fused = device.type == "cuda"
 
     def fits(self, requests: int, columns: int, passes: int) -> bool:
         return (self.bucket_for(requests * self.chains.m) is not None and columns <= self.table.shape[1]

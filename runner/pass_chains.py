@@ -209,6 +209,19 @@ class PassChains:
         every = torch.arange(h.shape[0], device=h.device)
         rows.hidden[every, loop] = h
         rows.gates[every, loop] = gate.to(rows.gates.dtype)
+        done = self.finishing(chain, h, gate, limit, rule, copies)
+        rows.state = h
+        return done, self.readout(h)
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax token from its loop output: a finished token's."""
+        return self.model.compute_logits(h).float().argmax(dim=-1)
+
+    def finishing(self, chain: ChainRows, h: torch.Tensor, gate: torch.Tensor, limit: torch.Tensor,
+                  rule: ExitRule | None, copies: bool) -> torch.Tensor:
+        """Which active rows' tokens finish with the loop they just ran (output h, gate logits gate): at
+        their last loop, or where their exit rule fired; their K/V copied forward where `copies`."""
+        loop = chain.loop
         done = chain.active & (loop == limit - 1)
         if rule is not None:
             deciding = chain.active & self.decides_at[loop] & ~done
@@ -219,8 +232,40 @@ class PassChains:
         if copies:
             for t in range(self.loops - 1):
                 self.depth.layout.copy_forward(self.depth.pool, chain.slot, t, done & (loop == t))
-        rows.state = h
-        return done, self.model.compute_logits(h).float().argmax(dim=-1)
+        return done
+
+    def fused_step(self, chain: ChainRows, steps: ChainSteps, layer: LayerPass, rule: ExitRule | None,
+                   record: torch.Tensor, count: torch.Tensor, inputs: tuple[torch.Tensor, torch.Tensor]
+                   ) -> None:
+        """`step` with the step to the next as one kernel (runner/chain_step_kernels.py) after the exit rule,
+        the head's argmax and the argmax's embedding: in place over the chain's tensors (the chain graphs'
+        static buffers, where it runs) and over `inputs`, the next pass's lengths and slot offsets (which the
+        layer then reads as they are: it is given no offsets)."""
+        from runner.chain_step_kernels import chain_step_kernel  # Triton only where it runs
+
+        rows = chain.rows
+        h, gate = layer(rows.state, chain.position, chain.slot, None)
+        done = self.finishing(chain, h, gate, steps.limit, rule, rule is not None or steps.stops_early)
+        token = self.readout(h)
+        embedded = self.model.embed(token).to(rows.state.dtype)
+        lengths, offsets = inputs
+        n, hidden_size = h.shape
+        check_contiguous(chain.active, chain.loop, chain.finished, chain.position, done, token, h, embedded,
+                         rows.state, rows.hidden, rows.gates, gate, steps.first, steps.limit, steps.reserved,
+                         chain.slot, lengths, offsets)
+        table = steps.table
+        block = 4  # rows a program
+        chain_step_kernel[(-(-n // block),)](
+            chain.active, chain.loop, chain.finished, chain.position, done, token, n,
+            steps.first, steps.reserved, table, table.stride(0), table.shape[1],
+            count, record, record.stride(0), record.stride(1),
+            chain.slot, lengths, offsets, self.offset_of,
+            h, embedded, rows.state, rows.hidden, gate, rows.gates,
+            BLOCK_R=block, LOOPS=self.loops, H=hidden_size, BLOCK_H=hidden_block(hidden_size, 512),
+            num_warps=4)
+        count += 1
+        if rule is not None:
+            self.restart_rule(rule, rows.state, done)
 
     def _advance(self, chain: ChainRows, steps: ChainSteps, done: torch.Tensor, token: torch.Tensor,
                  rule: ExitRule | None) -> None:
@@ -236,9 +281,14 @@ class PassChains:
         chain.slot = table.gather(1, chain.finished.clamp(max=table.shape[1] - 1)[:, None])[:, 0]
         self.start_tokens(rows, done, token)
         if rule is not None:
-            before = [buffer.clone() for buffer in rule.buffers]
-            rule.reset(rows.state.shape[0], rows.state)
-            _keep_where(rule.buffers, before, ~done)
+            self.restart_rule(rule, rows.state, done)
+
+    @staticmethod
+    def restart_rule(rule: ExitRule, state: torch.Tensor, starts: torch.Tensor) -> None:
+        """The exit rule's memory of rows `starts` ([n] bool) reset for a token starting from `state`."""
+        before = [buffer.clone() for buffer in rule.buffers]
+        rule.reset(state.shape[0], state)
+        _keep_where(rule.buffers, before, ~starts)
 
     def start_tokens(self, rows: PassRows, starts: torch.Tensor, tokens: torch.Tensor) -> None:
         """Rows `starts` ([n] bool) start a token at loop 0: their state becomes the token's embedding (of
@@ -278,3 +328,13 @@ def _keep_where(buffers: list[torch.Tensor], before: list[torch.Tensor], keep: t
     for buffer, old in zip(buffers, before):
         rows = buffer[:n]
         rows.copy_(torch.where(keep.view(-1, *[1] * (buffer.dim() - 1)), old[:n], rows))
+
+
+def check_contiguous(*tensors: torch.Tensor) -> None:
+    """A fused step's kernel indexes rows as [n, ...] arrays: every tensor it reads or writes whole."""
+    assert all(t.is_contiguous() for t in tensors), "a fused chain step's tensors must be contiguous"
+
+
+def hidden_block(hidden_size: int, cap: int = 1024) -> int:
+    """The fused steps' tile over a state's width: a power of two, at most `cap`."""
+    return min(cap, 1 << (hidden_size - 1).bit_length())

@@ -32,7 +32,7 @@ from attention.base import AttentionMetadata
 from request import Request, ScheduledBatch
 from runner.depth_passes import MidToken, PassRows
 from runner.host_to_device import upload
-from runner.pass_chains import ChainRows, LayerPass, PassChains
+from runner.pass_chains import ChainRows, LayerPass, PassChains, check_contiguous, hidden_block
 from runner.pipelined_speculation import InFlight, PipelinedSpeculation
 
 # what the record holds per pass and request: did a token finish, its token, its row, was it the draft
@@ -142,30 +142,29 @@ class SpeculativeChains:
     def fused_step(self, chain: ChainRows, given: torch.Tensor, owners: Reservations, table: torch.Tensor,
                    layer: LayerPass, record: torch.Tensor, served: torch.Tensor, count: torch.Tensor,
                    inputs: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """`step`'s work with the step to the next as one kernel (runner/pipelined_step_kernel.py) after the
+        """`step`'s work with the step to the next as one kernel (runner/chain_step_kernels.py) after the
         pass, the head's argmax and the embedding of each row's argmax: in place over the chain's tensors (the
         chain graphs' static buffers, where it runs), and over `inputs`, the next pass's lengths and slot
         offsets (which the layer then reads as they are: it is given no offsets). served must start at zeros
         (the kernel adds each request's rows)."""
-        from runner.pipelined_step_kernel import pipelined_step_kernel  # Triton only where it runs
+        from runner.chain_step_kernels import pipelined_step_kernel  # Triton only where it runs
 
-        rows, model = chain.rows, self.chains.model
+        rows, chains = chain.rows, self.chains
         h, gate = layer(rows.state, chain.position, chain.slot, None)
-        token = model.compute_logits(h).float().argmax(dim=-1)
-        embedded = model.embed(token).to(rows.state.dtype)
-        tensors = (chain.active, chain.position, chain.loop, given, token, rows.state, h, embedded,
-                   rows.hidden, rows.gates, gate, *inputs)
-        assert all(t.is_contiguous() for t in tensors), "the step's rows must be contiguous"
+        token = chains.readout(h)
+        embedded = chains.model.embed(token).to(rows.state.dtype)
+        check_contiguous(chain.active, chain.position, chain.loop, given, token, rows.state, h, embedded,
+                         rows.hidden, rows.gates, gate, chain.slot, *inputs)
         lengths, offsets = inputs
         hidden_size = h.shape[1]
         pipelined_step_kernel[(owners.first.shape[0],)](
             chain.active, chain.position, chain.loop, given, token,
-            owners.first, owners.end, table, table.stride(0), table.shape[1], self.chains.scratch_slot,
+            owners.first, owners.end, table, table.stride(0), table.shape[1], chains.scratch_slot,
             self.force, count, record, record.stride(0), record.stride(1), served,
-            chain.slot, lengths, offsets, self.chains.offset_of,
+            chain.slot, lengths, offsets, chains.offset_of,
             h, embedded, rows.state, rows.hidden, gate, rows.gates,
-            M=self.m, BLOCK_M=triton_power_of_2(self.m), LOOPS=self.loops, D=self.d, H=hidden_size,
-            BLOCK_H=min(1024, triton_power_of_2(hidden_size)), num_warps=4)
+            M=self.m, BLOCK_M=1 << (self.m - 1).bit_length(), LOOPS=self.loops, D=self.d, H=hidden_size,
+            BLOCK_H=hidden_block(hidden_size), num_warps=4)
         count += 1
 
     def _slots(self, chain: ChainRows, owners: Reservations, table: torch.Tensor) -> torch.Tensor:
@@ -251,7 +250,3 @@ class SpeculativeChains:
             in_flight[0] = dataclasses.replace(in_flight[0], after_pass=after_pass)
         result.in_flight[r] = in_flight
 
-
-def triton_power_of_2(n: int) -> int:
-    """The smallest power of two at least n (a Triton block)."""
-    return 1 << (n - 1).bit_length()

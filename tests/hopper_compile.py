@@ -31,7 +31,7 @@ from attention.triton_kvarn import decode_maxnreg
 from cache.copy_forward_kernel import copy_forward_kernel
 from model.kernels.fused import rmsnorm_kernel, rope_qkv_kernel, silu_mul_kernel
 from model.kernels.gemv import skinny_gemm_kernel
-from runner.pipelined_step_kernel import pipelined_step_kernel
+from runner.chain_step_kernels import chain_step_kernel, pipelined_step_kernel
 from model.kernels.gemv_epilogues import (skinny_gemm_add_norms_kernel, skinny_gemm_rope_kernel,
                                           skinny_gemm_silu_mul_kernel)
 from tests.pdl_ptx import pre_wait_violations
@@ -242,12 +242,15 @@ def variants() -> list[tuple]:
             pointers = {**KVARN_POINTERS, "q_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
             constexprs = {**kvarn, "BLOCK_M": block_m, "EXACT_FP32": dtype == "fp32"}
             out.append((kvarn_prefill_kernel, dtype, constexprs, num_warps, None, pointers))
-    # pipelined speculation's step between chained passes, d = 2 and 1 of Ouro's 4 loops
-    step_pointers = {name: "*i64" for name in ("position_ptr", "loop_ptr", "given_ptr", "token_ptr",
-                                               "first_ptr", "end_ptr", "table_ptr", "force_ptr", "count_ptr",
-                                               "record_ptr", "served_ptr", "slot_ptr")}
-    step_pointers.update(active_ptr="*i1", lengths_ptr="*i32", offsets_ptr="*i32", offset_of_ptr="*i32")
+    # the steps between chained passes: plain chains', pipelined speculation's (d = 2 and 1 of 4 loops)
+    step_pointers = {name: "*i64" for name in (
+        "position_ptr", "loop_ptr", "finished_ptr", "given_ptr", "token_ptr", "first_ptr", "reserved_ptr",
+        "end_ptr", "table_ptr", "force_ptr", "count_ptr", "record_ptr", "served_ptr", "slot_ptr")}
+    step_pointers.update(active_ptr="*i1", done_ptr="*i1", lengths_ptr="*i32", offsets_ptr="*i32",
+                         offset_of_ptr="*i32")
     for dtype in ("bf16", "fp32"):
+        out.append((chain_step_kernel, dtype, {"BLOCK_R": 4, "LOOPS": 4, "H": 2048, "BLOCK_H": 512}, 4,
+                    None, step_pointers))
         for m, d in ((2, 2), (4, 1)):
             out.append((pipelined_step_kernel, dtype, {"M": m, "BLOCK_M": m, "LOOPS": 4, "D": d, "H": 2048,
                                                        "BLOCK_H": 1024}, 4, None, step_pointers))

@@ -6,6 +6,7 @@ inside a chain drops the tokens after it; a batch with a row that cannot chain r
 checked by name. CPU, fp32, the torch backend."""
 
 import pytest
+import torch
 
 from engine import Engine, SamplingParams
 from tests.test_depth_batching import PROMPTS, run
@@ -66,6 +67,63 @@ def static_chain_graphs(runner) -> dict[str, int]:
 
     graphs.run, graphs.body = counted_run, counted_body
     return counts
+
+
+def shadowed_fused_steps(runner) -> list[int]:
+    """The chain graphs' body (plain chains' or pipelined speculation's) run twice a pass from the same
+    buffers: the tensor operations' step, then the fused step (runner/chain_step_kernels.py, in the
+    interpreter), which goes on. Every buffer the step writes must hold the same bits, and the next pass's
+    lengths and slot offsets (which the tensor step leaves to the next layer call) those of the rows'
+    positions and loops. Returns the row count of each pass."""
+    counts = static_chain_graphs(runner)
+    chains = runner.speculative_chains or runner.chains
+    graphs, passes = chains.graphs, chains.graphs.graphs
+    written = {"state": passes.state, "positions": passes.positions, "slot": passes.slot_mapping,
+               "hidden": graphs.hidden, "gates": graphs.gates, "loop": graphs.loop, "active": graphs.active,
+               "finished": graphs.finished, "record": graphs.record, "count": graphs.count}
+    if runner.speculative_chains is not None:
+        written.update(given=graphs.given, served=graphs.served)
+    elif graphs.rule is not None:
+        written.update({f"rule {i}": buffer for i, buffer in enumerate(graphs.rule.buffers)})
+    offset_of = runner.chains.offset_of
+    body, seen = graphs.body, []
+
+    def shadowed(bs, eager):
+        before = {name: buffer.clone() for name, buffer in written.items()}
+        graphs.fused = False
+        body(bs, eager)
+        expected = {name: buffer.clone() for name, buffer in written.items()}
+        for name, buffer in written.items():
+            buffer.copy_(before[name])
+        graphs.fused = True
+        body(bs, eager)
+        for name, buffer in written.items():
+            assert torch.equal(buffer.isnan(), expected[name].isnan()), name
+            assert torch.equal(buffer.nan_to_num(7.0), expected[name].nan_to_num(7.0)), name
+        assert torch.equal(passes.context_lens[:bs].long(), passes.positions[:bs] + 1)
+        assert torch.equal(passes.slot_offsets[:bs], offset_of[graphs.loop[:bs]])
+        seen.append(bs)
+
+    graphs.body = shadowed
+    assert counts["bodies"] == 0
+    return seen
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("policy", ["full", "early:0.5", "latent-diff:0.9"])
+def test_fused_step_between_passes_writes_the_tensor_steps_bits(tiny_checkpoint, policy):
+    """The fused step (one kernel a pass on CUDA, around the exit rule) against the tensor operations it
+    replaces, pass by pass, on every buffer, the exit rule's memory included; the tokens stay lockstep's."""
+    params = greedy()
+    lockstep, _ = run(tiny_checkpoint, PROMPTS, params, False, loops=4, exit_policy=policy)
+    engine_args = {"device": "cpu", "dtype": "float32", "max_num_batched_tokens": 6, "verbose": False}
+    with Engine(tiny_checkpoint, depth_batching=True, passes_per_step=5, loops=4, exit_policy=policy,
+                **engine_args) as engine:
+        seen = shadowed_fused_steps(engine.runner)
+        outputs = [out.outputs[0] for out in engine.generate(PROMPTS, params, use_tqdm=False)]
+        assert not engine.runner.mid_tokens
+    assert len(seen) > 0
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in lockstep]
 
 
 @pytest.mark.parametrize("passes", [2, 5, 8])

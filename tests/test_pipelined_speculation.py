@@ -7,10 +7,9 @@ name. All on CPU, fp32, the torch backend."""
 
 
 import pytest
-import torch
 
 from engine import DEFAULT_MODEL, Engine, SamplingParams
-from tests.test_pass_chains import static_chain_graphs
+from tests.test_pass_chains import shadowed_fused_steps, static_chain_graphs
 from tests.test_pass_graphs import static_pass_graphs
 from tests.test_speculative import assert_same_distribution
 from tests.conftest import ROOT
@@ -363,42 +362,6 @@ def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatc
         assert not engine.runner.in_flight and engine.speculative_stats.num_drafted > 0
 
 
-def shadowed_fused_steps(runner) -> list[int]:
-    """The speculative chain graphs' body run twice a pass, from the same buffers: the tensor operations'
-    step, then the fused step (runner/pipelined_step_kernel.py, in the interpreter), which goes on; every
-    buffer the step writes must hold the same bits, and the next pass's lengths and slot offsets (which the
-    tensor step leaves to the next layer call) those of the rows' positions and loops. Returns each pass's
-    request count."""
-    counts = static_chain_graphs(runner)
-    graphs, chains = runner.speculative_chains.graphs, runner.speculative_chains
-    passes = graphs.graphs
-    written = {"state": passes.state, "positions": passes.positions, "slot": passes.slot_mapping,
-               "hidden": graphs.hidden, "gates": graphs.gates, "loop": graphs.loop, "active": graphs.active,
-               "given": graphs.given, "record": graphs.record, "served": graphs.served, "count": graphs.count}
-    body, seen = graphs.body, []
-
-    def shadowed(bs, eager):
-        before = {name: buffer.clone() for name, buffer in written.items()}
-        graphs.fused = False
-        body(bs, eager)
-        expected = {name: buffer.clone() for name, buffer in written.items()}
-        for name, buffer in written.items():
-            buffer.copy_(before[name])
-        graphs.fused = True
-        body(bs, eager)
-        for name, buffer in written.items():
-            assert torch.equal(buffer.nan_to_num(7.0), expected[name].nan_to_num(7.0)), name
-            assert torch.equal(buffer.isnan(), expected[name].isnan()), name
-        lengths, offsets = passes.context_lens[:bs], passes.slot_offsets[:bs]
-        assert torch.equal(lengths.long(), passes.positions[:bs] + 1)
-        assert torch.equal(offsets, chains.chains.offset_of[graphs.loop[:bs]])
-        seen.append(bs // chains.m)
-
-    graphs.body = shadowed
-    assert counts["bodies"] == 0
-    return seen
-
-
 @pytest.mark.interpreter
 @pytest.mark.parametrize("accept", [None, 0, 1])
 @pytest.mark.parametrize("d", [1, 2])
@@ -411,6 +374,7 @@ def test_fused_step_between_passes_writes_the_tensor_steps_bits(plain, d, accept
         engine.runner.speculation.forced_acceptance = None if accept is None else bool(accept)
         outputs = [o.outputs[0] for o in engine.generate(PROMPTS, greedy(), use_tqdm=False)]
         assert_clean(engine)
-    assert len(seen) > 0 and max(seen) == len(PROMPTS)
+        rows = len(PROMPTS) * engine.runner.speculative_chains.m
+    assert len(seen) > 0 and max(seen) >= rows  # the requests decoded together
     if accept is None:
         assert [o.token_ids for o in outputs] == plain
