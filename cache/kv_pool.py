@@ -87,11 +87,13 @@ class KVPool:
     def bytes_per_block(self) -> int:
         return self.num_slots * self.block_size * self.slot_token_bytes
 
-    def copy_forward(self, slots: torch.Tensor, loop: int, mask: torch.Tensor | None = None) -> None:
+    def copy_forward(self, slots: torch.Tensor, loop: int | torch.Tensor, mask: torch.Tensor | None = None
+                     ) -> None:
         """Every loop layer's deeper slots (slot_map.deeper_slots) get the loop-`loop` K/V of the tokens at
         in-plane indices `slots` ([n] int64, block * block_size + offset): what a token that stopped after
-        `loop` leaves for the deeper loops of later tokens to read. mask ([n] bool, on the device): only those
-        rows, decided without a host sync (cache/copy_forward.py; one launch on CUDA)."""
+        `loop` (or each row's, [n] on the device) leaves for the deeper loops of later tokens to read. mask
+        ([n] bool, on the device): only those rows, decided without a host sync (cache/copy_forward.py; one
+        launch on CUDA)."""
         copy_forward(self.key_cache, self.value_cache, self.slot_map, slots, loop, mask)
 
     @staticmethod

@@ -166,9 +166,9 @@ class KVLayout(ABC):
         bs, table = self.block_size, request.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def copy_forward(self, pool: KVPool, slots, loop: int, mask=None) -> None:
-        """Tokens that stopped looping after `loop` (those of `slots` where `mask`, if given): make the
-        deeper slots hold what later tokens read."""
+    def copy_forward(self, pool: KVPool, slots, loop, mask=None) -> None:
+        """Tokens that stopped looping after `loop` (an int, or each row's, [n] on the device; those of
+        `slots` where `mask`, if given): make the deeper slots hold what later tokens read."""
         pool.copy_forward(slots, loop, mask)
 
     def max_concurrent_sequences(self, num_blocks: int, prompt_tokens: int, generated_tokens: int,
@@ -276,7 +276,7 @@ class SharedLastLayout(KVLayout):
     def option(self) -> str:
         return "kv_sharing=last"
 
-    def copy_forward(self, pool: KVPool, slots, loop: int, mask=None) -> None:
+    def copy_forward(self, pool: KVPool, slots, loop, mask=None) -> None:
         """Nothing to copy: an exited token's shared location already holds its last computed loop."""
 
 

@@ -49,6 +49,23 @@ class ExitRule(Protocol):
         decision reads its own memory and output only, not the loop's index, so rows after different loops
         may be decided in one call (depth batching)."""
 
+    def decide_rows(self, rows: torch.Tensor, state: torch.Tensor, gate_logits: torch.Tensor | None
+                    ) -> torch.Tensor:
+        """decide over the first n = len(rows) rows, for those where `rows` ([n] bool) only: the others'
+        memory stays as it was and they do not stop (a chained pass's rows whose loop does not decide)."""
+
+    def reset_rows(self, rows: torch.Tensor, state: torch.Tensor) -> None:
+        """reset, for the rows where `rows` ([n] bool) only."""
+
+
+def keep_rows(buffers: list[torch.Tensor], before: list[torch.Tensor], keep: torch.Tensor) -> None:
+    """Rows `keep` ([n] bool) of each buffer's first n go back to `before`'s (a rule's buffers may hold more
+    rows than a pass has: a captured bucket's)."""
+    n = keep.shape[0]
+    for buffer, old in zip(buffers, before):
+        head = buffer[:n]
+        head.copy_(torch.where(keep.view(-1, *[1] * (buffer.dim() - 1)), old[:n], head))
+
 
 def advance_exit_cdf(cdf: torch.Tensor, survival: torch.Tensor, gate_logits: torch.Tensor,
                      threshold: float) -> torch.Tensor:
@@ -82,6 +99,22 @@ class GateCDFRows:
     def decide(self, n: int, state: torch.Tensor, gate_logits: torch.Tensor | None,
                coda: Coda | None = None) -> torch.Tensor:
         return advance_exit_cdf(self.cdf[:n], self.survival[:n], gate_logits, self.threshold)
+
+    def decide_rows(self, rows: torch.Tensor, state: torch.Tensor, gate_logits: torch.Tensor | None
+                    ) -> torch.Tensor:
+        """advance_exit_cdf's arithmetic with lambda 0 where not `rows`: CDF + 0 * S and S * 1 leave those
+        rows' bits as they were, with no copy of the buffers to restore."""
+        n = rows.shape[0]
+        lam = torch.where(rows, torch.sigmoid(gate_logits.double()), 0.0)
+        cdf, survival = self.cdf[:n], self.survival[:n]
+        cdf.add_(lam * survival)
+        survival.mul_(1.0 - lam)
+        return rows & (cdf >= self.threshold)
+
+    def reset_rows(self, rows: torch.Tensor, state: torch.Tensor) -> None:
+        n = rows.shape[0]
+        self.cdf[:n].masked_fill_(rows, 0.0)
+        self.survival[:n].masked_fill_(rows, 1.0)
 
 
 def check_readout(model: LoopedModel, criterion: ExitCriterion) -> Readout:
@@ -136,6 +169,18 @@ class CriterionRows:
         exits, _, memory = self.criterion.check(memory, self.readout(state, coda))
         self._store(n, memory)
         return exits
+
+    def decide_rows(self, rows: torch.Tensor, state: torch.Tensor, gate_logits: torch.Tensor | None
+                    ) -> torch.Tensor:
+        before = [buffer.clone() for buffer in self.buffers]
+        fired = self.decide(rows.shape[0], state, gate_logits)
+        keep_rows(self.buffers, before, ~rows)
+        return rows & fired
+
+    def reset_rows(self, rows: torch.Tensor, state: torch.Tensor) -> None:
+        before = [buffer.clone() for buffer in self.buffers]
+        self.reset(rows.shape[0], state)
+        keep_rows(self.buffers, before, ~rows)
 
     def _store(self, n: int, memory: ExitMemory) -> None:
         self.previous[:n].copy_(memory.previous)

@@ -225,13 +225,9 @@ class PassChains:
         done = chain.active & (loop == limit - 1)
         if rule is not None:
             deciding = chain.active & self.decides_at[loop] & ~done
-            before = [buffer.clone() for buffer in rule.buffers]
-            fired = rule.decide(h.shape[0], h, gate if rule.reads_gates else None)
-            _keep_where(rule.buffers, before, ~deciding)
-            done = done | (deciding & fired)
-        if copies:
-            for t in range(self.loops - 1):
-                self.depth.layout.copy_forward(self.depth.pool, chain.slot, t, done & (loop == t))
+            done = done | rule.decide_rows(deciding, h, gate if rule.reads_gates else None)
+        if copies:  # each row from its own loop
+            self.depth.layout.copy_forward(self.depth.pool, chain.slot, loop, done)
         return done
 
     def fused_step(self, chain: ChainRows, steps: ChainSteps, layer: LayerPass, rule: ExitRule | None,
@@ -265,7 +261,7 @@ class PassChains:
             num_warps=4)
         count += 1
         if rule is not None:
-            self.restart_rule(rule, rows.state, done)
+            rule.reset_rows(done, rows.state)
 
     def _advance(self, chain: ChainRows, steps: ChainSteps, done: torch.Tensor, token: torch.Tensor,
                  rule: ExitRule | None) -> None:
@@ -281,14 +277,7 @@ class PassChains:
         chain.slot = table.gather(1, chain.finished.clamp(max=table.shape[1] - 1)[:, None])[:, 0]
         self.start_tokens(rows, done, token)
         if rule is not None:
-            self.restart_rule(rule, rows.state, done)
-
-    @staticmethod
-    def restart_rule(rule: ExitRule, state: torch.Tensor, starts: torch.Tensor) -> None:
-        """The exit rule's memory of rows `starts` ([n] bool) reset for a token starting from `state`."""
-        before = [buffer.clone() for buffer in rule.buffers]
-        rule.reset(state.shape[0], state)
-        _keep_where(rule.buffers, before, ~starts)
+            rule.reset_rows(done, rows.state)
 
     def start_tokens(self, rows: PassRows, starts: torch.Tensor, tokens: torch.Tensor) -> None:
         """Rows `starts` ([n] bool) start a token at loop 0: their state becomes the token's embedding (of
@@ -319,15 +308,6 @@ class PassChains:
             result.depth.append(depth)
             result.carried.append(mid)
         return result
-
-
-def _keep_where(buffers: list[torch.Tensor], before: list[torch.Tensor], keep: torch.Tensor) -> None:
-    """Rows `keep` ([n] bool) of each buffer's first n go back to `before`'s (a rule's buffers may hold more
-    rows than the pass: a captured bucket's)."""
-    n = keep.shape[0]
-    for buffer, old in zip(buffers, before):
-        rows = buffer[:n]
-        rows.copy_(torch.where(keep.view(-1, *[1] * (buffer.dim() - 1)), old[:n], rows))
 
 
 def check_contiguous(*tensors: torch.Tensor) -> None:

@@ -200,9 +200,10 @@ def variants() -> list[tuple]:
                                                  "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16}, 4, None, None))
         out.append((prefill_packed_kernel, dtype, {**DENSE, "BLOCK_M": tile, "BLOCK_N": tile,
                                                    "DOT_FP32": dtype == "fp32", "PDL": True}, 8, None, None))
-        for masked in (False, True):
+        for masked, row_loops in ((False, False), (True, False), (True, True)):
             out.append((copy_forward_kernel, dtype, {"LOOPS": 4, "LAYERS": 24, "ROW": 2048, "BLOCK": 2048,
-                                                     "MASKED": masked}, 4, None, None))
+                                                     "MASKED": masked, "ROW_LOOPS": row_loops}, 4, None,
+                        {"loops_ptr": "*i64"}))
     # Huginn-0125's head (55 x 96, no GQA): a head_dim that is no power of two, tiled as 128 masked lanes;
     # bf16, and an fp8 pool for the decode kernel's 32-bit value words.
     huginn = {"HEADS": 55, "KV_HEADS": 55, "HEAD_DIM": 96, "BLOCK_D": 128}

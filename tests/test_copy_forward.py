@@ -50,3 +50,21 @@ def test_copy_forward_after_the_last_loop_is_a_no_op():
     before = pool.key_cache.clone()
     pool.copy_forward(torch.tensor([0, 3], device=DEVICE), 3)
     assert torch.equal(pool.key_cache, before)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_each_rows_own_loop_is_the_one_loop_copies_row_by_row(use_triton):
+    """loop as a tensor (a chained pass's rows stopped after different loops): one call, each row from its
+    own loop (the last loop's rows copy nothing), the same pools as a call per row."""
+    loops, layers, kv_heads, head_dim = 4, 3, 2, 4
+    slots = torch.tensor([1, 6, 13, 19, 7], dtype=torch.int64, device=DEVICE)
+    loop = torch.tensor([0, 2, 1, 3, 0], dtype=torch.int64, device=DEVICE)
+    mask = torch.tensor([True, True, True, True, False], device=DEVICE)
+    expected, actual = (filled_pool(loops, layers, kv_heads, head_dim) for _ in range(2))
+    slot_map = SlotMap(loops, layers)
+    for row in range(4):
+        copy_forward(expected.key_cache, expected.value_cache, slot_map, slots[row:row + 1], int(loop[row]),
+                     use_triton=False)
+    copy_forward(actual.key_cache, actual.value_cache, slot_map, slots, loop, mask, use_triton=use_triton)
+    torch.testing.assert_close(actual.key_cache, expected.key_cache, rtol=0, atol=0)
+    torch.testing.assert_close(actual.value_cache, expected.value_cache, rtol=0, atol=0)
