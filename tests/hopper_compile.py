@@ -243,7 +243,16 @@ def variants() -> list[tuple]:
             pointers = {**KVARN_POINTERS, "q_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
             constexprs = {**kvarn, "BLOCK_M": block_m, "EXACT_FP32": dtype == "fp32"}
             out.append((kvarn_prefill_kernel, dtype, constexprs, num_warps, None, pointers))
-    # the steps between chained passes: plain chains', pipelined speculation's (d = 2 and 1 of 4 loops)
+    out += chain_step_variants()
+    for base in (False, True):  # KVarN's rotations of the decode query and of its output back
+        out.append((rotate_rows_kernel, "fp32", {"D": 128, "BLOCK_R": 16, "BLOCK_K": 16, "BLOCK_N": 16,
+                                                 "BASE": base}, 4, None, {"matrix_ptr": "*fp32"}))
+    return out
+
+
+def chain_step_variants() -> list[tuple]:
+    """The steps between chained passes: plain chains', pipelined speculation's (d = 2 and 1 of 4 loops)."""
+    out = []
     step_pointers = {name: "*i64" for name in (
         "position_ptr", "loop_ptr", "finished_ptr", "given_ptr", "token_ptr", "first_ptr", "reserved_ptr",
         "end_ptr", "table_ptr", "force_ptr", "count_ptr", "record_ptr", "served_ptr", "slot_ptr")}
@@ -255,9 +264,6 @@ def variants() -> list[tuple]:
         for m, d in ((2, 2), (4, 1)):
             out.append((pipelined_step_kernel, dtype, {"M": m, "BLOCK_M": m, "LOOPS": 4, "D": d, "H": 2048,
                                                        "BLOCK_H": 1024}, 4, None, step_pointers))
-    for base in (False, True):  # KVarN's rotations of the decode query and of its output back
-        out.append((rotate_rows_kernel, "fp32", {"D": 128, "BLOCK_R": 16, "BLOCK_K": 16, "BLOCK_N": 16,
-                                                 "BASE": base}, 4, None, {"matrix_ptr": "*fp32"}))
     return out
 
 
