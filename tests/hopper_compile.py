@@ -200,10 +200,6 @@ def variants() -> list[tuple]:
                                                  "SPLIT_MIN_KEYS": 512, "SPLIT_CAP": 16}, 4, None, None))
         out.append((prefill_packed_kernel, dtype, {**DENSE, "BLOCK_M": tile, "BLOCK_N": tile,
                                                    "DOT_FP32": dtype == "fp32", "PDL": True}, 8, None, None))
-        for masked, row_loops in ((False, False), (True, False), (True, True)):
-            out.append((copy_forward_kernel, dtype, {"LOOPS": 4, "LAYERS": 24, "ROW": 2048, "BLOCK": 2048,
-                                                     "MASKED": masked, "ROW_LOOPS": row_loops}, 4, None,
-                        {"loops_ptr": "*i64"}))
     # Huginn-0125's head (55 x 96, no GQA): a head_dim that is no power of two, tiled as 128 masked lanes;
     # bf16, and an fp8 pool for the decode kernel's 32-bit value words.
     huginn = {"HEADS": 55, "KV_HEADS": 55, "HEAD_DIM": 96, "BLOCK_D": 128}
@@ -243,15 +239,16 @@ def variants() -> list[tuple]:
             pointers = {**KVARN_POINTERS, "q_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
             constexprs = {**kvarn, "BLOCK_M": block_m, "EXACT_FP32": dtype == "fp32"}
             out.append((kvarn_prefill_kernel, dtype, constexprs, num_warps, None, pointers))
-    out += chain_step_variants()
+    out += between_loops_variants()
     for base in (False, True):  # KVarN's rotations of the decode query and of its output back
         out.append((rotate_rows_kernel, "fp32", {"D": 128, "BLOCK_R": 16, "BLOCK_K": 16, "BLOCK_N": 16,
                                                  "BASE": base}, 4, None, {"matrix_ptr": "*fp32"}))
     return out
 
 
-def chain_step_variants() -> list[tuple]:
-    """The steps between chained passes: plain chains', pipelined speculation's (d = 2 and 1 of 4 loops)."""
+def between_loops_variants() -> list[tuple]:
+    """Copy-forward (from one loop, masked or not, and from each row's), and the steps between chained
+    passes: plain chains', pipelined speculation's (d = 2 and 1 of 4 loops)."""
     out = []
     step_pointers = {name: "*i64" for name in (
         "position_ptr", "loop_ptr", "finished_ptr", "given_ptr", "token_ptr", "first_ptr", "reserved_ptr",
@@ -259,6 +256,10 @@ def chain_step_variants() -> list[tuple]:
     step_pointers.update(active_ptr="*i1", done_ptr="*i1", lengths_ptr="*i32", offsets_ptr="*i32",
                          offset_of_ptr="*i32")
     for dtype in ("bf16", "fp32"):
+        for masked, row_loops in ((False, False), (True, False), (True, True)):
+            out.append((copy_forward_kernel, dtype, {"LOOPS": 4, "LAYERS": 24, "ROW": 2048, "BLOCK": 2048,
+                                                     "MASKED": masked, "ROW_LOOPS": row_loops}, 4, None,
+                        {"loops_ptr": "*i64"}))
         out.append((chain_step_kernel, dtype, {"BLOCK_R": 4, "LOOPS": 4, "H": 2048, "BLOCK_H": 512}, 4,
                     None, step_pointers))
         for m, d in ((2, 2), (4, 1)):
