@@ -1,5 +1,6 @@
 """Shared fixtures. Without CUDA, Triton kernels run in the interpreter (TRITON_INTERPRET=1), set
-before anything imports triton, and patched once per launch (tests/interpreter_patching.py)."""
+before anything imports triton, and patched once per launch, with exact tile products
+(tests/interpreter_patching.py)."""
 
 import gc
 import os
@@ -18,10 +19,11 @@ if str(ROOT) not in sys.path:
 
 import pytest  # noqa: E402
 
-from tests.interpreter_patching import patch_language_once_per_launch  # noqa: E402
+from tests.interpreter_patching import exact_tile_dots, patch_language_once_per_launch  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     patch_language_once_per_launch()
+    exact_tile_dots()
 
 
 def pytest_collection_modifyitems(config, items):
