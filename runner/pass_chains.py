@@ -17,7 +17,8 @@ all of them idles through the passes left, writing the scratch slot only. The ho
 (per pass and row: finished, token, loop run) into each row's tokens, which the scheduler checks for stops in
 turn, as it does a speculative row's: tokens after a stop are dropped, and their K/V lies past the request's
 end. On CUDA a pass and the step to the next replay as one graph over static buffers (runner/chain_graphs.py);
-`step` is what it records, and what a batch larger than every bucket runs eagerly.
+`fused_step` is what it records (the step after the exit rule and the head as one kernel), and `step`, the
+same as tensor operations, what a batch larger than every bucket runs eagerly.
 
 Which rows: greedy, without logprobs, traces, penalties or min_tokens still pending; read out at their
 token's last run loop under the engine's exit policy (full, early:Q, or a criterion whose readout loop is
