@@ -201,7 +201,7 @@ class ChainGraphs(BucketChains):
         self.count.zero_()
 
     def body(self, bs: int, eager: bool) -> None:
-        """One pass and the step to the next over the bucket's rows (PassChains.step)."""
+        """One pass and the step to the next over the bucket's rows (PassChains.fused_step, or step)."""
         chain = self.static_chain(bs)
         steps = ChainSteps(self.first[:bs], self.limit[:bs], self.reserved[:bs], self.table[:bs], True)
         layer, record = self.layer(bs, eager), self.record[:, :, :bs]
@@ -270,12 +270,13 @@ class SpeculativeChainGraphs(BucketChains):
         self.count.zero_()
 
     def body(self, bs: int, eager: bool) -> None:
-        """One pass and the step to the next over the bucket's requests (SpeculativeChains.step)."""
+        """One pass and the step to the next over the bucket's requests (SpeculativeChains.fused_step, or
+        step)."""
         requests = bs // self.chains.m
         chain = self.static_chain(bs)
         owners = Reservations(self.first[:requests], self.end[:requests])
-        given, table, record, layer = self.given[:bs], self.table[:requests], self.record[:, :, :requests], \
-            self.layer(bs, eager)
+        given, table, record = self.given[:bs], self.table[:requests], self.record[:, :, :requests]
+        layer = self.layer(bs, eager)
         if self.fused:  # in place, the next pass's lengths and loops included
             inputs = (self.graphs.context_lens[:bs], self.graphs.slot_offsets[:bs])
             self.chains.fused_step(chain, given, owners, table, layer, record, self.served, self.count,

@@ -248,7 +248,7 @@ class PassChains:
         lengths, offsets = inputs
         n, hidden_size = h.shape
         check_contiguous(chain.active, chain.loop, chain.finished, chain.position, done, token, h, embedded,
-                         rows.state, rows.hidden, rows.gates, gate, steps.first, steps.limit, steps.reserved,
+                         rows.state, rows.hidden, rows.gates, gate, steps.first, steps.reserved,
                          chain.slot, lengths, offsets)
         table = steps.table
         block = 4  # rows a program
