@@ -218,6 +218,12 @@ class PassChains:
         """Each row's argmax token from its loop output: a finished token's."""
         return self.model.compute_logits(h).float().argmax(dim=-1)
 
+    def readout_and_embedding(self, h: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fused step's inputs from the head: each row's argmax token and its embedding in `dtype` (the
+        state a row starts from where its token finished or its draft starts)."""
+        token = self.readout(h)
+        return token, self.model.embed(token).to(dtype)
+
     def finishing(self, chain: ChainRows, h: torch.Tensor, gate: torch.Tensor, limit: torch.Tensor,
                   rule: ExitRule | None, copies: bool) -> torch.Tensor:
         """Which active rows' tokens finish with the loop they just ran (output h, gate logits gate): at
@@ -243,8 +249,7 @@ class PassChains:
         rows = chain.rows
         h, gate = layer(rows.state, chain.position, chain.slot, None)
         done = self.finishing(chain, h, gate, steps.limit, rule, rule is not None or steps.stops_early)
-        token = self.readout(h)
-        embedded = self.model.embed(token).to(rows.state.dtype)
+        token, embedded = self.readout_and_embedding(h, rows.state.dtype)
         lengths, offsets = inputs
         n, hidden_size = h.shape
         check_contiguous(chain.active, chain.loop, chain.finished, chain.position, done, token, h, embedded,

@@ -151,8 +151,7 @@ class SpeculativeChains:
 
         rows, chains = chain.rows, self.chains
         h, gate = layer(rows.state, chain.position, chain.slot, None)
-        token = chains.readout(h)
-        embedded = chains.model.embed(token).to(rows.state.dtype)
+        token, embedded = chains.readout_and_embedding(h, rows.state.dtype)
         check_contiguous(chain.active, chain.position, chain.loop, given, token, rows.state, h, embedded,
                          rows.hidden, rows.gates, gate, chain.slot, *inputs)
         lengths, offsets = inputs
@@ -249,4 +248,3 @@ class SpeculativeChains:
         if in_flight:
             in_flight[0] = dataclasses.replace(in_flight[0], after_pass=after_pass)
         result.in_flight[r] = in_flight
-
