@@ -154,8 +154,10 @@ def timed_window(engine: Engine, batch: int, prompt: int, warm: int, window: int
         latest.update((out.request_id, out) for out in engine.step())
     sync(engine.device)
     seconds = time.perf_counter() - start
-    if any(out.finished for out in latest.values()):
-        raise RuntimeError("a row finished inside the timed steps: its budget was too short")
+    ended = [f"{out.request_id}: {len(c.token_ids)} tokens, {c.finish_reason} ({c.stop_reason or c.error})"
+             for out in latest.values() if out.finished for c in out.outputs[:1]]
+    if ended:
+        raise RuntimeError(f"{len(ended)} rows finished in the timed steps (budget {budget}): {ended[:4]}")
     token_ids = [list(latest[i].outputs[0].token_ids) for i in ids]
     for request_id in ids:
         engine.abort(request_id)

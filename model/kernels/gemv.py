@@ -400,7 +400,7 @@ class TiledTile:
     split_programs: bool = False
 
 
-# Measured on one H100 by benchmarks/invariant_gemm.py (cold L2; benchmarks/results/h100-2026-12-06.md):
+# Measured on one H100 by benchmarks/invariant_gemm.py (cold L2; benchmarks/results/2026-12-06.md):
 # at 128 rows a weight split in K (qkv, o, down) took 128 x 64 tiles with a program a split in 25.7-37.2 µs,
 # against 37.1-67.5 for 128 x 128 tiles that run the splits in one program (o and down have only 16 such
 # tiles on 132 SMs); from 512 rows on, and for unsplit weights, 128 x 128 tiles with 8 warps were the
