@@ -144,6 +144,16 @@ def test_preload_configs_are_checked():
             gemv.kernel_args(1, 2048, k, k, k, 2048, bf16, config)
 
 
+def test_a_plan_serves_only_its_operands_dtypes():
+    """A cached launch plan is keyed by every operand's dtype: one built for an fp32 weight is not taken for
+    an fp16 weight of the same shape (which must be refused, as it is on a first call)."""
+    x = torch.randn(2, 80, device=DEVICE)
+    w = torch.randn(96, 80, device=DEVICE)
+    skinny_linear(x, w)
+    with pytest.raises(ValueError, match="share a dtype"):
+        skinny_linear(x, w.half())
+
+
 def test_linear_dispatch_off_cuda_is_f_linear():
     x = torch.randn(2, 80)
     w = torch.randn(96, 80)

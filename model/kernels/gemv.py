@@ -594,8 +594,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
     if m == 0:
         return y.view(*shape[:-1], n)
     # Everything Triton specializes on: exact ints, and each pointer's 16-byte alignment.
-    key = (m, n, shape[-1], x.dtype, x.device, x.stride(0), weight.stride(0), y.stride(0), x.data_ptr() & 15,
-           weight.data_ptr() & 15, y.data_ptr() & 15, config)
+    key = (m, n, shape[-1], x.dtype, weight.dtype, y.dtype, x.device, x.stride(0), weight.stride(0),
+           y.stride(0), x.data_ptr() & 15, weight.data_ptr() & 15, y.data_ptr() & 15, config)
     plan = _PLANS.get(key)
     if plan is None:
         check_operands(x, weight)
@@ -625,8 +625,8 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return y
-    key = (m, n, k, x.dtype, x.device, x.stride(0), weight.stride(0), y.stride(0), x.data_ptr() & 15,
-           weight.data_ptr() & 15, y.data_ptr() & 15, config, tile)
+    key = (m, n, k, x.dtype, weight.dtype, y.dtype, x.device, x.stride(0), weight.stride(0), y.stride(0),
+           x.data_ptr() & 15, weight.data_ptr() & 15, y.data_ptr() & 15, config, tile)
     plan = _TILED_PLANS.get(key)
     if plan is None:
         check_operands(x, weight)
