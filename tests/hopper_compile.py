@@ -111,8 +111,8 @@ GEMV_POINTERS = {"partials_ptr": "*fp32", "tickets_ptr": "*i32"}
 
 def gemv_variants() -> list[tuple]:
     """The model's kernels, PDL on: the skinny GEMM and its epilogue variants at Ouro-1.4B's tuned bf16
-    configs (one row: the FMA path, streamed and preloaded; 4-16 rows: the dot path, split and not) and one
-    fp32 config, and the fused elementwise kernels; one PDL-off variant; then Huginn-0125's
+    configs (one and two rows: the FMA path, streamed and preloaded; 4-16 rows: the dot path, split and not)
+    and one fp32 config, and the fused elementwise kernels; one PDL-off variant; then Huginn-0125's
     (huginn_variants)."""
     fma = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "SPLIT": False, "USE_DOT": False, "DOT_FP32": False,
            "NUM_STAGES": 3, "PRELOAD_K": 0}
@@ -122,8 +122,9 @@ def gemv_variants() -> list[tuple]:
             "NUM_STAGES": 3, "PRELOAD_K": 0}
     preload = {**fma, "BLOCK_N": 8, "PRELOAD_K": 2048}  # one row, the whole weight slice before the wait
     out = []
-    for dtype, config in (("bf16", fma), ("bf16", preload), ("bf16", dot), ("bf16", {**dot, "SPLIT": False}),
-                          ("fp32", fp32)):
+    two_rows = [{**fma, "BLOCK_M": 2, "BLOCK_N": 8}, {**preload, "BLOCK_M": 2}]  # MAX_FMA_M rows
+    for dtype, config in (("bf16", fma), ("bf16", preload), *(("bf16", c) for c in two_rows), ("bf16", dot),
+                          ("bf16", {**dot, "SPLIT": False}), ("fp32", fp32)):
         gemm = {**config, "EVEN_K": True, "EVEN_N": True, "PDL": True}
         norms = {**gemm, "HIDDEN": 2048, "NORM_BLOCK": 2048, "PRECISE": True, "NORM_AFTER_ADD": False,
                  "NEXT_NORM": True}

@@ -24,8 +24,8 @@ CONFIGS = {
     "default": None,
     "dot_split3": GemvConfig(16, 32, split_k=3),
     "dot_split2": GemvConfig(32, 64, split_k=2, num_stages=2),
-    "fma_split2": GemvConfig(16, 32, split_k=2, use_dot=False),  # M == 1 only
-    "fma_preload": GemvConfig(16, 32, use_dot=False, preload=True),  # M == 1 only; K padded to a power of 2
+    "fma_split2": GemvConfig(16, 32, split_k=2, use_dot=False),  # M <= MAX_FMA_M only
+    "fma_preload": GemvConfig(16, 32, use_dot=False, preload=True),  # K padded to a power of 2
     "fma_preload_split2": GemvConfig(16, 32, split_k=2, use_dot=False, preload=True),  # the last split short
 }
 
@@ -45,12 +45,15 @@ def check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 16])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_torch(dtype, n, k, m, name):
     config = CONFIGS[name]
-    if config is not None and not config.use_dot and m != 1:
-        pytest.skip("the FMA path takes one row")
+    if config is not None and not config.use_dot and m > gemv.MAX_FMA_M:
+        with pytest.raises(ValueError, match="FMA path"):
+            skinny_linear(torch.zeros(m, k, dtype=dtype, device=DEVICE),
+                          torch.zeros(n, k, dtype=dtype, device=DEVICE), config=config)
+        return
     torch.manual_seed(n * 1000 + k * 10 + m)
     x = torch.randn(m, k, dtype=dtype, device=DEVICE)
     w = torch.randn(n, k, dtype=dtype, device=DEVICE)
@@ -58,6 +61,19 @@ def test_matches_torch(dtype, n, k, m, name):
     y = skinny_linear(x, w, out=out, config=config)
     assert y is out
     check_close(y, x, w)
+
+
+@pytest.mark.parametrize("name", ["fma_preload", "fma_preload_split2"])
+def test_two_fma_rows_are_each_its_one_row_product(name):
+    """The FMA path's two rows (a pipelined pass's at batch 1, or batch 2) read the weight once and give each
+    row the bits it gets alone, preloaded; streamed, the two rows agree with torch (test_matches_torch)."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 80, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.randn(96, 80, dtype=torch.bfloat16, device=DEVICE)
+    config = CONFIGS[name]
+    both = skinny_linear(x, w, config=config)
+    for row in range(2):
+        assert torch.equal(both[row], skinny_linear(x[row:row + 1].contiguous(), w, config=config)[0])
 
 
 def test_deterministic_and_tickets_reset():

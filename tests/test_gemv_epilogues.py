@@ -39,12 +39,12 @@ HEADS, KV_HEADS, HEAD_DIM, K = 3, 1, 16, 80  # qkv: 80 W rows, 40 pairs; K not a
 CONFIGS = {
     "default": None,
     "dot_split3": GemvConfig(16, 32, split_k=3),
-    "fma_split2": GemvConfig(16, 32, split_k=2, use_dot=False),  # M == 1 only
-    "fma_preload": GemvConfig(16, 32, use_dot=False, preload=True),  # M == 1 only
-    "fma_preload_split2": GemvConfig(16, 32, split_k=2, use_dot=False, preload=True),  # M == 1 only
+    "fma_split2": GemvConfig(16, 32, split_k=2, use_dot=False),  # M <= MAX_FMA_M only
+    "fma_preload": GemvConfig(16, 32, use_dot=False, preload=True),
+    "fma_preload_split2": GemvConfig(16, 32, split_k=2, use_dot=False, preload=True),
 }
 CASES = [(1, "default"), (3, "default"), (5, "dot_split3"), (1, "fma_split2"), (1, "fma_preload"),
-         (1, "fma_preload_split2")]
+         (1, "fma_preload_split2"), (2, "fma_split2"), (2, "fma_preload_split2")]
 
 
 def pair_order(rows: int, span: int) -> torch.Tensor:

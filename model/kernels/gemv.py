@@ -7,8 +7,8 @@ Design, per program (pid_n, pid_k):
   K, pipelined NUM_STAGES deep (the loop's loads go through shared memory with async copies);
 - x's BLOCK_M rows (M padded; padding rows masked, so they cost no traffic) come from L2 with it;
 - the dot path computes y^T = W x^T with tl.dot ("swap AB": W tile is the MMA's M side, so M = 1..16
-  pads only the MMA's narrow N side to 16); the FMA path (BLOCK_M == 1) multiplies and adds in fp32
-  registers and reduces over K once, at the end;
+  pads only the MMA's narrow N side to 16); the FMA path (BLOCK_M = 1 or 2 rows) multiplies and adds
+  in fp32 registers and reduces over K once, at the end;
 - split-K: the grid is (N tiles, splits). Each split stores its fp32 partial [M, BLOCK_N]; the last
   split of a tile to take the tile's ticket (an atomic counter) sums the partials in split order
   0, 1, .. and writes y, then puts the ticket back to 0. The sum order is fixed, so results are
@@ -18,7 +18,7 @@ Accumulation is fp32; y is rounded once to x's dtype. The main loop and the spli
 
 PDL (triton_runtime/pdl.py), where pdl_supported(device): a program asks L2 for its split's first NUM_STAGES
 weight tiles, waits for the previous kernel, lets the next one launch, and only then reads x and writes
-anything. With `preload` (one row, the FMA path) it instead loads its whole weight slice into registers before
+anything. With `preload` (the FMA path) it instead loads its whole weight slice into registers before
 the wait: a program launched early, while the kernel before it runs, then has its bytes in hand when that
 kernel ends.
 
@@ -53,6 +53,8 @@ MAX_SKINNY_M = 64
 CPU_SM_COUNT = 132  # H100/H200, assumed off CUDA (the interpreter)
 TICKET_CAPACITY = 1 << 16
 ROW_TICKET = TICKET_CAPACITY - 1  # the tickets before it are per N tile, this one counts finished tiles
+# The most rows the FMA path takes (BLOCK_M = the bucket): each row's products over the same weight registers.
+MAX_FMA_M = 2
 # A preloaded weight slice lives in registers: 64 of them a thread, 8 KB a warp.
 PRELOAD_BYTES_PER_WARP = 8192
 
@@ -131,9 +133,19 @@ def split_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters, spl
                         mask=in_k[None, :], other=0.0, eviction_policy="evict_first")
         wait_for_previous(PDL)
         launch_dependents(PDL)
-        x_all = tl.load(x_ptr + (k0 + offs_all)[None, :], mask=in_k[None, :], other=0.0,
-                        eviction_policy="evict_last")
-        return tl.sum(w_all.to(tl.float32) * x_all.to(tl.float32), axis=1)[None, :]
+        if BLOCK_M == 1:
+            x_all = tl.load(x_ptr + (k0 + offs_all)[None, :], mask=in_k[None, :], other=0.0,
+                            eviction_policy="evict_last")
+            return tl.sum(w_all.to(tl.float32) * x_all.to(tl.float32), axis=1)[None, :]
+        # A few rows (MAX_FMA_M): each row's sum is the one-row sum, on the same registers of weight.
+        offs_m = tl.arange(0, BLOCK_M)
+        rows = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for r in tl.static_range(BLOCK_M):
+            x_r = tl.load(x_ptr + r * stride_xm + (k0 + offs_all)[None, :], mask=in_k[None, :] & (r < M),
+                          other=0.0, eviction_policy="evict_last")
+            row = tl.sum(w_all.to(tl.float32) * x_r.to(tl.float32), axis=1)
+            rows = tl.where(offs_m[:, None] == r, row[None, :], rows)
+        return rows
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     iters = tl.minimum(k_iters, tl.cdiv(K, BLOCK_K) - first)
@@ -147,20 +159,26 @@ def split_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters, spl
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k0 + offs_k)[None, :]
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
+    elif BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for i in tl.range(0, iters, num_stages=NUM_STAGES):
         w, x = load_tiles(w_ptrs, x_ptrs, mask_m, k0 + i * BLOCK_K, K, offs_k, EVEN_K)
         if USE_DOT:
             acc = dot_into(acc, w, x, DOT_FP32)
-        else:  # BLOCK_M == 1: x is [1, BLOCK_K]
+        elif BLOCK_M == 1:  # x is [1, BLOCK_K]
             acc += w.to(tl.float32) * x.to(tl.float32)
+        else:  # a few rows (MAX_FMA_M), each on the same weight tile
+            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if USE_DOT:
         return tl.trans(acc)
-    else:
+    elif BLOCK_M == 1:
         return tl.sum(acc, axis=1)[None, :]
+    else:
+        return tl.sum(acc, axis=2)
 
 
 @triton.jit
@@ -268,7 +286,7 @@ def tiled_gemm_kernel(
 @dataclasses.dataclass(frozen=True, slots=True)
 class GemvConfig:
     """block_n W rows per program, block_k columns per step, split_k splits of K asked for (the launch
-    uses fewer when K has fewer blocks), use_dot: tl.dot (M padded to >= 16) or fp32 FMAs (M == 1 only),
+    uses fewer when K has fewer blocks), use_dot: tl.dot (M padded to >= 16) or fp32 FMAs (M <= MAX_FMA_M),
     preload: the FMA path loads each program's whole weight slice before reading x (with PDL, before waiting
     for the previous kernel); its block_n x split slice must fit 64 registers a thread. block_m: the rows of
     x a program takes on the tensor cores, whatever M (at least MAX_SKINNY_M for skinny_linear); None pads M
@@ -325,6 +343,10 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = C
 # "One row"): what preloading buys is overlap with the kernel before, which a chain of one
 # projection's calls does not show. qkv, o and gate_up preloaded took batch-1 TPOT from 4.73 to 4.06 ms at
 # 512 tokens of context and from 5.63 to 4.76 at 2K; down preloaded in 3 splits cost 1.6-3.4% more.
+# Two rows can take the FMA path too (MAX_FMA_M, each row its one-row sum), but no table lists bucket 2 yet:
+# two rows take bucket 4's tensor-core configs. On them a depth-batched pass of two rows (pipelined
+# self-speculation's at batch 1) spends 15% more device time than a pass of one row (H100, 1.53 against
+# 1.33 ms), about what preloading buys a row; the one-row configs at bucket 2 are the candidate, untimed.
 TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
     (6144, 2048): {  # qkv
         1: GemvConfig(8, 512, 1, 4, 3, False, preload=True),  # by engine TPOT (above)
@@ -365,7 +387,7 @@ def select_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = CP
     if table:
         above = [b for b in table if b >= bucket]
         config = table[min(above)] if above else table[max(table)]
-        if config.use_dot or bucket == 1:
+        if config.use_dot or bucket <= MAX_FMA_M:
             return config
     return default_config(m, n, k, dtype, sm_count)
 
@@ -432,9 +454,9 @@ def invariant_config(n: int, k: int, dtype: torch.dtype, sm_count: int = CPU_SM_
 def block_m_for(m: int, config: GemvConfig) -> int:
     bucket = m_bucket(m)
     if not config.use_dot:
-        if bucket != 1:
-            raise ValueError("the FMA path (use_dot=False) takes one row only")
-        return 1
+        if bucket > MAX_FMA_M:
+            raise ValueError(f"the FMA path (use_dot=False) takes at most {MAX_FMA_M} rows, got {m}")
+        return bucket
     if config.block_m is not None:
         if config.block_m < m:
             raise ValueError(f"{config} takes at most {config.block_m} rows a program, got {m}")
