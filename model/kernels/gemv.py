@@ -345,7 +345,7 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = C
 # 512 tokens of context and from 5.63 to 4.76 at 2K; down preloaded in 3 splits cost 1.6-3.4% more.
 # Two rows can take the FMA path too (MAX_FMA_M, each row its one-row sum), but no table lists bucket 2 yet:
 # two rows take bucket 4's tensor-core configs. On them a depth-batched pass of two rows (pipelined
-# self-speculation's at batch 1) spends 15% more device time than a pass of one row (H100, 1.53 against
+# self-speculation's at batch 1) keeps the device busy 15% longer than a pass of one row (H100, 1.53 against
 # 1.33 ms), about what preloading buys a row; the one-row configs at bucket 2 are the candidate, untimed.
 TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
     (6144, 2048): {  # qkv
