@@ -68,11 +68,14 @@ def keep_rows(buffers: list[torch.Tensor], before: list[torch.Tensor], keep: tor
 
 
 def advance_exit_cdf(cdf: torch.Tensor, survival: torch.Tensor, gate_logits: torch.Tensor,
-                     threshold: float) -> torch.Tensor:
+                     threshold: float, rows: torch.Tensor | None = None) -> torch.Tensor:
     """One loop of rows' exit CDF, in place, float64, in the order of model/exit_policy.py: exit_pdf (so
     the decisions are the readout's): p = lambda * S, CDF += p, S *= 1 - lambda. Which rows reached
-    threshold."""
+    threshold. rows ([n] bool): advance those only; elsewhere lambda is 0, and CDF + 0 * S and S * 1 leave
+    a row's bits as they were (no copy of the buffers to restore)."""
     lam = torch.sigmoid(gate_logits.double())
+    if rows is not None:
+        lam = torch.where(rows, lam, 0.0)
     cdf.add_(lam * survival)
     survival.mul_(1.0 - lam)
     return cdf >= threshold
@@ -102,14 +105,8 @@ class GateCDFRows:
 
     def decide_rows(self, rows: torch.Tensor, state: torch.Tensor, gate_logits: torch.Tensor | None
                     ) -> torch.Tensor:
-        """advance_exit_cdf's arithmetic with lambda 0 where not `rows`: CDF + 0 * S and S * 1 leave those
-        rows' bits as they were, with no copy of the buffers to restore."""
         n = rows.shape[0]
-        lam = torch.where(rows, torch.sigmoid(gate_logits.double()), 0.0)
-        cdf, survival = self.cdf[:n], self.survival[:n]
-        cdf.add_(lam * survival)
-        survival.mul_(1.0 - lam)
-        return rows & (cdf >= self.threshold)
+        return rows & advance_exit_cdf(self.cdf[:n], self.survival[:n], gate_logits, self.threshold, rows)
 
     def reset_rows(self, rows: torch.Tensor, state: torch.Tensor) -> None:
         n = rows.shape[0]
