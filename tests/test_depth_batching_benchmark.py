@@ -69,3 +69,18 @@ def test_every_row_is_timed_and_depth_batching_gives_locksteps_tokens(run):
             assert r["same_tokens_as_lockstep"] and r["requests_equal"] == r["batch"]
             assert r["tokens_compared"] >= r["batch"] * 4  # the first token and one at least every 4 passes
     assert "| 2.0 | depth batching | eager | 4 |" in table and "True (±0.05)" in table
+
+
+def test_every_row_is_resident_at_once_when_the_pool_holds_the_expected_tokens_only(tiny_checkpoint, tmp_path,
+                                                                                    monkeypatch):
+    """A pool that holds 16 rows' expected tokens but not their budgets (the worst case of every token exiting
+    at loop 0: 16 a chained step): every row is admitted at once and timed, where reserving for the budgets
+    held rows back until the first ones had run their whole budget (a row "finished in the timed steps")."""
+    import functools
+
+    import benchmarks.depth_batching as benchmark
+    monkeypatch.setattr(benchmark, "Engine", functools.partial(Engine, num_kv_blocks=100))
+    returned = main(["--model", str(tiny_checkpoint), *ARGS[:2], "--batches", "16", "--mean-loops", "2.0",
+                     *ARGS[5:], "--out", str(tmp_path / "depth.json")])
+    depth = [r for r in returned["rows"] if r["row"] == DEPTH]
+    assert len(depth) == 1 and "note" not in depth[0] and depth[0]["requests_equal"] == 16
