@@ -403,8 +403,8 @@ class HuginnForCausalLM(nn.Module):
         """The readout hidden of the last loop's state, on the slot map's coda slots."""
         return self._coda(state, context.cos, context.sin, attention, self.slot_map.coda_slots)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
+        return self.logits(hidden)  # skip is a hint; the coda runs whatever it says
 
     def warm_state(self, final: torch.Tensor, warm_start: str) -> torch.Tensor:
         """The next token's initial state from a token's last-loop state [n, H] (continuous_compute):

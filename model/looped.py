@@ -217,5 +217,7 @@ class LoopedModel(Protocol):
         depth pass (runner/depth_passes.py) runs rows at different loops as one call of loop 0 whose attention
         moves each row to its own loop's slots."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head: readout states [..., H] -> logits [..., vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
+        """The head: readout states [..., H] -> logits [..., vocab]. skip: a one-element bool on the device
+        that, where set, allows leaving the logits unwritten (their values are then undefined): a chained
+        pass in which no row reads out spares the head's weight read. A model may ignore it."""

@@ -154,8 +154,8 @@ class OuroForCausalLM(nn.Module):
     def loop(self, state: torch.Tensor, context: StepContext, t: int, attention: Attention) -> torch.Tensor:
         return self.run_loop(state, context.cos, context.sin, attention, t)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._linear(hidden, self.lm_head)
+    def compute_logits(self, hidden: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
+        return self._linear(hidden, self.lm_head, skip)
 
     # -- the network -----------------------------------------------------------------------------------
 
@@ -183,12 +183,12 @@ class OuroForCausalLM(nn.Module):
             h = layer(h, cos, sin, attention, slot)
         return self.norm(h)
 
-    def _linear(self, x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, module: nn.Linear, skip: torch.Tensor | None = None) -> torch.Tensor:
         """module(x), through the kernels this model runs: with fused kernels the fused path's
-        (model/ouro_fused.py: FusedOuro.linear), else in deterministic mode the torch ops row by row, else the
-        module itself."""
+        (model/ouro_fused.py: FusedOuro.linear, which may leave its output unwritten where the flag `skip` is
+        set), else in deterministic mode the torch ops row by row, else the module itself."""
         if self.fused_kernels:
-            return self.fused_path.linear(x, module, self.batch_invariant)
+            return self.fused_path.linear(x, module, self.batch_invariant, skip)
         if self.batch_invariant:
             return batch_invariant.linear(x, module.weight, module.bias)
         return module(x)

@@ -161,14 +161,16 @@ class FusedOuro:
         return tuple(self.gemm_config(p.weight) for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
                                                           layer.down_proj))
 
-    def linear(self, x: torch.Tensor, module: nn.Linear, batch_invariant: bool) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, module: nn.Linear, batch_invariant: bool,
+               skip: torch.Tensor | None = None) -> torch.Tensor:
         """module(x): deterministic mode's batch-invariant GEMM (gemm_config's), else the skinny kernel for
-        decode-sized batches and cuBLAS beyond."""
+        decode-sized batches and cuBLAS beyond. skip: a flag that may leave the skinny kernel's y unwritten
+        (model/kernels/gemv.py: skinny_linear)."""
         bias = module.bias
         if batch_invariant:
-            y = invariant_linear(x, module.weight, self.gemm_config(module.weight))
+            y = invariant_linear(x, module.weight, self.gemm_config(module.weight), skip=skip)
         else:
-            y = skinny_or_cublas_linear(x, module.weight)
+            y = skinny_or_cublas_linear(x, module.weight, skip=skip)
         return y if bias is None else y + bias
 
 

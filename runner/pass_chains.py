@@ -27,7 +27,8 @@ ahead (not KVarN's side tables, not kv_sharing="last"). A step with any other de
 (runner/depth_passes.py): the two continue each other's tokens (MidToken). A row's tokens are those of one
 pass a step: the same loops over the same inputs, the same readout and argmax. The head runs over every row of
 a pass here and over the finished rows there, which gives the same bits where the kernels are batch-invariant
-(deterministic mode) and may differ in the last bits elsewhere, as any change of batch does.
+(deterministic mode) and may differ in the last bits elsewhere, as any change of batch does. In a fused pass
+where no row finishes, the head reads no weights (compute_logits' skip flag) and its tokens go unread.
 """
 
 from __future__ import annotations
@@ -214,14 +215,18 @@ class PassChains:
         rows.state = h
         return done, self.readout(h)
 
-    def readout(self, h: torch.Tensor) -> torch.Tensor:
-        """Each row's argmax token from its loop output: a finished token's."""
-        return self.model.compute_logits(h).float().argmax(dim=-1)
+    def readout(self, h: torch.Tensor, reads: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's argmax token from its loop output: a finished token's. reads [n] bool: the rows whose
+        token is used; where none is, the head may skip its weights (compute_logits' skip) and every token
+        is then arbitrary."""
+        skip = None if reads is None else reads.any().logical_not().view(1)
+        return self.model.compute_logits(h, skip).float().argmax(dim=-1)
 
-    def readout_and_embedding(self, h: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def readout_and_embedding(self, h: torch.Tensor, dtype: torch.dtype, reads: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """A fused step's inputs from the head: each row's argmax token and its embedding in `dtype` (the
-        state a row starts from where its token finished or its draft starts)."""
-        token = self.readout(h)
+        state a row starts from where its token finished or its draft starts); only rows `reads` are used."""
+        token = self.readout(h, reads)
         return token, self.model.embed(token).to(dtype)
 
     def finishing(self, chain: ChainRows, h: torch.Tensor, gate: torch.Tensor, limit: torch.Tensor,
@@ -249,7 +254,7 @@ class PassChains:
         rows = chain.rows
         h, gate = layer(rows.state, chain.position, chain.slot, None)
         done = self.finishing(chain, h, gate, steps.limit, rule, rule is not None or steps.stops_early)
-        token, embedded = self.readout_and_embedding(h, rows.state.dtype)
+        token, embedded = self.readout_and_embedding(h, rows.state.dtype, done)
         lengths, offsets = inputs
         n, hidden_size = h.shape
         check_contiguous(chain.active, chain.loop, chain.finished, chain.position, done, token, h, embedded,

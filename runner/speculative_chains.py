@@ -151,7 +151,9 @@ class SpeculativeChains:
 
         rows, chains = chain.rows, self.chains
         h, gate = layer(rows.state, chain.position, chain.slot, None)
-        token, embedded = chains.readout_and_embedding(h, rows.state.dtype)
+        # a token finishes (its last loop) or drafts (loop d - 1): the only rows whose argmax is read
+        reads = chain.active & ((chain.loop == self.loops - 1) | (chain.loop == self.d - 1))
+        token, embedded = chains.readout_and_embedding(h, rows.state.dtype, reads)
         check_contiguous(chain.active, chain.position, chain.loop, given, token, rows.state, h, embedded,
                          rows.hidden, rows.gates, gate, chain.slot, *inputs)
         lengths, offsets = inputs

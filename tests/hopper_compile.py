@@ -30,7 +30,7 @@ from attention.kernels.rotate import rotate_rows_kernel
 from attention.triton_kvarn import decode_maxnreg
 from cache.copy_forward_kernel import copy_forward_kernel
 from model.kernels.fused import rmsnorm_kernel, rope_qkv_kernel, silu_mul_kernel
-from model.kernels.gemv import skinny_gemm_kernel
+from model.kernels.gemv import skinny_gemm_kernel, skippable_gemm_kernel
 from runner.chain_step_kernels import chain_step_kernel, pipelined_step_kernel
 from model.kernels.gemv_epilogues import (skinny_gemm_add_norms_kernel, skinny_gemm_rope_kernel,
                                           skinny_gemm_silu_mul_kernel)
@@ -135,6 +135,9 @@ def gemv_variants() -> list[tuple]:
                 (skinny_gemm_add_norms_kernel, dtype, norms, 4, None, GEMV_POINTERS)]
     uneven = {**dot, "EVEN_K": False, "EVEN_N": False, "PDL": False}
     out.append((skinny_gemm_kernel, "bf16", uneven, 4, None, GEMV_POINTERS))
+    # the head of a chained pass (lm_head: one or two rows, the FMA path), launched without PDL
+    out.append((skippable_gemm_kernel, "bf16", {**fma, "BLOCK_N": 16, "EVEN_K": True, "EVEN_N": True,
+                                                "PDL": False}, 4, None, {**GEMV_POINTERS, "skip_ptr": "*i1"}))
     for add_residual, next_norm in ((False, False), (True, True)):
         norm = {"N": 2048, "BLOCK": 2048, "ADD_RESIDUAL": add_residual, "NEXT_NORM": next_norm,
                 "PRECISE": True, "NORM_AFTER_ADD": False, "PDL": True}

@@ -76,6 +76,25 @@ def test_two_fma_rows_are_each_its_one_row_product(name):
         assert torch.equal(both[row], skinny_linear(x[row:row + 1].contiguous(), w, config=config)[0])
 
 
+@pytest.mark.parametrize("name", ["dot_split3", "fma_preload"])
+def test_a_set_skip_flag_leaves_the_output_unwritten_and_a_clear_one_gives_the_same_bits(name):
+    """skinny_linear(skip=flag): the head of a chained pass in which no row reads out reads no weight; with
+    the flag clear it is the plain kernel, bit for bit (split-K tickets reset either way)."""
+    torch.manual_seed(5)
+    x = torch.randn(2, 80, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.randn(96, 80, dtype=torch.bfloat16, device=DEVICE)
+    config = CONFIGS[name]
+    out = torch.full((2, 96), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    skinny_linear(x, w, out=out, config=config, skip=torch.ones(1, dtype=torch.bool, device=DEVICE))
+    assert (out == 7).all()
+    y = skinny_linear(x, w, out=out, config=config, skip=torch.zeros(1, dtype=torch.bool, device=DEVICE))
+    assert torch.equal(y, skinny_linear(x, w, config=config))
+    tickets = gemv._WORKSPACES[x.device].tickets
+    assert tickets is None or not tickets.any()
+    with pytest.raises(ValueError, match="skip must be one bool"):
+        skinny_linear(x, w, config=GemvConfig(32, 16), skip=torch.zeros(2, dtype=torch.bool, device=DEVICE))
+
+
 def test_deterministic_and_tickets_reset():
     torch.manual_seed(1)
     x = torch.randn(3, 80, dtype=torch.bfloat16, device=DEVICE)

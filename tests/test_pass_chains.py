@@ -109,6 +109,43 @@ def shadowed_fused_steps(runner) -> list[int]:
     return seen
 
 
+def skinny_head(engine, honour_skip: bool) -> list[bool]:
+    """The runner's chains through uncaptured chain graphs with the fused step (in the interpreter), and the
+    model's head through the skinny GEMM kernel (as on CUDA), its output poisoned with NaN first, so that a
+    head skipped where a row needed it gives that row token 0. honour_skip: the head gets the fused step's
+    skip flag (else None: every head computed). Returns each fused head's flag, as the step computed it."""
+    from model.kernels.gemv import skinny_linear
+
+    static_chain_graphs(engine.runner)
+    (engine.runner.speculative_chains or engine.runner.chains).graphs.fused = True
+    weight, flags = engine.model.lm_head.weight, []
+
+    def head(h: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
+        if skip is not None:
+            flags.append(bool(skip.item()))
+        out = torch.full((*h.shape[:-1], weight.shape[0]), float("nan"), dtype=h.dtype)
+        return skinny_linear(h.contiguous(), weight, out=out, skip=skip if honour_skip else None)
+
+    engine.model.compute_logits = head
+    return flags
+
+
+@pytest.mark.interpreter
+def test_a_pass_where_no_row_finishes_skips_the_head_and_changes_no_token(tiny_checkpoint):
+    """A fused pass in which no row's token finishes reads no head weights (compute_logits' skip): under
+    early:0.5's mixed exits the tokens are those of the same run with every head computed, and some passes
+    did skip, some did not."""
+    tokens, flags = [], []
+    for honour in (False, True):
+        with Engine(tiny_checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=64, verbose=False,
+                    depth_batching=True, passes_per_step=6, loops=4, exit_policy="early:0.5") as engine:
+            flags.append(skinny_head(engine, honour))
+            outputs = engine.generate(PROMPTS[:3], greedy(max_tokens=6), use_tqdm=False)
+            tokens.append([out.outputs[0].token_ids for out in outputs])
+    assert tokens[0] == tokens[1] and flags[0] == flags[1]
+    assert any(flags[1]) and not all(flags[1])
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("policy", ["full", "early:0.5", "latent-diff:0.9"])
 def test_fused_step_between_passes_writes_the_tensor_steps_bits(tiny_checkpoint, policy):

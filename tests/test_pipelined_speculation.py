@@ -9,7 +9,7 @@ name. All on CPU, fp32, the torch backend."""
 import pytest
 
 from engine import DEFAULT_MODEL, Engine, SamplingParams
-from tests.test_pass_chains import shadowed_fused_steps, static_chain_graphs
+from tests.test_pass_chains import shadowed_fused_steps, skinny_head, static_chain_graphs
 from tests.test_pass_graphs import static_pass_graphs
 from tests.test_speculative import assert_same_distribution
 from tests.conftest import ROOT
@@ -360,6 +360,23 @@ def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatc
         assert interrupted_run(engine, monkeypatch, STOP, hook, pipelined_hook_calls) == fault_free
         assert_released(engine)
         assert not engine.runner.in_flight and engine.speculative_stats.num_drafted > 0
+
+
+@pytest.mark.interpreter
+def test_a_pass_where_no_token_finishes_or_drafts_skips_the_head_and_changes_no_token():
+    """At d = 2 of 4 loops a pass whose rows are at loops 0 and 2 reads out nothing: its head reads no
+    weights (compute_logits' skip), and the tokens are those of the same run with every head computed,
+    drafts forced accepted (a token every other pass, each draft's readout needed)."""
+    tokens, flags = [], []
+    for honour in (False, True):
+        with engine_of(TRAINED, True, 2, max_num_batched_tokens=512) as engine:
+            flags.append(skinny_head(engine, honour))
+            engine.runner.speculation.forced_acceptance = True
+            outputs = engine.generate(PROMPTS[:2], greedy(max_tokens=6), use_tqdm=False)
+            tokens.append([o.outputs[0].token_ids for o in outputs])
+            assert_clean(engine)
+    assert tokens[0] == tokens[1] and flags[0] == flags[1]
+    assert any(flags[1]) and not all(flags[1])
 
 
 @pytest.mark.interpreter

@@ -216,6 +216,36 @@ def skinny_gemm_kernel(
     NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRELOAD_K: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), splits): y = x @ W^T, tile pid_n holding W rows [pid_n * BLOCK_N, +BLOCK_N)."""
+    skinny_gemm(x_ptr, w_ptr, y_ptr, partials_ptr, tickets_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                k_iters, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, EVEN_K, EVEN_N, USE_DOT, DOT_FP32, NUM_STAGES, PDL,
+                PRELOAD_K)
+
+
+@triton.jit(do_not_specialize=["M", "k_iters"])
+def skippable_gemm_kernel(
+    skip_ptr, x_ptr, w_ptr, y_ptr, partials_ptr, tickets_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym, k_iters,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRELOAD_K: tl.constexpr,
+):
+    """skinny_gemm_kernel unless the flag at skip_ptr is set, in which case no program reads a weight or
+    writes y. Launched without PDL: the flag is the previous kernel's output, read before anything else."""
+    if tl.load(skip_ptr) == 0:
+        skinny_gemm(x_ptr, w_ptr, y_ptr, partials_ptr, tickets_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                    k_iters, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, EVEN_K, EVEN_N, USE_DOT, DOT_FP32, NUM_STAGES,
+                    PDL, PRELOAD_K)
+
+
+@triton.jit
+def skinny_gemm(
+    x_ptr, w_ptr, y_ptr, partials_ptr, tickets_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym, k_iters,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRELOAD_K: tl.constexpr,
+):
+    """skinny_gemm_kernel's body."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past N are clamped onto row N - 1: the loads stay in bounds without a mask, and the stores
     # below drop those rows.
@@ -578,10 +608,10 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def build_plan(kernel, x: torch.Tensor, weight: torch.Tensor, stride_ym: int, config: GemvConfig | None,
-               row_ticket: bool = False) -> Plan:
-    """A plan for `kernel` (skinny_gemm_kernel or an epilogue variant: the same pointers first, then the
-    same tail) on operands that check_operands accepted. row_ticket: the kernel takes the row ticket, so it
-    needs the tickets even without a split."""
+               row_ticket: bool = False, pdl: bool = True) -> Plan:
+    """A plan for `kernel` (skinny_gemm_kernel or a variant: the same pointers, then the same tail) on
+    operands that check_operands accepted. row_ticket: the kernel takes the row ticket, so it needs the
+    tickets even without a split. pdl: False launches without PDL even where the device has it."""
     m, k = x.shape
     n = weight.shape[0]
     device = x.device
@@ -589,7 +619,7 @@ def build_plan(kernel, x: torch.Tensor, weight: torch.Tensor, stride_ym: int, co
         sm_count = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
                     else CPU_SM_COUNT)
         config = select_config(m, n, k, x.dtype, sm_count)
-    pdl = pdl_supported(device)
+    pdl = pdl and pdl_supported(device)
     grid, tail = kernel_args(m, n, k, x.stride(0), weight.stride(0), stride_ym, x.dtype, config, pdl)
     workspace = _workspace(device)
     partials, tickets = workspace.dummy_partials, workspace.dummy_tickets
@@ -601,9 +631,10 @@ def build_plan(kernel, x: torch.Tensor, weight: torch.Tensor, stride_ym: int, co
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-                  config: GemvConfig | None = None) -> torch.Tensor:
+                  config: GemvConfig | None = None, skip: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight^T for x [..., K] (few rows) and weight [N, K], fp32 accumulation, y in x's dtype.
-    `config` overrides the tuned/default choice (benchmarks and tests)."""
+    `config` overrides the tuned/default choice (benchmarks and tests). skip: a one-element bool flag on the
+    device; where it is set when the kernel runs, y is left as it was (skippable_gemm_kernel)."""
     shape = x.shape
     if x.dim() != 2:
         x = x.reshape(-1, shape[-1])
@@ -617,18 +648,26 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
         return y.view(*shape[:-1], n)
     # Everything Triton specializes on: exact ints, and each pointer's 16-byte alignment.
     key = (m, n, shape[-1], x.dtype, weight.dtype, y.dtype, x.device, x.stride(0), weight.stride(0),
-           y.stride(0), x.data_ptr() & 15, weight.data_ptr() & 15, y.data_ptr() & 15, config)
+           y.stride(0), x.data_ptr() & 15, weight.data_ptr() & 15, y.data_ptr() & 15, config,
+           None if skip is None else skip.data_ptr() & 15)
     plan = _PLANS.get(key)
     if plan is None:
         check_operands(x, weight)
         if y.dtype != x.dtype or y.shape != (m, n) or y.stride(1) != 1:
             raise ValueError(f"out must be [{m}, {n}] in {x.dtype} with a contiguous last dimension, got "
                              f"{tuple(y.shape)} in {y.dtype}")
-        plan = build_plan(skinny_gemm_kernel, x, weight, y.stride(0), config)
+        if skip is not None and (skip.dtype != torch.bool or skip.numel() != 1 or skip.device != x.device):
+            raise ValueError(f"skip must be one bool on {x.device}, got {tuple(skip.shape)} {skip.dtype} on "
+                             f"{skip.device}")
+        kernel = skinny_gemm_kernel if skip is None else skippable_gemm_kernel
+        plan = build_plan(kernel, x, weight, y.stride(0), config, pdl=skip is None)
         if len(_PLANS) > 4096:
             _PLANS.clear()
         _PLANS[key] = plan
-    plan.launch(current_stream(x.device), (x, weight, y, plan.partials, plan.tickets) + plan.tail)
+    pointers = (x, weight, y, plan.partials, plan.tickets)
+    if skip is not None:
+        pointers = (skip,) + pointers
+    plan.launch(current_stream(x.device), pointers + plan.tail)
     if out is not None:
         return out
     return y if len(shape) == 2 else y.view(*shape[:-1], n)
@@ -694,14 +733,15 @@ def _tiled_plan(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: 
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight^T with every row's bits independent of the other rows and of their number: `config`
-    (invariant_config's) through skinny_linear up to MAX_SKINNY_M rows and tiled_linear beyond. x [..., K]."""
+    (invariant_config's) through skinny_linear up to MAX_SKINNY_M rows and tiled_linear beyond. x [..., K].
+    skip: skinny_linear's (tiled_linear computes y anyway)."""
     shape = x.shape
     if x.dim() != 2:
         x = x.reshape(-1, shape[-1])
     if x.shape[0] <= MAX_SKINNY_M:
-        y = skinny_linear(x, weight, out, config)
+        y = skinny_linear(x, weight, out, config, skip)
     else:
         y = tiled_linear(x, weight, config, out)
     return y if len(shape) == 2 else y.view(*shape[:-1], weight.shape[0])
@@ -721,11 +761,13 @@ def skinny_ok(x: torch.Tensor, weight: torch.Tensor, max_m: int = MAX_SKINNY_M) 
 ENABLED = True  # benchmarks flip this for cuBLAS A/B runs
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+           skip: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear without bias, through the skinny kernel for up to MAX_SKINNY_M rows on CUDA (off CUDA,
-    always F.linear: tests call skinny_linear directly under the interpreter)."""
+    always F.linear: tests call skinny_linear directly under the interpreter). skip: skinny_linear's (a flag
+    that may leave y unwritten; F.linear computes it anyway)."""
     if ENABLED and x.is_cuda and skinny_ok(x, weight):
-        return skinny_linear(x, weight, out)
+        return skinny_linear(x, weight, out, skip=skip)
     if out is None:
         return F.linear(x, weight)
     return torch.matmul(x, weight.t(), out=out)
