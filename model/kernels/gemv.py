@@ -216,36 +216,6 @@ def skinny_gemm_kernel(
     NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRELOAD_K: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N), splits): y = x @ W^T, tile pid_n holding W rows [pid_n * BLOCK_N, +BLOCK_N)."""
-    skinny_gemm(x_ptr, w_ptr, y_ptr, partials_ptr, tickets_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                k_iters, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, EVEN_K, EVEN_N, USE_DOT, DOT_FP32, NUM_STAGES, PDL,
-                PRELOAD_K)
-
-
-@triton.jit(do_not_specialize=["M", "k_iters"])
-def skippable_gemm_kernel(
-    skip_ptr, x_ptr, w_ptr, y_ptr, partials_ptr, tickets_ptr,
-    M, N, K, stride_xm, stride_wn, stride_ym, k_iters,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRELOAD_K: tl.constexpr,
-):
-    """skinny_gemm_kernel unless the flag at skip_ptr is set, in which case no program reads a weight or
-    writes y. Launched without PDL: the flag is the previous kernel's output, read before anything else."""
-    if tl.load(skip_ptr) == 0:
-        skinny_gemm(x_ptr, w_ptr, y_ptr, partials_ptr, tickets_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                    k_iters, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, EVEN_K, EVEN_N, USE_DOT, DOT_FP32, NUM_STAGES,
-                    PDL, PRELOAD_K)
-
-
-@triton.jit
-def skinny_gemm(
-    x_ptr, w_ptr, y_ptr, partials_ptr, tickets_ptr,
-    M, N, K, stride_xm, stride_wn, stride_ym, k_iters,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRELOAD_K: tl.constexpr,
-):
-    """skinny_gemm_kernel's body."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past N are clamped onto row N - 1: the loads stay in bounds without a mask, and the stores
     # below drop those rows.
@@ -261,6 +231,22 @@ def skinny_gemm(
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit(do_not_specialize=["M", "k_iters"])
+def skippable_gemm_kernel(
+    skip_ptr, x_ptr, w_ptr, y_ptr, partials_ptr, tickets_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym, k_iters,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PRELOAD_K: tl.constexpr,
+):
+    """skinny_gemm_kernel unless the flag at skip_ptr is set, in which case no program reads a weight or
+    writes y. Launched without PDL: the flag is the previous kernel's output, read before anything else."""
+    if tl.load(skip_ptr) == 0:
+        skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, partials_ptr, tickets_ptr, M, N, K, stride_xm, stride_wn,
+                           stride_ym, k_iters, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, EVEN_K, EVEN_N, USE_DOT,
+                           DOT_FP32, NUM_STAGES, PDL, PRELOAD_K)
 
 
 # M unspecialized: one compiled variant serves every row count.
