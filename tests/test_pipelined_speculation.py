@@ -372,7 +372,7 @@ def test_a_pass_where_no_token_finishes_or_drafts_skips_the_head_and_changes_no_
         with engine_of(TRAINED, True, 2, max_num_batched_tokens=512) as engine:
             flags.append(skinny_head(engine, honour))
             engine.runner.speculation.forced_acceptance = True
-            outputs = engine.generate(PROMPTS[:2], greedy(max_tokens=6), use_tqdm=False)
+            outputs = engine.generate(PROMPTS[:1], greedy(max_tokens=5), use_tqdm=False)
             tokens.append([o.outputs[0].token_ids for o in outputs])
             assert_clean(engine)
     assert tokens[0] == tokens[1] and flags[0] == flags[1]
