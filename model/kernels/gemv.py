@@ -595,9 +595,10 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 def build_plan(kernel, x: torch.Tensor, weight: torch.Tensor, stride_ym: int, config: GemvConfig | None,
                row_ticket: bool = False, pdl: bool = True) -> Plan:
-    """A plan for `kernel` (skinny_gemm_kernel or a variant: the same pointers, then the same tail) on
-    operands that check_operands accepted. row_ticket: the kernel takes the row ticket, so it needs the
-    tickets even without a split. pdl: False launches without PDL even where the device has it."""
+    """A plan for `kernel` (skinny_gemm_kernel or a variant: its pointers, with a variant's own before or
+    after them, then the same tail) on operands that check_operands accepted. row_ticket: the kernel takes
+    the row ticket, so it needs the tickets even without a split. pdl: False launches without PDL even where
+    the device has it."""
     m, k = x.shape
     n = weight.shape[0]
     device = x.device
