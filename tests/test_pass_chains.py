@@ -110,10 +110,11 @@ def shadowed_fused_steps(runner) -> list[int]:
 
 
 def skinny_head(engine, honour_skip: bool) -> list[bool]:
-    """The runner's chains through uncaptured chain graphs with the fused step (in the interpreter), and the
-    model's head through the skinny GEMM kernel (as on CUDA), its output poisoned with NaN first, so that a
-    head skipped where a row needed it gives that row token 0. honour_skip: the head gets the fused step's
-    skip flag (else None: every head computed). Returns each fused head's flag, as the step computed it."""
+    """The runner's chains through uncaptured chain graphs with the fused step (in the interpreter).
+    honour_skip: the model's head through the skinny GEMM kernel (as on CUDA) with the fused step's skip
+    flag, its output poisoned with NaN first, so that a head skipped where a row needed it gives that row
+    token 0; else every head computed (torch's linear, the interpreter's time spared). Returns each fused
+    head's flag, as the step computed it."""
     from model.kernels.gemv import skinny_linear
 
     static_chain_graphs(engine.runner)
@@ -123,8 +124,10 @@ def skinny_head(engine, honour_skip: bool) -> list[bool]:
     def head(h: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
         if skip is not None:
             flags.append(bool(skip.item()))
+        if not honour_skip:
+            return torch.nn.functional.linear(h, weight)
         out = torch.full((*h.shape[:-1], weight.shape[0]), float("nan"), dtype=h.dtype)
-        return skinny_linear(h.contiguous(), weight, out=out, skip=skip if honour_skip else None)
+        return skinny_linear(h.contiguous(), weight, out=out, skip=skip)
 
     engine.model.compute_logits = head
     return flags

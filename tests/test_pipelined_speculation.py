@@ -385,13 +385,13 @@ def test_a_pass_where_no_token_finishes_or_drafts_skips_the_head_and_changes_no_
 def test_fused_step_between_passes_writes_the_tensor_steps_bits(plain, d, accept):
     """The fused step (one kernel a pass on CUDA) against the tensor operations it replaces, pass by pass, on
     every buffer: drafts accepted (the trained model), forced all and none (restarts, dropped drafts), at one
-    and two draft loops; the tokens stay plain decoding's."""
+    and two draft loops; the tokens stay plain decoding's (the first 6 of them: each pass runs twice)."""
     with engine_of(TRAINED, True, d, max_num_batched_tokens=512) as engine:
         seen = shadowed_fused_steps(engine.runner)
         engine.runner.speculation.forced_acceptance = None if accept is None else bool(accept)
-        outputs = [o.outputs[0] for o in engine.generate(PROMPTS, greedy(), use_tqdm=False)]
+        outputs = [o.outputs[0] for o in engine.generate(PROMPTS, greedy(max_tokens=6), use_tqdm=False)]
         assert_clean(engine)
         rows = len(PROMPTS) * engine.runner.speculative_chains.m
     assert len(seen) > 0 and max(seen) >= rows  # the requests decoded together
     if accept is None:
-        assert [o.token_ids for o in outputs] == plain
+        assert [o.token_ids for o in outputs] == [tokens[:6] for tokens in plain]
