@@ -32,8 +32,9 @@ def greedy_tokens(checkpoint, prompts: list[str], **params) -> list[list[int]]:
 
 def test_a_failed_request_exits_nonzero_with_its_error_on_the_command_line(tiny_checkpoint, capsys):
     """The real command line's exit status for an empty prompt; main()'s for a prompt too long."""
-    result = subprocess.run([sys.executable, "engine.py", "generate", "--model", str(tiny_checkpoint), *GREEDY,
-                             "--prompt", ""], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    command = [sys.executable, "engine.py", "generate", "--model", str(tiny_checkpoint), *GREEDY,
+               "--prompt", ""]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert result.returncode == 1, result.stderr
     assert "error: prompt is empty" in result.stderr and result.stdout == ""

@@ -365,7 +365,9 @@ def test_plot_helper_imports_without_matplotlib_and_says_what_is_missing(tiny_ch
 
 # -- CLI ---------------------------------------------------------------------------------------------
 
-def test_cli_takes_loops_exit_policy_kv_sharing_and_prints_traces(tmp_path):
+def test_cli_takes_loops_exit_policy_kv_sharing_and_prints_traces(tmp_path, capsys):
+    from cli import main
+
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1")
     flags = ["--max-tokens", "4", "--device", "cpu", "--loops", "3", "--exit-policy", "early:0.5",
              "--kv-sharing", "last", "--loop-trace"]
@@ -374,9 +376,8 @@ def test_cli_takes_loops_exit_policy_kv_sharing_and_prints_traces(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "3 loops x" in result.stderr and "exit_policy=early:0.5" in result.stderr
     assert "kv_sharing=last" in result.stderr and "| exit loop | exit pdf per loop |" in result.stderr
-    bad = subprocess.run([sys.executable, "engine.py", "generate", "--exit-policy", "step:9", "--device",
-                          "cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "exit_policy 'step:9'" in bad.stderr
+    assert main(["generate", "--exit-policy", "step:9", "--device", "cpu", "--threads", "1"]) == 1
+    assert "exit_policy 'step:9'" in capsys.readouterr().err
 
 
 # -- CUDA ----------------------------------------------------------------------------------------------
