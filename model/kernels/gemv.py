@@ -359,31 +359,35 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = C
 # "One row"): what preloading buys is overlap with the kernel before, which a chain of one
 # projection's calls does not show. qkv, o and gate_up preloaded took batch-1 TPOT from 4.73 to 4.06 ms at
 # 512 tokens of context and from 5.63 to 4.76 at 2K; down preloaded in 3 splits cost 1.6-3.4% more.
-# Two rows can take the FMA path too (MAX_FMA_M, each row its one-row sum), but no table lists bucket 2 yet:
-# two rows take bucket 4's tensor-core configs. On them a depth-batched pass of two rows (pipelined
-# self-speculation's at batch 1) keeps the device busy 15% longer than a pass of one row (H100, 1.53 against
-# 1.33 ms), about what preloading buys a row; the one-row configs at bucket 2 are the candidate, untimed.
+# Two rows take the FMA path too (MAX_FMA_M, each row its one-row sum) with the one-row configs at bucket 2,
+# chosen by decode TPOT on an H100 (2026-12-07, 512 tokens of context, against bucket 4's tensor-core
+# configs): plain decode of two rows 5.79 -> 5.64 ms, pipelined self-speculation at batch 1 (a pass of two
+# rows) 3.52 -> 3.39 ms a token with every draft accepted and 6.80 -> 6.53 with none; one row unchanged.
 TUNED: dict[tuple[int, int], dict[int, GemvConfig]] = {
     (6144, 2048): {  # qkv
         1: GemvConfig(8, 512, 1, 4, 3, False, preload=True),  # by engine TPOT (above)
+        2: GemvConfig(8, 512, 1, 4, 3, False, preload=True),  # by engine TPOT (above)
         4: GemvConfig(64, 128, 2, 4, 4, True),  # 9.4 us, 0.97 of copy
         16: GemvConfig(32, 256, 1, 4, 3, True),  # 9.6 us, 0.96 of copy
         64: GemvConfig(64, 64, 2, 4, 4, True),  # 11.8 us, 0.80 of copy
     },
     (2048, 2048): {  # o
         1: GemvConfig(8, 512, 1, 4, 4, False, preload=True),  # by engine TPOT
+        2: GemvConfig(8, 512, 1, 4, 4, False, preload=True),  # by engine TPOT
         4: GemvConfig(64, 128, 4, 4, 4, True),  # 5.5 us, 0.55 of copy
         16: GemvConfig(64, 128, 4, 4, 4, True),  # 5.7 us, 0.54 of copy
         64: GemvConfig(64, 128, 4, 4, 3, True),  # 7.7 us, 0.42 of copy
     },
     (11264, 2048): {  # gate_up
         1: GemvConfig(8, 512, 1, 4, 3, False, preload=True),  # by engine TPOT
+        2: GemvConfig(8, 512, 1, 4, 3, False, preload=True),  # by engine TPOT
         4: GemvConfig(64, 128, 1, 4, 4, True),  # 13.4 us, 1.25 of copy
         16: GemvConfig(64, 128, 1, 4, 4, True),  # 13.8 us, 1.22 of copy
         64: GemvConfig(64, 128, 1, 4, 3, True),  # 15.8 us, 1.09 of copy
     },
     (2048, 5632): {  # down
         1: GemvConfig(8, 512, 1, 4, 4, False),  # 7.8 us, 1.07 of copy; preloading in 3 splits lost
+        2: GemvConfig(8, 512, 1, 4, 4, False),  # by engine TPOT
         4: GemvConfig(64, 128, 4, 4, 4, True),  # 9.1 us, 0.92 of copy
         16: GemvConfig(64, 128, 4, 4, 4, True),  # 9.3 us, 0.91 of copy
         64: GemvConfig(64, 128, 4, 4, 3, True),  # 11.6 us, 0.75 of copy
