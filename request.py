@@ -188,6 +188,8 @@ class Request:
     speculative: SpeculativeStats | None = None  # its drafts, under speculative decoding
     depth: DepthStats | None = None  # its tokens' loops and loop passes, under depth batching
     draft_len: int = 0  # what its next speculative step drafts at most (scheduler/scheduler.py); 0: not yet
+    # Pipelined speculation (scheduler/scheduler.py): the output token count from which it drafts again
+    draft_resume: int = 0
     # A KVarN pool's side rows (cache/side_rows.py): the blocks whose side blocks it holds, and per block of
     # block_table the side block it may read (-1: none); under kv_sharing="last" also per generated tile its
     # side tile (-1: none)
@@ -219,6 +221,11 @@ class Request:
     def num_output_tokens(self) -> int:
         """Generated tokens, a pending one included (it holds a position)."""
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def drafts_paused(self) -> bool:
+        """Under pipelined speculation: does it decode without drafts for now (Scheduler.apply)?"""
+        return self.num_output_tokens < self.draft_resume
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -83,7 +83,8 @@ class Stepper(ABC):
         before = [r.num_tokens for r in batch.requests]
         mid_token = result.mid_token_rows
         accepted = {row: sum(check[1] for check in checks if check) for row, checks in result.drafts.items()}
-        decision = self.scheduler.decide(batch, result.tokens, result.errors, accepted, mid_token)
+        verified = {row: sum(1 for check in checks if check) for row, checks in result.drafts.items()}
+        decision = self.scheduler.decide(batch, result.tokens, result.errors, accepted, mid_token, verified)
         staged = self.runner.take_staged()  # the point of no return
         self.count_tokens(batch, set(result.errors) | mid_token, decode, decision.appended)
         error = self.run_parts([functools.partial(self.scheduler.apply, decision),

@@ -15,7 +15,8 @@ step's prompt rows run every loop in the same step, as without depth batching. O
 replays a graph per batch bucket (runner/pass_graphs.py); steps with prompt tokens take piecewise graphs where
 lockstep would. A lone decode row at the start of its token shares a pass with nobody: it runs its loops back
 to back in one step, as without depth batching (the decode graphs of one row), so batch 1 pays no per-pass
-step.
+step; so do pipelined speculation's decode rows when every one of them pauses its drafts
+(Request.drafts_paused), as plain decoding.
 
 Async scheduling (`launch` / `finish`): a step is launched without waiting for its tokens, which stay on the
 device (a LaunchedStep) while the host copies them back; the next step can be launched before they arrive,
@@ -189,8 +190,9 @@ class ModelRunner:
                 self.depth.graphs.capture_all()
                 for chains in self.chain_graphs():  # a chained pass with the step to the next, whole
                     chains.capture_all()
-                if self.pipelined is None:  # and a lone decode row's token (_lone_token)
-                    self.graphs = self._capture(scratch_block, 1)
+                # and _lockstep_tokens' steps: a lone decode row's token, or pipelined rows that pause drafts
+                lockstep_rows = 1 if self.pipelined is None else config.max_num_seqs
+                self.graphs = self._capture(scratch_block, lockstep_rows)
             # Steps with prompt tokens: piecewise, unless an exit hook must see each loop (early:Q).
             tokens = min(config.piecewise_graph_tokens, config.max_num_batched_tokens)
             if tokens and self.hook is None:
@@ -226,7 +228,8 @@ class ModelRunner:
 
     def _capture(self, scratch_block: int, rows: int | None = None) -> DecodeGraphs:
         """One graph per decode bucket for the whole step; one per (bucket, loop) when rows can stop early or
-        a step may run some loops only (speculative decoding, whose verify pass has k rows per request).
+        a step may run some loops only (speculative decoding's steps, whose verify pass has k rows per
+        request; pipelined speculation has none).
         rows: the largest bucket (None: every row a step can decode)."""
         config = self.config
         hook, layout = self.hook, self.layout
@@ -235,7 +238,7 @@ class ModelRunner:
         if hook is not None and layout.copies_forward:
             def copy_forward(slots: torch.Tensor, mask: torch.Tensor, loop: int) -> None:
                 layout.copy_forward(hook.pool, slots, loop, mask)
-        per_loop = hook is not None or self.speculation is not None
+        per_loop = hook is not None or (self.speculation is not None and self.pipelined is None)
         graphs = DecodeGraphs(self.model, self.backend, "loop" if per_loop else "step", rows,
                               self.block_tables.width, config.block_size, scratch_block, self.device,
                               self._shared_kv(), self._exit_rule(rows), copy_forward, self.scratch_side_block)
@@ -480,11 +483,14 @@ class ModelRunner:
                   if num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens]
         chosen = set(decode)
         others = [row for row in range(batch.num_seqs) if row not in chosen]
+        paused = self.pipelined is not None and all(batch.requests[row].drafts_paused for row in decode)
+        if decode and paused:  # pipelined speculation's drafts paused (Scheduler.apply): plain decoding
+            return self._lockstep_tokens(batch, decode)
         if decode and self._chainable(batch, decode):
             chained = self._chained_passes if self.pipelined is None else self._speculative_chain
             result.take(decode, chained(batch.select(decode)))
         elif len(decode) == 1 and self.pipelined is None and not self._mid_token(batch.requests[decode[0]]):
-            return self._lone_token(batch, decode[0])
+            return self._lockstep_tokens(batch, decode)
         elif decode:
             run_pass = self._depth_pass if self.pipelined is None else self._pipelined_pass
             result.take(decode, run_pass(batch.select(decode)))
@@ -532,17 +538,22 @@ class ModelRunner:
         mid = self.mid_tokens.get(request.request_id)
         return mid is not None and mid.continues(request)
 
-    def _lone_token(self, batch: ScheduledBatch, row: int) -> StepResult:
-        """Depth batching with one decode row, at the start of its token: with no other row to share a pass,
-        the token runs its loops back to back in this step, as without depth batching (the per-loop or
-        whole-step graphs of one row), one pass per loop it runs."""
+    def _lockstep_tokens(self, batch: ScheduledBatch, decode: list[int]) -> StepResult:
+        """The step as without depth batching (the per-loop or whole-step graphs), each decode row's token
+        running its loops back to back, one pass per loop: a lone decode row at the start of its token (no
+        other row shares a pass), or decode rows whose pipelined drafts pause (Request.drafts_paused; their
+        tokens in flight are dropped, and a token between its loops restarts at loop 0)."""
         stats = self.loop_stats
         before = stats.decode_loops
         result = self._run_loops_and_sample(batch)
         ran = stats.decode_loops - before
-        stats.decode_passes += ran
-        result.mid_tokens[row] = None
-        result.depth_tokens[row] = [(ran, ran)]
+        loops = [ran] if len(decode) == 1 else [self.loops_of(batch.requests[row]) for row in decode]
+        stats.decode_passes += max(loops)
+        for row, token_loops in zip(decode, loops):
+            result.mid_tokens[row] = None
+            result.depth_tokens[row] = [(token_loops, max(loops))]
+            if self.pipelined is not None and result.tokens[row] is not None:
+                result.in_flight[row] = []
         return result
 
     def _depth_pass(self, batch: ScheduledBatch) -> StepResult:

@@ -31,9 +31,10 @@ step the row reserves the positions of up to k tokens in flight, as a speculativ
 pipelined=True; ScheduledBatch.reserved says how many, fewer where max_tokens, max_model_len, the token budget
 or the free blocks leave less room); a token in flight beyond them is dropped before the pass and a draft is
 made only within them, so k caps the tokens in flight and no slot outside the request's blocks is written. The
-draft length does not adapt: a draft costs a row of a pass, not a weight read. Blocks of rejected positions
-stay the request's (its next tokens fill them) until it finishes or is preempted, when they are freed with the
-rest.
+draft length does not adapt: a draft costs a row of a pass, not a weight read; but a request whose drafts are
+mostly rejected pauses drafting for a while (scheduler/scheduler.py: PIPELINED_PAUSE), its tokens decoded as
+without speculation (ModelRunner._lockstep_tokens). Blocks of rejected positions stay the request's (its next
+tokens fill them) until it finishes or is preempted, when they are freed with the rest.
 
 Why nothing stale is ever read. A discarded token at position p wrote loops 0..j of position p. Its slots are
 read only by rows at positions >= p of the same request: those in flight after it, discarded with it, and the

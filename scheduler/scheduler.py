@@ -28,6 +28,14 @@ then come back with several tokens, each checked for stops in turn as if it had 
 drafts follows the "heuristic" schedule of HF transformers' assisted generation: it starts at k, grows by 2
 (up to k) after a step whose drafts were all accepted and shrinks by 1 (down to 1) after one that rejected a
 draft, so a request whose drafts keep failing pays for one draft per step, not k.
+
+Pipelined (runner/pipelined_speculation.py) a draft costs a row of a pass, not a weight read, but a pass of
+a verifying and a drafting row costs more than a loop of one row (an H100 at batch 1 and Ouro-1.4B's shape:
+1.60 against 1.21 ms). A token takes d passes where its draft was accepted and T where it was not, so at
+d = 2, T = 4 pipelining pays only where about half the drafts or more are accepted. A request whose
+verifications in a step accepted fewer than half stops drafting for its next PIPELINED_PAUSE tokens
+(Request.draft_resume): it reserves one position a step and decodes as without speculation, every loop of
+its token in one step (the runner does so for a step whose decode rows all pause), then drafts again.
 """
 
 from __future__ import annotations
@@ -53,6 +61,9 @@ RESERVE_INIT = 0.7
 RESERVE_FLOOR = 0.7 * 0.14
 RESERVE_DECAY_STEPS = 600
 RESERVE_CLIP = 4096
+# Pipelined speculation: the tokens a request decodes without drafts after a step that rejected most of its
+# drafts (the docstring above)
+PIPELINED_PAUSE = 16
 
 
 class Detokenizer(Protocol):
@@ -91,6 +102,7 @@ class Decision:
     batch: ScheduledBatch
     outcomes: list[_Outcome | None]
     accepted: dict[int, int] = dataclasses.field(default_factory=dict)  # speculative: row -> drafts accepted
+    verified: dict[int, int] = dataclasses.field(default_factory=dict)  # pipelined: row -> drafts verified
     applied: list[bool] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -247,6 +259,8 @@ class Scheduler:
             decodes = num_new == 1 and request.num_tokens - request.num_computed_tokens == 1
             ahead_here = decodes and (drafts or chains)
             wanted = self.chain_positions if chains else request.draft_len or self.num_speculative_tokens
+            if self.pipelined and request.drafts_paused:
+                wanted = 1
             reserved = self._room(request, wanted, wanted if chains else budget) if ahead_here else num_new
             if reserved > num_new and not self.block_manager.can_append(request, reserved):
                 reserved = num_new  # drafting never preempts anyone
@@ -290,21 +304,23 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch, sampled: list[int | list[int] | None],
                errors: dict[int, str] | None = None, accepted: dict[int, int] | None = None,
-               mid_token: frozenset[int] = frozenset()) -> list[Request]:
+               mid_token: frozenset[int] = frozenset(), verified: dict[int, int] | None = None
+               ) -> list[Request]:
         """Advance the batch's requests by one step: decide(), then apply(). Returns every request finished
         since the last hand-back, this step's included."""
-        self.apply(self.decide(batch, sampled, errors, accepted, mid_token))
+        self.apply(self.decide(batch, sampled, errors, accepted, mid_token, verified))
         return self.take_finished()
 
     def decide(self, batch: ScheduledBatch, sampled: list[int | list[int] | None],
                errors: dict[int, str] | None = None, accepted: dict[int, int] | None = None,
-               mid_token: frozenset[int] = frozenset()) -> Decision:
+               mid_token: frozenset[int] = frozenset(), verified: dict[int, int] | None = None) -> Decision:
         """Every row's outcome for one step, changing nothing (but the requests' cached incremental
         decoders). sampled[i] is read only where batch.sample[i]: a token, or (a speculative step) the row's
         tokens in order; errors: batch row -> why that row failed in this step (its request finishes with
         "error"); accepted: a speculative step's batch row -> how many of its drafts were accepted, for the
-        draft-length schedule; mid_token: decode rows whose token is still between its loops (depth
-        batching): they change nothing, and the next step schedules the same position again."""
+        draft-length schedule (pipelined: how many of its verified drafts were, beside `verified`, how many
+        were verified); mid_token: decode rows whose token is still between its loops (depth batching): they
+        change nothing, and the next step schedules the same position again."""
         if len(sampled) != batch.num_seqs:
             raise ValueError(f"update got {len(sampled)} sampled tokens for {batch.num_seqs} rows")
         errors = errors or {}
@@ -312,7 +328,7 @@ class Scheduler:
                     self._decide(request, num_new, sample, token, errors.get(row))
                     for row, (request, num_new, sample, token)
                     in enumerate(zip(batch.requests, batch.num_new_tokens, batch.sample, sampled))]
-        return Decision(batch, outcomes, dict(accepted or {}))
+        return Decision(batch, outcomes, dict(accepted or {}), dict(verified or {}))
 
     def apply(self, decision: Decision) -> None:
         """Apply a decided step: every row not yet applied, each whatever an earlier one raised (the first
@@ -331,6 +347,10 @@ class Scheduler:
             if row in decision.accepted:
                 request.draft_len = min(self.num_speculative_tokens, drafted + 2) \
                     if decision.accepted[row] == drafted else max(1, drafted - 1)
+        for row, verified in decision.verified.items():
+            request = decision.batch.requests[row]
+            if self.pipelined and 2 * decision.accepted.get(row, 0) < verified:
+                request.draft_resume = request.num_output_tokens + PIPELINED_PAUSE
         if first is not None:
             raise first
 

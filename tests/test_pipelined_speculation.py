@@ -9,6 +9,7 @@ name. All on CPU, fp32, the torch backend."""
 import pytest
 
 from engine import DEFAULT_MODEL, Engine, SamplingParams
+from scheduler import scheduler
 from tests.test_pass_chains import shadowed_fused_steps, skinny_head, static_chain_graphs
 from tests.test_pass_graphs import static_pass_graphs
 from tests.test_speculative import assert_same_distribution
@@ -86,11 +87,13 @@ def test_greedy_tokens_equal_plain_decoding(plain, pipelined, d):
 
 
 @pytest.mark.parametrize("d", [1, 2])
-def test_one_pass_a_step_gives_the_chains_tokens_and_passes(plain, pipelined, d):
+def test_one_pass_a_step_gives_the_chains_tokens_and_passes(plain, monkeypatch, d):
     """passes_per_step=1: greedy rows run a pass a step on the host's decisions
     (runner/pipelined_speculation.py) instead of chains of passes (runner/speculative_chains.py): the same
-    tokens, drafts and passes."""
-    chained, chained_stats = pipelined(d)
+    tokens, drafts and passes. Drafts never pause here: a pause starts at the end of a step, so a chain's
+    drafts after a rejection are not a single pass's."""
+    monkeypatch.setattr(scheduler, "PIPELINED_PAUSE", 0)
+    chained, chained_stats, _ = run(TRAINED, greedy(), True, d=d)
     outputs, stats, _ = run(TRAINED, greedy(), True, d=d, passes_per_step=1)
     assert [o.token_ids for o in outputs] == plain
     assert (stats.num_drafted, stats.num_accepted) == (chained_stats.num_drafted, chained_stats.num_accepted)
@@ -135,6 +138,25 @@ def test_random_weights_reject_and_still_equal(tiny_checkpoint):
     outputs, stats, _ = run(tiny_checkpoint, greedy(), True, prompts=PROMPTS[:3])
     assert [o.token_ids for o in outputs] == [o.token_ids for o in base]
     assert stats.num_drafted > 0 and stats.num_accepted < stats.num_drafted / 4
+
+
+def test_drafts_pause_after_a_rejecting_step_and_resume_after_the_pause(plain, monkeypatch):
+    """Every draft rejected, a pass a step: after each verification the request decodes PIPELINED_PAUSE (here
+    3) tokens as plain decoding, all loops in one step and no draft (Scheduler.apply, ModelRunner
+    ._lockstep_tokens), then drafts again. Of 10 tokens: the prompt's, token 2 verified, 3-5 plain, token 6
+    verified, 7-9 plain, token 10 without a draft (max_tokens leaves it no room). The tokens stay plain
+    decoding's."""
+    monkeypatch.setattr(scheduler, "PIPELINED_PAUSE", 3)
+    with engine_of(TRAINED, True, passes_per_step=1, max_num_batched_tokens=512) as engine:
+        engine.runner.speculation.forced_acceptance = False
+        lockstep, rows = engine.runner._lockstep_tokens, []
+        engine.runner._lockstep_tokens = lambda batch, decode: rows.append(len(decode)) or lockstep(batch,
+                                                                                                  decode)
+        [out] = [o.outputs[0] for o in engine.generate(PROMPTS[:1], greedy(), use_tqdm=False)]
+        assert_clean(engine)
+    assert out.token_ids == plain[0]
+    assert out.speculative.steps == 2 and rows == [1] * 6
+    assert out.depth.passes == LOOPS * out.depth.tokens
 
 
 def forced(checkpoint, pipelined: bool, accept: int, d: int = 2):
