@@ -127,6 +127,18 @@ def test_replayed_pipelined_speculation_gives_plain_tokens(d):
     assert sum(c.depth.passes for c in graphs) < 4 * sum(c.depth.tokens for c in graphs)
 
 
+def test_replayed_pipelined_speculation_that_pauses_its_drafts_gives_plain_tokens(tiny_checkpoint):
+    """Random weights reject nearly every draft, so requests pause drafting (scheduler/scheduler.py:
+    PIPELINED_PAUSE) and decode through the whole-step graphs between chains of passes: plain tokens."""
+    params = greedy(max_tokens=40, logprobs=None)  # chains of passes where a request drafts
+    spec = {"speculative": "loops:2", "loops": 4}
+    graphs, _ = run(tiny_checkpoint, FIVE_PROMPTS, params, True, False, **spec)
+    plain, _ = run(tiny_checkpoint, FIVE_PROMPTS, params, False, False, loops=4)
+    assert [c.token_ids for c in graphs] == [c.token_ids for c in plain]
+    verified = sum(c.speculative.steps for c in graphs if c.speculative is not None)
+    assert 0 < verified < sum(c.depth.tokens for c in graphs) / 2
+
+
 def test_capturing_and_replaying_passes_leaves_the_split_k_tickets_at_zero(tmp_path):
     """Ouro-1.4B's layer shapes (4 of its layers), bf16: its skinny GEMMs split K. Capturing the pass graphs
     (each bucket's first replay beside the next bucket's warm-up, until those were ordered) and running
