@@ -2,7 +2,7 @@
 bucket's graph, and a request's tokens are those of the eager depth-batched engine and of the lockstep
 engine, under full depth and early:0.5 with mixed exits (fp32, the Triton backend), over kv_sharing="last"
 and an fp8 cache, for Huginn; in deterministic mode bit for bit; chained passes and pipelined
-self-speculation's passes too.
+self-speculation's passes too, also where its drafts pause.
 The same code without the capture runs on CPU in tests/test_pass_graphs.py."""
 
 import pytest

@@ -2,8 +2,8 @@
 runner/pipelined_speculation.py): greedy tokens equal plain decoding's for d = 1, 2, 3 of 4 loops, with
 drafts accepted (the trained tiny model) and rejected (random weights), chunked prefill, staggered arrivals,
 stops and max_tokens inside a run of tokens in flight, an abort and preemption (no block or token in flight
-left behind); the stats count verifications and passes per token; what it does not take yet is refused by
-name. All on CPU, fp32, the torch backend."""
+left behind); the stats count verifications and passes per token; drafts pause where most are rejected; what
+it does not take yet is refused by name. All on CPU, fp32, the torch backend."""
 
 
 import pytest
