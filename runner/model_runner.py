@@ -483,8 +483,8 @@ class ModelRunner:
                   if num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens]
         chosen = set(decode)
         others = [row for row in range(batch.num_seqs) if row not in chosen]
-        paused = self.pipelined is not None and all(batch.requests[row].drafts_paused for row in decode)
-        if decode and paused:  # pipelined speculation's drafts paused (Scheduler.apply): plain decoding
+        if decode and self.pipelined is not None and all(batch.requests[row].drafts_paused for row in decode):
+            # pipelined speculation's drafts paused (Scheduler.apply): plain decoding
             return self._lockstep_tokens(batch, decode)
         if decode and self._chainable(batch, decode):
             chained = self._chained_passes if self.pipelined is None else self._speculative_chain

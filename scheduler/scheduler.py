@@ -318,9 +318,10 @@ class Scheduler:
         decoders). sampled[i] is read only where batch.sample[i]: a token, or (a speculative step) the row's
         tokens in order; errors: batch row -> why that row failed in this step (its request finishes with
         "error"); accepted: a speculative step's batch row -> how many of its drafts were accepted, for the
-        draft-length schedule (pipelined: how many of its verified drafts were, beside `verified`, how many
-        were verified); mid_token: decode rows whose token is still between its loops (depth batching): they
-        change nothing, and the next step schedules the same position again."""
+        draft-length schedule (pipelined: how many of its verifications accepted their draft, beside
+        `verified`, how many verifications it had: the drafts pause); mid_token: decode rows whose token is
+        still between its loops (depth batching): they change nothing, and the next step schedules the same
+        position again."""
         if len(sampled) != batch.num_seqs:
             raise ValueError(f"update got {len(sampled)} sampled tokens for {batch.num_seqs} rows")
         errors = errors or {}
@@ -347,9 +348,9 @@ class Scheduler:
             if row in decision.accepted:
                 request.draft_len = min(self.num_speculative_tokens, drafted + 2) \
                     if decision.accepted[row] == drafted else max(1, drafted - 1)
-        for row, verified in decision.verified.items():
-            request = decision.batch.requests[row]
-            if self.pipelined and 2 * decision.accepted.get(row, 0) < verified:
+        for row, verified in decision.verified.items() if self.pipelined else ():
+            if 2 * decision.accepted.get(row, 0) < verified:
+                request = decision.batch.requests[row]
                 request.draft_resume = request.num_output_tokens + PIPELINED_PAUSE
         if first is not None:
             raise first
