@@ -259,7 +259,8 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, base: float) -> None:
         super().__init__()
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        # On the CPU even inside a meta-device context, as OuroForCausalLM's Rotary.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
         self.register_buffer("inv_freq", 1.0 / (base ** exponents), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,7 +356,9 @@ class HuginnForCausalLM(nn.Module):
         self.slot_map = SlotMap(config.mean_recurrence, config.n_layers_in_recurrent_block,
                                 config.n_layers_in_prelude, config.n_layers_in_coda)
         hidden = config.n_embd
-        self.wte = nn.Embedding(config.padded_vocab_size, hidden)
+        # Uninitialised, as OuroForCausalLM's embedding: the loader assigns every tensor.
+        self.wte = nn.Embedding(config.padded_vocab_size, hidden,
+                                _weight=torch.empty(config.padded_vocab_size, hidden))
         self.prelude_blocks = nn.ModuleList(SandwichBlock(config) for _ in range(config.n_layers_in_prelude))
         self.adapter = nn.Linear(2 * hidden, hidden, bias=False)
         self.core_blocks = nn.ModuleList(SandwichBlock(config)

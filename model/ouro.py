@@ -42,7 +42,9 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        # On the CPU even inside a meta-device context (the loader's), where this arithmetic would import
+        # torch._dynamo (seconds of start-up); the loader builds the real tables on the CPU, then moves them.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         self.register_buffer("inv_freq", 1.0 / (theta ** exponents), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +123,10 @@ class OuroForCausalLM(nn.Module):
         self.fused_path = ouro_fused.FusedOuro(config.num_hidden_layers) if ouro_fused.available() else None
         self.batch_invariant = batch_invariant
         hidden = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        # Uninitialised: the loader assigns every tensor (an init on the meta device, a normal_, would import
+        # torch._dynamo as Rotary's arithmetic would).
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden,
+                                         _weight=torch.empty(config.vocab_size, hidden))
         self.layers = nn.ModuleList(OuroLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.early_exit_gate = nn.Linear(hidden, 1, bias=True)
