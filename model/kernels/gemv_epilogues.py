@@ -43,7 +43,10 @@ MAX_EPILOGUE_M = 16
 # spreads rows over SMs: on the H200 (benchmarks/epilogue_rows.py, in graph chains with PDL) the GEMM then the
 # norm kernel took 6.4-6.6 µs (o) and 9.8-10.2 µs (down) at 2-16 rows against 7.9-17.8 and 11.9-22.7 for the
 # epilogue; at one row 5.6 against 5.9 and 9.2 against 9.8. Layers (model/ouro_fused.py) launch the norm
-# kernel past this many rows; at one row the saved launches keep a layer application at 5 kernels.
+# kernel past this many rows; at one row the saved launches keep a layer application at 5 kernels. Two rows
+# on the one-row FMA configs (GEMV TUNED's bucket 2) change nothing: on one H100, down took 11.3 µs with the
+# norm kernel against 14.2 in the epilogue, and pipelined self-speculation at batch 1 (two rows a pass) ran
+# the same 3.17-3.20 ms a token either way (2026-12-07).
 MAX_NORM_EPILOGUE_M = 1
 _ROW_TICKET = tl.constexpr(ROW_TICKET)
 
