@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from model.huginn import HuginnConfig, HuginnForCausalLM, Rotary, half_split_order
+from model.huginn import HuginnConfig, HuginnForCausalLM, half_split_order
 from model.loader import checkpoint_files, read_tensors
 
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -118,5 +118,5 @@ def load_huginn(model_dir: str | Path, config: HuginnConfig, device: torch.devic
     with torch.device("meta"):
         model = HuginnForCausalLM(config, fused_kernels=fused_kernels)
     model.load_state_dict(module_state(config, tensors), strict=True, assign=True)
-    model.rotary = Rotary(config.head_dim, config.rope_base).to(device)
+    model.rotary.to(device)  # its table is real (built on the CPU) in a meta-device model
     return model.eval().requires_grad_(False)

@@ -226,5 +226,5 @@ def load_model(model_dir: Path, config: OuroConfig, device: torch.device, dtype:
                      "post_attention_layernorm_2"):
             state[f"layers.{i}.{norm}.weight"] = tensors.pop(p + norm + ".weight")
     model.load_state_dict(state, strict=True, assign=True)
-    model.rotary = model.rotary.__class__(config.head_dim, config.rope_theta).to(device)
+    model.rotary.to(device)  # its table is real (built on the CPU) in a meta-device model
     return model.eval().requires_grad_(False)

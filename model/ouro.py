@@ -43,7 +43,7 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         # On the CPU even inside a meta-device context (the loader's), where this arithmetic would import
-        # torch._dynamo (seconds of start-up); the loader builds the real tables on the CPU, then moves them.
+        # torch._dynamo (seconds of start-up): a meta-built model has its real table, which the loader moves.
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         self.register_buffer("inv_freq", 1.0 / (theta ** exponents), persistent=False)
 
