@@ -1,7 +1,8 @@
 """Deterministic mode's GEMM past MAX_SKINNY_M rows (model/kernels/gemv.py: tiled_linear under
 invariant_config) against cuBLAS F.linear, at Ouro-1.4B's projection shapes in bf16: the row counts of
-large decode batches (128-512) and of prompt chunks (2K-8K). Each candidate tile (TiledTile: tile, warps,
-stages, a program per split or not) gives the same bits, so the fastest per row count can be taken freely.
+large decode batches (128-512) and of prompt chunks (2K-8K). Each candidate tile (TiledTile: tile, K block,
+warps, stages, a program per split or not) must give the skinny kernel's bits (checked on the first
+MAX_SKINNY_M rows: "other bits" where not); then the fastest per row count can be taken freely.
 
     python -m benchmarks.invariant_gemm --out /tmp/invariant_gemm.json
 
@@ -35,6 +36,14 @@ CANDIDATES = {
     "128x128 w8 s4": T(128, 128, 8, 4),
     "128x256 w8 s3": T(128, 256, 8, 3),
     "256x128 w8 s3": T(256, 128, 8, 3),
+    "128x128 k64 w8 s4": T(128, 128, 8, 4, block_k=64),
+    "128x128 k64 w4 s4": T(128, 128, 4, 4, block_k=64),
+    "128x256 k64 w8 s3": T(128, 256, 8, 3, block_k=64),
+    "128x256 k64 w8 s4": T(128, 256, 8, 4, block_k=64),
+    "256x128 k64 w8 s3": T(256, 128, 8, 3, block_k=64),
+    "256x128 k64 w8 s4": T(256, 128, 8, 4, block_k=64),
+    "128x64 k64 w4 s4 split": T(128, 64, 4, 4, split_programs=True, block_k=64),
+    "128x128 k64 w8 s4 split": T(128, 128, 8, 4, split_programs=True, block_k=64),
 }
 ROTATE_BYTES = 256 << 20
 
@@ -73,6 +82,7 @@ def main() -> None:
         for m in args.ms:
             x = torch.randn(m, k, device="cuda").bfloat16()
             reference = F.linear(x, weights[0])
+            skinny = gemv.skinny_linear(x[:gemv.MAX_SKINNY_M], weights[0], config=config)
             flops = 2 * m * n * k
             row = {"shape": name, "m": m, "config": str(config),
                    "cublas_us": round(time_us(lambda i: F.linear(x, weights[i]), copies, args.repeats), 2)}
@@ -84,6 +94,9 @@ def main() -> None:
                     y = gemv.tiled_linear(x, weights[0], config, tile=tile)
                     if not torch.allclose(y.float(), reference.float(), rtol=2e-2, atol=2e-2):
                         row[label] = "wrong"
+                        continue
+                    if not torch.equal(y[:gemv.MAX_SKINNY_M], skinny):
+                        row[label] = "other bits"  # than the skinny kernel's: not batch-invariant
                         continue
                     row[label] = round(time_us(lambda i: gemv.tiled_linear(x, weights[i], config, tile=tile),
                                                copies, args.repeats), 2)

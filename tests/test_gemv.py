@@ -130,17 +130,20 @@ def test_strided_and_batched_inputs():
     check_close(y3.view(6, 96), x3.view(6, 80), w)
 
 
+@pytest.mark.parametrize("tile_block_k", [None, 16])
 @pytest.mark.parametrize("split_programs", [False, True])
 @pytest.mark.parametrize("n,k,split", [(96, 80, 3), (64, 256, 2)])
-def test_tiled_kernel_gives_the_skinny_kernels_bits(n, k, split, split_programs):
+def test_tiled_kernel_gives_the_skinny_kernels_bits(n, k, split, split_programs, tile_block_k):
     """tiled_linear (deterministic mode past MAX_SKINNY_M rows), its splits in one program's loop or a
-    program each, against skinny_linear under the same config: the same bits, with K not a multiple of the
-    K block (the last split short) and tiles past M and N."""
+    program each, its K block the config's or (on a GPU) half of it, against skinny_linear under the same
+    config: the same bits, with K not a multiple of the K block (the last split short) and tiles past M and
+    N."""
     torch.manual_seed(n + k)
     x = torch.randn(70, k, device=DEVICE)  # fp32: a sum in another order shows in the output's bits
     w = torch.randn(n, k, device=DEVICE)
-    config = GemvConfig(32, 16, split_k=split, block_m=gemv.MAX_SKINNY_M)
-    tile = gemv.TiledTile(gemv.MAX_SKINNY_M, 32, 4, 2, group_m=2, split_programs=split_programs)
+    config = GemvConfig(32, 32, split_k=split, block_m=gemv.MAX_SKINNY_M)
+    tile = gemv.TiledTile(gemv.MAX_SKINNY_M, 32, 4, 2, group_m=2, split_programs=split_programs,
+                          block_k=tile_block_k)
     tiled = gemv.tiled_linear(x, w, config, tile=tile)
     skinny = torch.cat([skinny_linear(x[:64], w, config=config), skinny_linear(x[64:], w, config=config)])
     assert torch.equal(tiled, skinny)

@@ -430,9 +430,12 @@ INVARIANT_TUNED: dict[tuple[int, int], GemvConfig] = {
 @dataclasses.dataclass(frozen=True, slots=True)
 class TiledTile:
     """How tiled_gemm_kernel runs a config: its tile (block_m rows x block_n W rows), warps, stages, row
-    tiles a group walks (the W tiles stay in L2 across them), and whether each split of K is a program of its
-    own (split_programs) or the tile's program runs them all. block_k and the splits are the config's; none of
-    these changes a bit of the result."""
+    tiles a group walks (the W tiles stay in L2 across them), whether each split of K is a program of its
+    own (split_programs) or the tile's program runs them all, and block_k: the columns a step takes, a divisor
+    of the config's block_k (None: the config's). The splits are the config's. None of these changes a bit of
+    the result on a GPU, where tl.dot adds its k16 MMAs (or FMAs) into the accumulator one after the other
+    whatever the K block; the interpreter's numpy product sums a block apart, so there the config's block_k
+    is taken."""
 
     block_m: int
     block_n: int
@@ -440,21 +443,30 @@ class TiledTile:
     num_stages: int
     group_m: int = 8
     split_programs: bool = False
+    block_k: int | None = None
 
 
-# Measured on one H100 by benchmarks/invariant_gemm.py (cold L2; benchmarks/results/2026-12-06.md):
-# at 128 rows a weight split in K (qkv, o, down) took 128 x 64 tiles with a program a split in 25.7-37.2 µs,
-# against 37.1-67.5 for 128 x 128 tiles that run the splits in one program (o and down have only 16 such
-# tiles on 132 SMs); from 512 rows on, and for unsplit weights, 128 x 128 tiles with 8 warps were the
-# fastest tried. cuBLAS was faster than every tile at every row count (1.1-1.9x).
+# Measured on one H100 by benchmarks/invariant_gemm.py (cold L2; benchmarks/results/2026-12-06.md, its
+# 2026-12-06 and 2026-12-07 sections): at 128 rows a weight split in K (qkv, o, down) took 128 x 64 tiles with
+# a program a split in 25.7-37.2 µs, against 37.1-67.5 for 128 x 128 tiles that run the splits in one
+# program (o and down have only 16 such tiles on 132 SMs). Past 256 rows a K block of 64 (the config's is
+# 128) lets the tiles grow and the pipeline deepen in the same shared memory: split weights took 128 x 128
+# tiles with 4 stages (at 2K rows: o 58 against 83 µs, down 110 against 131), unsplit ones (gate_up,
+# lm_head) 256 x 128 tiles (gate_up at 8K rows: 654 against 862 µs; cuBLAS 518). Bigger tiles lose on split
+# weights: a tile's program restarts its pipeline at each split. Unsplit weights up to 256 rows keep
+# 128 x 128 tiles of the config's K block. cuBLAS stays 1.0-1.6x faster.
 SPLIT_TILE_ROWS = 256
 SPLIT_TILE = TiledTile(128, 64, 4, 3, split_programs=True)
-PROMPT_TILE = TiledTile(128, 128, 8, 3)
+ROWS_TILE = TiledTile(128, 128, 8, 3)
+SPLIT_PROMPT_TILE = TiledTile(128, 128, 8, 4, block_k=64)
+PROMPT_TILE = TiledTile(256, 128, 8, 3, block_k=64)
 
 
 def tiled_tile(m: int, splits: int) -> TiledTile:
     """tiled_linear's tile for m rows of a config with `splits` splits of K."""
-    return SPLIT_TILE if splits > 1 and m <= SPLIT_TILE_ROWS else PROMPT_TILE
+    if m <= SPLIT_TILE_ROWS:
+        return SPLIT_TILE if splits > 1 else ROWS_TILE
+    return SPLIT_PROMPT_TILE if splits > 1 else PROMPT_TILE
 
 
 def invariant_config(n: int, k: int, dtype: torch.dtype, sm_count: int = CPU_SM_COUNT) -> GemvConfig:
@@ -703,6 +715,11 @@ def _tiled_plan(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: 
     _, tail = kernel_args(1, n, k, x.stride(0), weight.stride(0), y.stride(0), x.dtype, config)
     block_k, k_iters, splits = k_splits(k, config)
     tile = tile or tiled_tile(m, splits)
+    if tile.block_k and tile.block_k < block_k and not INTERPRETED:
+        if block_k % tile.block_k:
+            raise ValueError(f"the tile's block_k {tile.block_k} does not divide the config's {block_k}")
+        k_iters *= block_k // tile.block_k
+        block_k = tile.block_k
     block_m = config.block_m or tile.block_m
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, tile.block_n)
     split_programs = tile.split_programs and splits > 1
