@@ -432,10 +432,10 @@ class TiledTile:
     """How tiled_gemm_kernel runs a config: its tile (block_m rows x block_n W rows), warps, stages, row
     tiles a group walks (the W tiles stay in L2 across them), whether each split of K is a program of its
     own (split_programs) or the tile's program runs them all, and block_k: the columns a step takes, a divisor
-    of the config's block_k (None: the config's). The splits are the config's. None of these changes a bit of
-    the result on a GPU, where tl.dot adds its k16 MMAs (or FMAs) into the accumulator one after the other
-    whatever the K block; the interpreter's numpy product sums a block apart, so there the config's block_k
-    is taken."""
+    of the config's block_k (None, or not below the config's, as for fp32 configs' 32: the config's). The
+    splits are the config's. None of these changes a bit of the result on a GPU, where tl.dot adds its k16
+    MMAs (or FMAs) into the accumulator one after the other whatever the K block; the interpreter's numpy
+    product sums a block apart, so there the config's block_k is taken."""
 
     block_m: int
     block_n: int
