@@ -85,16 +85,19 @@ def eager_chunked_sync(ouro_shape):
     return outputs, miss
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", SHAPES)
-def test_invariant_gemm_gives_a_row_the_same_bits_at_every_row_count(name):
+def test_invariant_gemm_gives_a_row_the_same_bits_at_every_row_count(name, dtype):
+    """Up to 64 rows the skinny kernel, past them the tiled one (past 256 rows with K blocks of half the
+    config's): a row's bits at every row count."""
     from model.kernels import gemv
 
     n, k = SHAPES[name]
     torch.manual_seed(0)
-    weight = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
-    x = torch.randn(700, k, device="cuda").bfloat16()
+    weight = (torch.randn(n, k, device="cuda") * 0.02).to(dtype)
+    x = torch.randn(700, k, device="cuda").to(dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    config = gemv.invariant_config(n, k, torch.bfloat16, sms)
+    config = gemv.invariant_config(n, k, dtype, sms)
     alone = torch.cat([gemv.invariant_linear(x[i:i + 1], weight, config) for i in (0, 5, 16, 63, 64, 200)])
     for m in (1, 3, 16, 17, 33, 64, 65, 128, 700):
         y = gemv.invariant_linear(x[:m], weight, config)
