@@ -79,6 +79,7 @@ def main() -> None:
         copies = max(1, ROTATE_BYTES // (n * k * 2))
         weights = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16() for _ in range(copies)]
         config = gemv.invariant_config(n, k, torch.bfloat16, sms)
+        splits = gemv.k_splits(k, config)[2]
         for m in args.ms:
             x = torch.randn(m, k, device="cuda").bfloat16()
             reference = F.linear(x, weights[0])
@@ -88,7 +89,8 @@ def main() -> None:
                    "cublas_us": round(time_us(lambda i: F.linear(x, weights[i]), copies, args.repeats), 2)}
             for label, tile in CANDIDATES.items():
                 tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
-                if tile.split_programs and tiles * tile.block_m * tile.block_n * 4 * 4 > 64 << 20:
+                partial_bytes = tiles * tile.block_m * tile.block_n * splits * 4
+                if tile.split_programs and splits > 1 and partial_bytes > 64 << 20:
                     continue  # its partials would take more than 64 MB
                 try:
                     y = gemv.tiled_linear(x, weights[0], config, tile=tile)
@@ -104,7 +106,6 @@ def main() -> None:
                     row[label] = f"{type(error).__name__}"
             timed = {label: us for label, us in row.items() if label in CANDIDATES and isinstance(us, float)}
             best = min(timed, key=timed.get)
-            splits = gemv.k_splits(k, config)[2]
             row.update(best=best, best_us=timed[best], engine_tile=str(gemv.tiled_tile(m, splits)),
                        best_over_cublas=round(timed[best] / row["cublas_us"], 3),
                        best_tflops=round(flops / timed[best] / 1e6, 1))

@@ -417,9 +417,14 @@ def select_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = CP
 # chain of tensor-core products over the same K splits, summed in split order, through skinny_gemm_kernel up
 # to MAX_SKINNY_M rows and tiled_gemm_kernel beyond (which runs the splits inside one program). The FMA path
 # is out: its one-row reduction orders the products otherwise. The Ouro-1.4B shapes take TUNED's tensor-core
-# entries for 4 to 16 rows; other shapes invariant_config's rule.
+# entries for 4 to 16 rows, except that qkv runs K unsplit (as TUNED's 16-row entry does): by engine TPOT on
+# one H100 (benchmarks/results/2026-12-06.md, session 38) batch 1 took 1.122x / 1.102x of the default at 512 /
+# 2K of context against 1.127x / 1.112x in 2 splits (another H100: 1.113x / 1.125x against 1.145x / 1.159x),
+# and prefill at 1 x 8K 1.172x against 1.189x (past 256 rows an unsplit weight takes 256 x 128 tiles). down in
+# 8 splits ran 0.6-1.2% faster at batch 1 and 1.3% at 8K (not yet measured at 16-64 rows); o in 2 or 8 splits
+# and gate_up in 2 were slower. Other shapes take invariant_config's rule.
 INVARIANT_TUNED: dict[tuple[int, int], GemvConfig] = {
-    (6144, 2048): GemvConfig(64, 128, 2, 4, 4, True),  # qkv
+    (6144, 2048): GemvConfig(64, 128, 1, 4, 4, True),  # qkv
     (2048, 2048): GemvConfig(64, 128, 4, 4, 4, True),  # o
     (11264, 2048): GemvConfig(64, 128, 1, 4, 4, True),  # gate_up
     (2048, 5632): GemvConfig(64, 128, 4, 4, 4, True),  # down
