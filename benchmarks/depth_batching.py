@@ -188,7 +188,8 @@ def row(engine: Engine, label: str, target: float | None, batch: int, args: argp
     out = {"row": label, "exit_policy": str(engine.exit_policy), "depth_batching": depth,
            "mode": "CUDA graphs" if engine.uses_cuda_graphs else "eager",
            "async_scheduling": engine.engine_config.overlaps_steps,
-           "dtype": str(engine.dtype).removeprefix("torch."), "target_loops": target,
+           "dtype": str(engine.dtype).removeprefix("torch."), "kv_format": config.kv_format.name,
+           "kv_slot_token_bytes": engine.kv_pool.slot_token_bytes, "target_loops": target,
            "gate_bias": engine.model.early_exit_gate.bias.item() if target is not None else None,
            "batch": batch, "prompt": args.prompt, "timed_steps": window, "passes_per_step": passes}
     # The budget bounds the worst case (head_start's steps, every token of a chain exiting at loop 0); the KV
@@ -234,7 +235,8 @@ def table(rows: list[dict], calibrations: list[dict], env: dict, args: argparse.
           bandwidth: float | None) -> str:
     copy = f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""
     dtype = rows[0]["dtype"] if rows else args.dtype
-    lines = [f"Depth batching against lockstep early exit and full depth, {path} ({dtype}), "
+    lines = [f"Depth batching against lockstep early exit and full depth, {path} ({dtype}, K/V "
+             f"{args.kv_cache_dtype}), "
              f"early:{args.q}, prompt {args.prompt}, {args.steps} timed steps (x the target loops in passes "
              f"under depth batching); {env['device']}, torch {env['torch']}, triton {env['triton']}, commit "
              f"{env['commit']}{copy}.", "",
@@ -270,7 +272,8 @@ def report(rows: list[dict], calibrations: list[dict], args: argparse.Namespace,
     kept = [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]
     dtype = rows[0]["dtype"] if rows else args.dtype
     write_results(args.out, {**env, "checkpoint": path, "dtype": dtype, "q": args.q,
-                             "prompt": args.prompt, "steps": args.steps, "warm": args.warm,
+                             "kv_cache_dtype": args.kv_cache_dtype, "prompt": args.prompt,
+                             "steps": args.steps, "warm": args.warm,
                              "copy_bandwidth_bytes_per_s": bandwidth,
                              "calibration": calibrations, "rows": kept},
                   table(rows, calibrations, env, args, path, bandwidth))
@@ -299,6 +302,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--passes-per-step", type=int, default=None,
                         help="depth batching's passes a step (default: the engine's, four times the loops)")
     parser.add_argument("--attention", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="the engines' K/V format (auto: the model's dtype; fp8_e4m3 halves the KV, so "
+                             "that 64 x 2K of Ouro-1.4B fits an 80 GB GPU)")
     parser.add_argument("--device", default="cuda", help="cuda (cpu only to smoke-test with --preset tiny)")
     parser.add_argument("--dtype", default="auto",
                         help="auto: the checkpoint's (bf16 for --preset ouro-1.4b, fp32 for tiny)")
@@ -326,6 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
                   max_num_seqs=max(*args.batches, args.calibration_batch),
                   max_model_len=max(longest, args.calibration_prompt + args.calibration_tokens) + 8,
                   max_num_batched_tokens=BATCHED_TOKENS, enable_prefix_caching=False, admission="greedy",
+                  kv_cache_dtype=args.kv_cache_dtype,
                   deterministic=True if args.deterministic else None, verbose=False)
     found = calibrations(path, common, args)
     rows: list[dict] = []

@@ -84,3 +84,23 @@ def test_every_row_is_resident_at_once_when_the_pool_holds_the_expected_tokens_o
                      *ARGS[5:], "--out", str(tmp_path / "depth.json")])
     depth = [r for r in returned["rows"] if r["row"] == DEPTH]
     assert len(depth) == 1 and "note" not in depth[0] and depth[0]["requests_equal"] == 16
+
+
+def test_the_kv_format_reaches_every_engine_and_depth_batching_stays_lossless_in_it(run, tiny_checkpoint,
+                                                                                    tmp_path):
+    """--kv-cache-dtype fp8_e4m3 (what lets 64 x 2K of Ouro-1.4B fit an 80 GB GPU): every engine stores its
+    K/V so (a byte an element, against fp32's four in the default run), and depth batching still gives
+    lockstep's tokens."""
+    out = tmp_path / "fp8.json"
+    argv = ["--model", str(tiny_checkpoint), "--device", "cpu", "--batches", "2", "--prompt", "16", "--steps",
+            "2", "--warm", "1", "--mean-loops", "2.0", "--calibration-batch", "8", "--tolerance", "0.5",
+            "--kv-cache-dtype", "fp8_e4m3", "--out", str(out)]
+    rows = main(argv)["rows"]
+    assert json.loads(out.read_text())["kv_cache_dtype"] == "fp8_e4m3"
+    assert "K/V fp8_e4m3" in out.with_suffix(".md").read_text()
+    fp32_bytes = {r["kv_slot_token_bytes"] for r in run[1]["rows"]}
+    assert {r["kv_format"] for r in run[1]["rows"]} == {"auto"} and len(fp32_bytes) == 1  # the model dtype
+    assert {r["kv_format"] for r in rows} == {"fp8_e4m3"}
+    assert {4 * r["kv_slot_token_bytes"] for r in rows} == fp32_bytes
+    depth = [r for r in rows if r["row"] == DEPTH]
+    assert depth and all(r["requests_equal"] == r["batch"] for r in depth)
