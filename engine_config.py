@@ -80,8 +80,8 @@ class EngineConfig:
     # backend only), for ablations
     kv_rotation: bool = True
     # Async scheduling (engine.py): the host schedules and prepares the next step while the device runs
-    # this one. None: on for CUDA where it applies (not with speculative decoding or early:Q); True or
-    # False: as asked.
+    # this one. None: on for CUDA where it applies (not with speculative decoding or early:Q; with pipelined
+    # speculation, for its steps whose drafts pause); True or False: as asked.
     async_scheduling: bool | None = None
     # Batch invariance (docs/deterministic.md): a request's logits have the same bits whatever else runs
     # beside it, in eager steps and in CUDA graphs. None: the default (DETERMINISTIC_BY_DEFAULT); True or
@@ -117,7 +117,9 @@ class EngineConfig:
         parse_exit_policy(self.exit_policy, self.loops)
         self.kv_format.check_engine(options, self.backend_name, self.model.shape.head_dim)
         if self.async_scheduling:
-            for bad, name in ((self.speculative is not None, f"speculative={self.speculative!r}"),
+            # pipelined speculation (depth_batching) overlaps only its steps whose drafts pause
+            for bad, name in ((self.speculative is not None and not self.depth_batching,
+                               f"speculative={self.speculative!r}"),
                               (self.exit_policy.can_exit, f"exit_policy={str(self.exit_policy)!r}")):
                 if bad:
                     raise ValueError(f"async_scheduling=True cannot be combined with {name}: its steps read "
@@ -174,7 +176,7 @@ class EngineConfig:
             (self.kv_format.kind == "kvarn",
              f"kv_cache_dtype={self.kv_cache_dtype!r}: the KVarN kernels read one slot per call, not one per "
              "row"),
-            (bool(self.async_scheduling),
+            (bool(self.async_scheduling) and self.speculative is None,
              "async_scheduling=True: a row mid-token has no token for the next step to read ahead"),
         ]
         if (self.passes_per_step or 1) > 1:
@@ -306,11 +308,13 @@ class EngineConfig:
 
     @property
     def overlaps_steps(self) -> bool:
-        """Does the engine schedule the next step while this one runs? (async_scheduling resolved.)"""
+        """Does the engine schedule the next step while this one runs? (async_scheduling resolved.) Under
+        pipelined speculation only the steps whose drafts pause run ahead (stepping.py: OverlappedStepper)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return (self.device.type == "cuda" and self.speculative is None and not self.exit_policy.can_exit
-                and self.continuous_compute is None and not self.depth_batching)
+        plain = self.speculative is None and not self.depth_batching
+        return (self.device.type == "cuda" and (plain or self.pipelines_speculation)
+                and not self.exit_policy.can_exit and self.continuous_compute is None)
 
     @property
     def loops(self) -> int:

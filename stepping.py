@@ -206,10 +206,10 @@ class OverlappedStepper(Stepper):
             return self.run_now(batch.without_finished(), touched)
         return touched
 
-    @staticmethod
-    def _launchable(batch: ScheduledBatch) -> bool:
-        """Can the batch run ahead of its tokens? Not where a row reads tokens or logits on the host."""
-        if batch.draft_lens:
+    def _launchable(self, batch: ScheduledBatch) -> bool:
+        """Can the batch run ahead of its tokens? Not where a row reads tokens or logits on the host, nor a
+        step the runner cannot launch (ModelRunner.launchable)."""
+        if not self.runner.launchable(batch):
             return False
         for request in batch.requests:
             p = request.params

@@ -479,12 +479,10 @@ class ModelRunner:
         """Depth batching: the decode rows (one generated token each) run one loop pass; the other rows
         (prompt chunks) every loop, as without it."""
         result = StepResult([None] * batch.num_seqs)
-        decode = [row for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens))
-                  if num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens]
+        decode = self._decode_rows(batch)
         chosen = set(decode)
         others = [row for row in range(batch.num_seqs) if row not in chosen]
-        if decode and self.pipelined is not None and all(batch.requests[row].drafts_paused for row in decode):
-            # pipelined speculation's drafts paused (Scheduler.apply): plain decoding
+        if decode and self._drafts_pause(batch, decode):  # plain decoding
             return self._lockstep_tokens(batch, decode)
         if decode and self._chainable(batch, decode):
             chained = self._chained_passes if self.pipelined is None else self._speculative_chain
@@ -497,6 +495,25 @@ class ModelRunner:
         if others:
             result.take(others, self._run_loops_and_sample(batch.select(others)))
         return result
+
+    @staticmethod
+    def _decode_rows(batch: ScheduledBatch) -> list[int]:
+        """The rows that decode one generated token."""
+        return [row for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens))
+                if num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens]
+
+    def _drafts_pause(self, batch: ScheduledBatch, decode: list[int]) -> bool:
+        """Do these decode rows all pause their pipelined drafts (Scheduler.apply), so the step is plain
+        decoding's?"""
+        return self.pipelined is not None and all(batch.requests[row].drafts_paused for row in decode)
+
+    def launchable(self, batch: ScheduledBatch) -> bool:
+        """Can launch() run the batch ahead of its tokens? Not a speculative step, nor under depth batching
+        a loop pass (a row may end mid-token): there only a step of prompt chunks or of decode rows whose
+        pipelined drafts all pause."""
+        if batch.draft_lens:
+            return False
+        return self.depth is None or self._drafts_pause(batch, self._decode_rows(batch))
 
     def _chainable(self, batch: ScheduledBatch, decode: list[int]) -> bool:
         """Can these decode rows run chained passes (runner/pass_chains.py)?"""
@@ -538,21 +555,23 @@ class ModelRunner:
         mid = self.mid_tokens.get(request.request_id)
         return mid is not None and mid.continues(request)
 
-    def _lockstep_tokens(self, batch: ScheduledBatch, decode: list[int]) -> StepResult:
+    def _lockstep_tokens(self, batch: ScheduledBatch, decode: list[int], previous: LaunchedStep | None = None,
+                         on_device: bool = False) -> StepResult:
         """The step as without depth batching (the per-loop or whole-step graphs), each decode row's token
         running its loops back to back, one pass per loop: a lone decode row at the start of its token (no
         other row shares a pass), or decode rows whose pipelined drafts pause (Request.drafts_paused; their
-        tokens in flight are dropped, and a token between its loops restarts at loop 0)."""
+        tokens in flight are dropped, and a token between its loops restarts at loop 0). previous, on_device:
+        _run_loops_and_sample's (a launched step)."""
         stats = self.loop_stats
         before = stats.decode_loops
-        result = self._run_loops_and_sample(batch)
+        result = self._run_loops_and_sample(batch, previous, on_device)
         ran = stats.decode_loops - before
         loops = [ran] if len(decode) == 1 else [self.loops_of(batch.requests[row]) for row in decode]
         stats.decode_passes += max(loops)
         for row, token_loops in zip(decode, loops):
             result.mid_tokens[row] = None
             result.depth_tokens[row] = [(token_loops, max(loops))]
-            if self.pipelined is not None and result.tokens[row] is not None:
+            if self.pipelined is not None and row not in result.errors:  # its token finished
                 result.in_flight[row] = []
         return result
 
@@ -631,11 +650,14 @@ class ModelRunner:
         """run() without waiting for the sampled tokens (not for speculative steps): they stay on the device
         and are copied back to the host behind the step. Rows whose last token is pending read it from
         `previous`. finish() hands back the StepResult; commit(result, launched.staged) applies it."""
-        if batch.draft_lens:
-            raise ValueError("a speculative step cannot be launched ahead of its tokens")
+        if not self.launchable(batch):
+            raise ValueError("a speculative step or a depth-batched loop pass cannot be launched ahead of "
+                             "its tokens")
+        decode = self._decode_rows(batch) if self.depth is not None else []
         self._stage(batch)
         try:
-            result = self._run_loops_and_sample(batch, previous, on_device=True)
+            result = (self._lockstep_tokens(batch, decode, previous, on_device=True) if decode
+                      else self._run_loops_and_sample(batch, previous, on_device=True))
             order = [(row, tokens) for rows, tokens in result.device_tokens for row in rows]
             parts = [tokens for _, tokens in result.device_tokens]
             tokens = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else

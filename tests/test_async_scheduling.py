@@ -1,8 +1,12 @@
-"""Async scheduling (engine.py: Engine._step_overlapped): the next step is scheduled and launched before this
+"""Async scheduling (stepping.py: OverlappedStepper): the next step is scheduled and launched before this
 one's tokens are read, and every request gets the tokens, text and finish that the synchronous path gives it;
-a workload that ends by length runs the same batches either way; a pending token never shows in an output."""
+a workload that ends by length runs the same batches either way; a pending token never shows in an output;
+where the default (None) turns it on."""
+
+import copy
 
 import pytest
+import torch
 
 from engine import Engine, SamplingParams
 from request import PENDING_TOKEN
@@ -125,6 +129,21 @@ def test_async_refuses_steps_that_need_their_tokens_on_the_host(options, match):
         Engine(device="cpu", async_scheduling=True, verbose=False, **options)
     with Engine(device="cpu", verbose=False, **options) as engine:  # auto: synchronous here
         assert not engine.engine_config.overlaps_steps
+
+
+@pytest.mark.parametrize("options, overlaps", [
+    ({}, True),
+    ({"speculative": "loops:2"}, False),
+    ({"exit_policy": "early:0.5"}, False),
+    ({"depth_batching": True}, False),
+    ({"depth_batching": True, "speculative": "loops:2"}, True),  # its steps whose drafts pause
+])
+def test_auto_is_async_on_cuda_where_steps_can_run_ahead(options, overlaps):
+    """async_scheduling=None resolved for a CUDA device (the config's device set after construction)."""
+    with Engine(device="cpu", verbose=False, **options) as engine:
+        config = copy.copy(engine.engine_config)
+    object.__setattr__(config, "device", torch.device("cuda"))
+    assert config.overlaps_steps is overlaps
 
 
 def test_async_scheduling_option_is_checked():

@@ -8,6 +8,7 @@ The same code without the capture runs on CPU in tests/test_pass_graphs.py."""
 import pytest
 
 from engine import DEFAULT_MODEL, Engine
+from runner.model_runner import ModelRunner
 from tests.test_depth_batching import HUGINN, HUGINN_PROMPTS, PROMPTS, assert_same_completions, greedy
 
 pytestmark = pytest.mark.gpu
@@ -127,12 +128,19 @@ def test_replayed_pipelined_speculation_gives_plain_tokens(d):
     assert sum(c.depth.passes for c in graphs) < 4 * sum(c.depth.tokens for c in graphs)
 
 
-def test_replayed_pipelined_speculation_that_pauses_its_drafts_gives_plain_tokens(tiny_checkpoint):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_replayed_pipelined_speculation_that_pauses_its_drafts_gives_plain_tokens(
+        tiny_checkpoint, monkeypatch, async_scheduling):
     """Random weights reject nearly every draft, so requests pause drafting (scheduler/scheduler.py:
-    PIPELINED_PAUSE) and decode through the whole-step graphs between chains of passes: plain tokens."""
+    PIPELINED_PAUSE) and decode through the whole-step graphs between chains of passes: plain tokens. Async
+    (the CUDA default), those steps are launched ahead of the step before."""
+    launched = []
+    launch = ModelRunner.launch
+    monkeypatch.setattr(ModelRunner, "launch", lambda *args: launched.append(1) or launch(*args))
     params = greedy(max_tokens=40, logprobs=None)  # chains of passes where a request drafts
-    spec = {"speculative": "loops:2", "loops": 4}
+    spec = {"speculative": "loops:2", "loops": 4, "async_scheduling": async_scheduling}
     graphs, _ = run(tiny_checkpoint, FIVE_PROMPTS, params, True, False, **spec)
+    assert bool(launched) == async_scheduling
     plain, _ = run(tiny_checkpoint, FIVE_PROMPTS, params, False, False, loops=4)
     assert [c.token_ids for c in graphs] == [c.token_ids for c in plain]
     verified = sum(c.speculative.steps for c in graphs if c.speculative is not None)

@@ -2,8 +2,9 @@
 runner/pipelined_speculation.py): greedy tokens equal plain decoding's for d = 1, 2, 3 of 4 loops, with
 drafts accepted (the trained tiny model) and rejected (random weights), chunked prefill, staggered arrivals,
 stops and max_tokens inside a run of tokens in flight, an abort and preemption (no block or token in flight
-left behind); the stats count verifications and passes per token; drafts pause where most are rejected; what
-it does not take yet is refused by name. All on CPU, fp32, the torch backend."""
+left behind); the stats count verifications and passes per token; drafts pause where most are rejected, and
+under async scheduling the paused steps run ahead with the same outputs (faults too); what it does not take
+yet is refused by name. All on CPU, fp32, the torch backend."""
 
 
 import pytest
@@ -15,7 +16,7 @@ from tests.test_pass_graphs import static_pass_graphs
 from tests.test_speculative import assert_same_distribution
 from tests.conftest import ROOT
 from tests.test_step_faults import hook_calls, interrupted_run
-from tests.test_step_faults import outputs_without_faults, small_engine
+from tests.test_step_faults import outputs_of, outputs_without_faults, small_engine
 from tests.test_step_faults import assert_clean as assert_released
 
 PROMPTS = ["12+7=19\n31+5=", "Hello", "4821+337=5158\n96+4=100\n7+", "0123456789 + - * / = 42"]
@@ -159,6 +160,44 @@ def test_drafts_pause_after_a_rejecting_step_and_resume_after_the_pause(plain, m
     assert out.token_ids == plain[0]
     assert out.speculative.steps == 2 and rows == [1] * 6
     assert out.depth.passes == LOOPS * out.depth.tokens
+
+
+def test_async_scheduling_runs_the_steps_whose_drafts_pause_ahead_with_the_same_tokens(monkeypatch):
+    """async_scheduling=True (the CUDA default here): a step whose decode rows all pause their drafts is plain
+    decoding, so it is launched before the step ahead of it is read (stepping.py: OverlappedStepper); loop
+    passes still run synchronously. Every draft rejected (forced), a pause of 3 tokens, staggered lengths, a
+    stop and a seeded sampled request: each request's tokens and text, its drafts and passes are the
+    synchronous run's, and the greedy tokens plain decoding's."""
+    monkeypatch.setattr(scheduler, "PIPELINED_PAUSE", 3)
+    plain_run = run(TRAINED, greedy(max_tokens=24), False)[0]
+    stop = plain_run[2].token_ids[17]
+    params = [greedy(max_tokens=24), greedy(max_tokens=7), greedy(max_tokens=24, stop_token_ids=[stop]),
+              SamplingParams(temperature=1.0, top_k=4, max_tokens=20, seed=3, ignore_eos=True)]
+    runs = []
+    for overlapped in (False, True):
+        with engine_of(TRAINED, True, max_num_batched_tokens=512, async_scheduling=overlapped) as engine:
+            engine.runner.speculation.forced_acceptance = False
+            launch, launched = engine.runner.launch, []  # per launched step: its decode rows' pauses
+
+            def spy(batch, previous=None, launch=launch, launched=launched):
+                launched.append([r.drafts_paused for r in batch.requests
+                                 if r.num_computed_tokens >= r.num_prompt_tokens])
+                return launch(batch, previous)
+
+            engine.runner.launch = spy
+            outputs = [o.outputs[0] for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+            assert_clean(engine)
+        runs.append((outputs, launched))
+    (sync, none), (overlapped, launched) = runs
+    assert not none and any(len(paused) > 1 for paused in launched)
+    assert all(all(paused) for paused in launched)
+    for want, got in zip(sync, overlapped, strict=True):
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        assert (got.speculative.num_drafted, got.depth.passes) == (want.speculative.num_drafted,
+                                                                    want.depth.passes)
+    assert [o.token_ids for o in overlapped[:3]] == [plain_run[0].token_ids, plain_run[1].token_ids[:7],
+                                                      plain_run[2].token_ids[:18]]
+    assert overlapped[2].finish_reason == "stop" and sum(o.speculative.num_drafted for o in overlapped) > 0
 
 
 def forced(checkpoint, pipelined: bool, accept: int, d: int = 2):
@@ -361,27 +400,59 @@ PASS_HOOKS = ["readout", "sample", "decide", "apply", "commit", "release"]
 
 STOP = "e"
 PIPELINED = {"depth_batching": True, "speculative": "loops:2"}
+STEPPING = {"sync": {}, "async": {"async_scheduling": True}}  # async: the steps whose drafts pause run ahead
 
 
 @pytest.fixture(scope="module")
 def fault_free(tiny_checkpoint):
-    return outputs_without_faults(tiny_checkpoint, STOP, **PIPELINED)
+    """The outputs of a pipelined run without faults, per way of stepping (STEPPING), each run once."""
+    runs = {}
+
+    def of(stepping: str) -> dict:
+        if stepping not in runs:
+            runs[stepping] = outputs_without_faults(tiny_checkpoint, STOP, **PIPELINED, **STEPPING[stepping])
+        return runs[stepping]
+
+    return of
 
 
 @pytest.fixture(scope="module")
 def pipelined_hook_calls(tiny_checkpoint):
-    return hook_calls(tiny_checkpoint, STOP, **PIPELINED)
+    """Each hook point's calls in such a run, per way of stepping."""
+    runs = {}
+
+    def of(stepping: str) -> dict:
+        if stepping not in runs:
+            runs[stepping] = hook_calls(tiny_checkpoint, STOP, **PIPELINED, **STEPPING[stepping])
+        return runs[stepping]
+
+    return of
 
 
+def test_the_fault_workload_runs_paused_steps_ahead_with_the_synchronous_outputs(tiny_checkpoint, fault_free):
+    """The workload below, async: some steps are launched ahead (its drafts, on random weights, are rejected
+    and pause), and the outputs are the synchronous run's."""
+    launched = []
+    with pytest.MonkeyPatch.context() as monkeypatch, small_engine(tiny_checkpoint, **PIPELINED,
+                                                                   **STEPPING["async"]) as engine:
+        launch = engine.runner.launch
+        monkeypatch.setattr(engine.runner, "launch", lambda *args: launched.append(1) or launch(*args))
+        assert outputs_of(engine, STOP) == fault_free("sync")
+    assert launched and fault_free("async") == fault_free("sync")
+
+
+@pytest.mark.parametrize("stepping", list(STEPPING))
 @pytest.mark.parametrize("hook", PASS_HOOKS)
 def test_a_keyboard_interrupt_mid_pass_loses_nothing(tiny_checkpoint, monkeypatch, fault_free,
-                                                      pipelined_hook_calls, hook):
+                                                      pipelined_hook_calls, hook, stepping):
     """tests/test_step_faults.py's workload (preemption, logprobs, prompt logprobs, a trace, a stop string, a
     seeded row): a KeyboardInterrupt at a hook point of a step with tokens in flight (the middle one of its
     calls in a run) applies nothing of it (the tokens in flight stay as they were, the seeded generator too),
-    and stepping on gives the outputs of a pipelined run without faults."""
-    with small_engine(tiny_checkpoint, **PIPELINED) as engine:
-        assert interrupted_run(engine, monkeypatch, STOP, hook, pipelined_hook_calls) == fault_free
+    and stepping on gives the outputs of a pipelined run without faults; async too, where paused steps run
+    ahead."""
+    with small_engine(tiny_checkpoint, **PIPELINED, **STEPPING[stepping]) as engine:
+        assert interrupted_run(engine, monkeypatch, STOP, hook, pipelined_hook_calls(stepping)) == \
+            fault_free(stepping)
         assert_released(engine)
         assert not engine.runner.in_flight and engine.speculative_stats.num_drafted > 0
 
