@@ -6,6 +6,7 @@ left behind); the stats count verifications and passes per token; drafts pause w
 under async scheduling the paused steps run ahead with the same outputs (faults too); what it does not take
 yet is refused by name. All on CPU, fp32, the torch backend."""
 
+import functools
 
 import pytest
 
@@ -406,27 +407,15 @@ STEPPING = {"sync": {}, "async": {"async_scheduling": True}}  # async: the steps
 @pytest.fixture(scope="module")
 def fault_free(tiny_checkpoint):
     """The outputs of a pipelined run without faults, per way of stepping (STEPPING), each run once."""
-    runs = {}
-
-    def of(stepping: str) -> dict:
-        if stepping not in runs:
-            runs[stepping] = outputs_without_faults(tiny_checkpoint, STOP, **PIPELINED, **STEPPING[stepping])
-        return runs[stepping]
-
-    return of
+    return functools.cache(lambda stepping: outputs_without_faults(tiny_checkpoint, STOP, **PIPELINED,
+                                                                   **STEPPING[stepping]))
 
 
 @pytest.fixture(scope="module")
 def pipelined_hook_calls(tiny_checkpoint):
     """Each hook point's calls in such a run, per way of stepping."""
-    runs = {}
-
-    def of(stepping: str) -> dict:
-        if stepping not in runs:
-            runs[stepping] = hook_calls(tiny_checkpoint, STOP, **PIPELINED, **STEPPING[stepping])
-        return runs[stepping]
-
-    return of
+    return functools.cache(lambda stepping: hook_calls(tiny_checkpoint, STOP, **PIPELINED,
+                                                       **STEPPING[stepping]))
 
 
 def test_the_fault_workload_runs_paused_steps_ahead_with_the_synchronous_outputs(tiny_checkpoint, fault_free):
