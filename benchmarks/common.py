@@ -137,11 +137,16 @@ def head_start(batch: int, prompt: int, max_num_batched_tokens: int) -> int:
     return -(-batch * prompt // max_num_batched_tokens) + batch + 1
 
 
-def prefill_until_first_tokens(engine, batch: int) -> None:
-    """Step until each of the `batch` newest requests has its first token (its prefill is done)."""
-    produced = 0
-    while produced < batch:
-        produced += sum(1 for out in engine.step() if len(out.outputs[0].token_ids) == 1)
+def prefill_until_first_tokens(engine, batch: int) -> int:
+    """Step until each of the `batch` newest requests has its first token (its prefill is done). Returns the
+    tokens those steps produced beyond each request's first: under async scheduling the step that reads a
+    first token runs the next one on at once where it cannot be launched ahead (pipelined speculation's loop
+    passes, a chain of which appends several)."""
+    produced: dict[str, int] = {}
+    while len(produced) < batch:
+        produced.update((out.request_id, len(out.outputs[0].token_ids)) for out in engine.step()
+                        if out.outputs[0].token_ids)
+    return sum(produced.values()) - batch
 
 
 def time_until_done(engine) -> tuple[float, int]:

@@ -73,7 +73,8 @@ def acceptance(ds: list[int], ks: list[int], num_prompts: int, max_tokens: int) 
 
 
 def decode_tpot(engine: Engine, batch: int, prompt: int, tokens: int, seed: int) -> dict:
-    """Per generated token: wall ms of the decode steps after every row has its first token; the steps
+    """Per generated token: wall ms of the decode steps after every row has its first token (and the
+    tokens that the step reading it ran on, under async scheduling: prefill_until_first_tokens); the steps
     taken per row's token; under depth batching the loop passes per row's token (a pass is a step here: no
     prompt is left; a lone row's token runs its loops in one step); under speculation the share of drafts
     accepted."""
@@ -81,11 +82,12 @@ def decode_tpot(engine: Engine, batch: int, prompt: int, tokens: int, seed: int)
         decode_tpot(engine, batch, prompt, 8, seed + 1)  # warm-up on the same shapes
     params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
     add_random_prompts(engine, batch, prompt, params, random.Random(seed))
-    prefill_until_first_tokens(engine, batch)
+    ahead = prefill_until_first_tokens(engine, batch)
     drafts = engine.speculative_stats.copy() if engine.speculative_stats is not None else None
     passes = engine.loop_stats.decode_passes
     elapsed, steps = time_until_done(engine)
     passes = engine.loop_stats.decode_passes - passes
+    tokens -= ahead / batch  # a row's tokens in the timed steps
     accepted = None
     if drafts is not None and engine.speculative_stats.num_drafted > drafts.num_drafted:
         accepted = round((engine.speculative_stats.num_accepted - drafts.num_accepted)

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from benchmarks.speculative import DEPTH_FULL, NON_SPECULATIVE, main
+from benchmarks.speculative import DEPTH_FULL, NON_SPECULATIVE, decode_tpot, force_acceptance, main
+from engine import Engine
 
 BATCHES, TOKENS, D, K, LOOPS = (1, 2), 8, 2, 4, 4  # TOKENS <= 8: no warm-up run
 
@@ -77,3 +78,17 @@ def test_the_bound_at_forced_100_percent_is_loops_over_the_loops_a_token_costs(r
             assert r["bound"] == round(K * LOOPS / (K * D + LOOPS - D), 3)
         else:
             assert r["bound"] is None
+
+
+def test_async_pipelined_rows_time_the_tokens_after_the_step_that_reads_the_first(tiny_checkpoint):
+    """Under async scheduling (the CUDA default) the step that reads a row's first token runs the next step
+    on at once when that is a chain of loop passes, which appends several tokens: they are left out of the
+    timed window (prefill_until_first_tokens counts them), so every timed token took d passes at forced 100%,
+    and the row ends instead of waiting for a first token that never comes alone."""
+    with Engine(tiny_checkpoint, device="cpu", dtype="float32", depth_batching=True, speculative=f"loops:{D}",
+                num_speculative_tokens=K, async_scheduling=True, enable_prefix_caching=False,
+                verbose=False) as engine:
+        force_acceptance(engine, True)
+        row = decode_tpot(engine, 1, 8, 16, seed=1)
+    assert row["accepted"] == 1 and row["passes_per_token"] == D
+    assert row["tpot_ms"] == pytest.approx(row["step_ms"] / row["tokens_per_step"], rel=1e-2)
