@@ -647,7 +647,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
-        """run() without waiting for the sampled tokens (not for speculative steps): they stay on the device
+        """run() without waiting for the sampled tokens (a batch launchable() takes): they stay on the device
         and are copied back to the host behind the step. Rows whose last token is pending read it from
         `previous`. finish() hands back the StepResult; commit(result, launched.staged) applies it."""
         if not self.launchable(batch):
