@@ -164,11 +164,11 @@ def test_drafts_pause_after_a_rejecting_step_and_resume_after_the_pause(plain, m
 
 
 def test_async_scheduling_runs_the_steps_whose_drafts_pause_ahead_with_the_same_tokens(monkeypatch):
-    """async_scheduling=True (the CUDA default here): a step whose decode rows all pause their drafts is plain
-    decoding, so it is launched before the step ahead of it is read (stepping.py: OverlappedStepper); loop
-    passes still run synchronously. Every draft rejected (forced), a pause of 3 tokens, staggered lengths, a
-    stop and a seeded sampled request: each request's tokens and text, its drafts and passes are the
-    synchronous run's, and the greedy tokens plain decoding's."""
+    """async_scheduling=True (what None resolves to on CUDA): a step whose decode rows all pause their drafts
+    is plain decoding, so it is launched before the step ahead of it is read (stepping.py: OverlappedStepper);
+    loop passes still run synchronously. Every draft rejected (forced), a pause of 3 tokens, staggered
+    lengths, a stop and a seeded sampled request: each request's tokens and text, its drafts and passes are
+    the synchronous run's, and the greedy tokens plain decoding's."""
     monkeypatch.setattr(scheduler, "PIPELINED_PAUSE", 3)
     plain_run = run(TRAINED, greedy(max_tokens=24), False)[0]
     stop = plain_run[2].token_ids[17]
