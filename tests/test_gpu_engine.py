@@ -133,7 +133,7 @@ def test_graph_and_eager_give_identical_tokens_under_early_exit_and_kv_sharing(t
 
 
 GC_SCRIPT = """
-import gc, sys
+import gc, os, sys
 import torch
 from engine import Engine
 from runner.cuda_graph import DecodeGraphs, collect_garbage
@@ -143,7 +143,11 @@ from runner.piecewise_graphs import PiecewiseGraphs
 def leave_cyclic_cuda_garbage():
     # An earlier engine's leftovers, in a reference cycle only the cycle collector can free: a captured
     # graph, a stream, and tensors holding almost all of the device's free memory (as a dropped engine's
-    # KV pool would).
+    # KV pool would). Where xdist workers share the card (benchmarks/run_gpu.sh's tests part), "the device's
+    # memory" is this process's share of it, so that the hoard starves no other worker's test.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.cuda.set_per_process_memory_fraction(1 / workers)
     stream = torch.cuda.Stream()
     x = torch.ones(1 << 20, device="cuda")
     graph = torch.cuda.CUDAGraph()

@@ -297,6 +297,11 @@ KVARN_PROMPTS = ["The quick brown fox jumps over the lazy dog again and again " 
                  "0123456789 + - * / = 42 " * 5]
 
 
+# A pool sized for the CUDA tests' three rows, not for the tiny model's max_model_len x 256 sequences (tens of
+# GiB at KVarN's page of 64: more than a worker's share of the card where the gpu tests share it).
+CUDA_POOL = {"max_num_seqs": 4, "max_model_len": 1024}
+
+
 def kvarn_engine(checkpoint, name="kvarn_k4v2_g64", sink=0, tail=0, device="cpu", **options):
     options = {"enable_prefix_caching": False, **options}
     return Engine(checkpoint, device=device, dtype="float32", kv_cache_dtype=name, block_size=64,
@@ -345,7 +350,7 @@ def test_kvarn_engine_on_cuda_gives_the_one_sequence_reference_tokens(tiny_check
     sequence's packed history, with chunked prefill and prefix caching on."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with kvarn_engine(tiny_checkpoint, "kvarn_k4v2_g64", 16, 32, device="cuda", attention="torch",
-                      max_num_batched_tokens=40, enable_prefix_caching=True) as engine:
+                      max_num_batched_tokens=40, enable_prefix_caching=True, **CUDA_POOL) as engine:
         assert not engine.uses_cuda_graphs
         outputs = engine.generate(KVARN_PROMPTS, params, use_tqdm=False)
         config = engine.config
@@ -439,7 +444,7 @@ def test_kvarn_shared_last_engine_on_cuda_gives_the_one_sequence_reference_token
     params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
     with kvarn_engine(tiny_checkpoint, "kvarn_k4v2_g64", 16, 32, device="cuda", attention="torch",
                       kv_sharing="last", loops=2, max_num_batched_tokens=40,
-                      enable_prefix_caching=True) as engine:
+                      enable_prefix_caching=True, **CUDA_POOL) as engine:
         assert not engine.uses_cuda_graphs
         outputs = engine.generate(SHARED_PROMPTS, params, use_tqdm=False)
         for prompt, output in zip(SHARED_PROMPTS, outputs):
