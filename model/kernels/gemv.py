@@ -421,8 +421,10 @@ def select_config(m: int, n: int, k: int, dtype: torch.dtype, sm_count: int = CP
 # one H100 (benchmarks/results/2026-12-06.md, session 38) batch 1 took 1.122x / 1.102x of the default at 512 /
 # 2K of context against 1.127x / 1.112x in 2 splits (another H100: 1.113x / 1.125x against 1.145x / 1.159x),
 # and prefill at 1 x 8K 1.172x against 1.189x (past 256 rows an unsplit weight takes 256 x 128 tiles). down in
-# 8 splits ran 0.6-1.2% faster at batch 1 and 1.3% at 8K (not yet measured at 16-64 rows); o in 2 or 8 splits
-# and gate_up in 2 were slower. Other shapes take invariant_config's rule.
+# 8 splits ran 0.6-1.2% faster at batch 1 in one probe and 1.3% at 8K, but in three engines side by side (the
+# default, this table, down in 8; session 40) batch 1 took 1.127x / 1.131x at 512 / 2K against this table's
+# 1.130x / 1.131x, and at 16 / 64 x 512 1.005x / 0.973x (this table: 1.02x / 0.975x, the next run): not
+# kept. o in 2 or 8 splits and gate_up in 2 were slower. Other shapes take invariant_config's rule.
 INVARIANT_TUNED: dict[tuple[int, int], GemvConfig] = {
     (6144, 2048): GemvConfig(64, 128, 1, 4, 4, True),  # qkv
     (2048, 2048): GemvConfig(64, 128, 4, 4, 4, True),  # o
