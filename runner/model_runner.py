@@ -511,9 +511,17 @@ class ModelRunner:
         """Can launch() run the batch ahead of its tokens? Not a speculative step, nor under depth batching
         a loop pass (a row may end mid-token): there only a step of prompt chunks or of decode rows whose
         pipelined drafts all pause."""
+        return self._launched_decode_rows(batch) is not None
+
+    def _launched_decode_rows(self, batch: ScheduledBatch) -> list[int] | None:
+        """The decode rows a launched step runs as lockstep tokens ([] without depth batching), or None where
+        the batch cannot be launched ahead of its tokens (launchable)."""
         if batch.draft_lens:
-            return False
-        return self.depth is None or self._drafts_pause(batch, self._decode_rows(batch))
+            return None
+        if self.depth is None:
+            return []
+        decode = self._decode_rows(batch)
+        return decode if self._drafts_pause(batch, decode) else None
 
     def _chainable(self, batch: ScheduledBatch, decode: list[int]) -> bool:
         """Can these decode rows run chained passes (runner/pass_chains.py)?"""
@@ -650,10 +658,10 @@ class ModelRunner:
         """run() without waiting for the sampled tokens (a batch launchable() takes): they stay on the device
         and are copied back to the host behind the step. Rows whose last token is pending read it from
         `previous`. finish() hands back the StepResult; commit(result, launched.staged) applies it."""
-        if not self.launchable(batch):
+        decode = self._launched_decode_rows(batch)
+        if decode is None:
             raise ValueError("a speculative step or a depth-batched loop pass cannot be launched ahead of "
                              "its tokens")
-        decode = self._decode_rows(batch) if self.depth is not None else []
         self._stage(batch)
         try:
             result = (self._lockstep_tokens(batch, decode, previous, on_device=True) if decode
