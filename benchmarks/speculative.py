@@ -78,8 +78,11 @@ def decode_tpot(engine: Engine, batch: int, prompt: int, tokens: int, seed: int)
     taken per row's token; under depth batching the loop passes per row's token (a pass is a step here: no
     prompt is left; a lone row's token runs its loops in one step); under speculation the share of drafts
     accepted."""
-    if tokens > 8:
-        decode_tpot(engine, batch, prompt, 8, seed + 1)  # warm-up on the same shapes
+    if tokens > 8:  # warm-up on the same shapes, untimed (a chain of passes may finish it in one step)
+        warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        add_random_prompts(engine, batch, prompt, warm, random.Random(seed + 1))
+        while engine.has_unfinished():
+            engine.step()
     params = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
     add_random_prompts(engine, batch, prompt, params, random.Random(seed))
     ahead = prefill_until_first_tokens(engine, batch)
@@ -88,6 +91,9 @@ def decode_tpot(engine: Engine, batch: int, prompt: int, tokens: int, seed: int)
     elapsed, steps = time_until_done(engine)
     passes = engine.loop_stats.decode_passes - passes
     tokens -= ahead / batch  # a row's tokens in the timed steps
+    if tokens <= 0:
+        raise ValueError(f"--tokens {tokens + ahead / batch:g}: the first step's chain ran them all; ask for "
+                         "more than a chain's tokens")
     accepted = None
     if drafts is not None and engine.speculative_stats.num_drafted > drafts.num_drafted:
         accepted = round((engine.speculative_stats.num_accepted - drafts.num_accepted)

@@ -92,3 +92,17 @@ def test_async_pipelined_rows_time_the_tokens_after_the_step_that_reads_the_firs
         row = decode_tpot(engine, 1, 8, 16, seed=1)
     assert row["accepted"] == 1 and row["passes_per_token"] == D
     assert row["tpot_ms"] == pytest.approx(row["step_ms"] / row["tokens_per_step"], rel=1e-2)
+
+
+def test_chains_longer_than_the_warm_up_still_time_their_tokens(tiny_checkpoint):
+    """With 32 passes a step at d loops a token, the first step's chain runs 16 tokens ahead: the warm-up (8
+    tokens) finishes inside it untimed, and the timed run counts only the tokens after it; fewer timed tokens
+    than the first chain runs is refused by name."""
+    with Engine(tiny_checkpoint, device="cpu", dtype="float32", depth_batching=True, speculative=f"loops:{D}",
+                num_speculative_tokens=K, passes_per_step=32, async_scheduling=True,
+                enable_prefix_caching=False, verbose=False) as engine:
+        force_acceptance(engine, True)
+        row = decode_tpot(engine, 1, 8, 40, seed=1)
+        assert row["accepted"] == 1 and row["passes_per_token"] == D
+        with pytest.raises(ValueError, match="--tokens 9"):
+            decode_tpot(engine, 1, 8, 9, seed=2)
