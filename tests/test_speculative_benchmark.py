@@ -95,7 +95,7 @@ def test_async_pipelined_rows_time_the_tokens_after_the_step_that_reads_the_firs
 
 
 def test_chains_longer_than_the_warm_up_still_time_their_tokens(tiny_checkpoint):
-    """With 32 passes a step at d loops a token, the first step's chain runs 16 tokens ahead: the warm-up (8
+    """With 32 passes a step at d loops a token, the first step's chain runs up to 16 tokens: the warm-up (8
     tokens) finishes inside it untimed, and the timed run counts only the tokens after it; fewer timed tokens
     than the first chain runs is refused by name."""
     with Engine(tiny_checkpoint, device="cpu", dtype="float32", depth_batching=True, speculative=f"loops:{D}",
