@@ -137,6 +137,7 @@ class BucketChains:
         is a padding row while capturing, so the warm-up and the first replay write the scratch slot only."""
         graphs, backend = self.graphs, self.graphs.backend
         stream = torch.cuda.Stream()
+        graphs.loads += 1  # the captures rewrite the buffers: no chain resumes from them
         self.pad_all()
         for bs in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
@@ -242,16 +243,41 @@ class SpeculativeChainGraphs(BucketChains):
             meta: AttentionMetadata, passes: int) -> ChainOutcome:
         """The chain's passes over the static buffers (SpeculativeChains._eager's outcome; the record and
         served counts are views that the next chain rewrites)."""
-        n, requests = chain.loop.shape[0], owners.first.shape[0]
+        n = chain.loop.shape[0]
         bs = self.bucket_for(n)
         self.load_rows(chain, meta, self.chains.chains.offset_of, bs)
         self.given[:n].copy_(given)
+        self.reserve(owners, table)
+        self.pad(n, bs)
+        return self.outcome(n, bs, passes)
+
+    def resume(self, owners: Reservations, table: torch.Tensor, block_tables: torch.Tensor, passes: int
+               ) -> ChainOutcome:
+        """The last chain's rows go on from where its passes left them in the buffers (the same requests,
+        with the same tokens in flight: SpeculativeChains checks), under the step's new reservations: only
+        the requests' first positions, reservation ends and slot tables, and their block tables [R, width]
+        (which may have gained blocks) are written. The states, loops, positions, started tokens, slots, and
+        the next pass's lengths and slot offsets are the last pass's: a token in flight lies within the last
+        reservation, and its position's slot is the same in the new one."""
+        m, requests = self.chains.m, owners.first.shape[0]
+        n = requests * m
+        self.reserve(owners, table)
+        self.graphs.block_tables[:n, :block_tables.shape[1]].copy_(block_tables.repeat_interleave(m, 0))
+        self.count.zero_()
+        return self.outcome(n, self.bucket_for(n), passes)
+
+    def reserve(self, owners: Reservations, table: torch.Tensor) -> None:
+        """The requests' first positions, reservation ends and slot tables (padded with the scratch slot)."""
+        requests, columns = owners.first.shape[0], table.shape[1]
         self.first[:requests].copy_(owners.first)
         self.end[:requests].copy_(owners.end)
-        columns = table.shape[1]
         self.table[:requests, :columns].copy_(table)
         self.table[:requests, columns:].fill_(self.chains.chains.scratch_slot)
-        self.pad(n, bs)
+
+    def outcome(self, n: int, bs: int, passes: int) -> ChainOutcome:
+        """The passes over the bucket, then the record, served counts, final (active, position, loop, token)
+        of the first n rows, and their PassRows."""
+        requests = n // self.chains.m
         self.served.zero_()
         self.passes(bs, passes)
         positions = self.graphs.positions[:n]

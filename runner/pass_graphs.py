@@ -61,6 +61,7 @@ class PassGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.replays = self.passes = 0
+        self.loads = 0  # rows written into the buffers by load (a chain resuming from them checks for none)
 
     @property
     def captured(self) -> bool:
@@ -148,6 +149,7 @@ class PassGraphs:
         """The pass's rows into the static buffers, and rows n..bs as padding rows (restored here in case a
         larger pass used them)."""
         n = meta.num_rows
+        self.loads += 1
         self.state[:n].copy_(states)
         if self.injection is not None:
             self.injection[:n].copy_(injections)

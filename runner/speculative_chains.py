@@ -50,6 +50,17 @@ class Reservations:
     end: torch.Tensor
 
 
+@dataclasses.dataclass(slots=True)
+class _Left:
+    """What a chain through the static buffers left there: its requests, in order; per request the tokens in
+    flight its step gave (the very list a commit keeps) and the seat of each; the pass graphs' loads then."""
+
+    requests: list[Request]
+    flights: list[list[InFlight]]
+    seats: list[list[int]]
+    loads: int
+
+
 class SpeculativeChains:
     """Runs a step of P pipelined passes over greedy requests: `run`. chains: the plain chains, whose pass
     this runs; pipelined: the one-pass path, whose tokens in flight this continues and leaves."""
@@ -62,6 +73,7 @@ class SpeculativeChains:
         # SelfSpeculation.forced_acceptance on the device (-1: none), so a captured step reads it
         self.force = torch.full((1,), -1, dtype=torch.int64, device=chains.offset_of.device)
         self.graphs = None  # runner/chain_graphs.py: SpeculativeChainGraphs, set by the runner on CUDA
+        self._left: _Left | None = None  # what the static buffers hold after the last chain through them
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, passes: int, result) -> None:
@@ -69,11 +81,63 @@ class SpeculativeChains:
         each row's tokens, verifications, passes per token and tokens in flight after the step. No more
         passes than the request with most to do needs when every draft is accepted: its first token's loops
         left, then d a reserved position."""
-        runner, m = self.pipelined.runner, self.m
+        runner = self.pipelined.runner
         requests = batch.requests
         flights = [self.pipelined.tokens_in_flight(r, room) for r, room in zip(requests, batch.reserved)]
         passes = min(passes, max(self.loops - (f[0].mid.loop if f[0].mid else 0) + self.d * (room - 1)
                                  for f, room in zip(flights, batch.reserved)))
+        table, columns = self.chains.slot_table(runner.reserved_slots(batch))
+        first = [r.num_computed_tokens for r in requests]
+        ends = [f + room for f, room in zip(first, batch.reserved)]
+        stats = self.chains.depth.stats
+        first_pass = stats.decode_passes + 1
+        forced = runner.speculation.forced_acceptance
+        self.force.fill_(-1 if forced is None else int(bool(forced)))
+        graphs = self.graphs
+        static = graphs is not None and graphs.fits(len(requests), columns, passes)
+        seats = self._seats_left(requests, flights) if static else None
+        if seats is not None:
+            tables = runner.block_tables.gather(requests).long()
+            first_d, end_d, flat_table, blocks = upload([first, ends, table, tables], torch.int64,
+                                                        self.force.device)
+            outcome = graphs.resume(Reservations(first_d, end_d), flat_table.view(len(requests), columns),
+                                    blocks, passes)
+        else:
+            seats = [list(range(len(flight))) for flight in flights]
+            outcome = self._load(requests, flights, first, ends, table, columns, passes, static)
+        record, served, final, after = outcome
+        host = record.permute(2, 0, 1).tolist()  # [R][passes][FIELDS]
+        final = final.tolist()
+        stats.decode_passes += passes
+        stats.decode_loops += int(served.sum())
+        left = []
+        for r, request in enumerate(requests):
+            left.append(self._replay(r, request, flights[r], seats[r], host[r], final, after, first_pass,
+                                     result))
+            stats.decode_tokens += len(result.tokens[r] or [])
+        self._left = _Left(requests, [result.in_flight[r] for r in range(len(requests))], left,
+                           graphs.graphs.loads) if static else None
+
+    def _seats_left(self, requests: list[Request], flights: list[list[InFlight]]) -> list[list[int]] | None:
+        """Where the static buffers still hold these requests' tokens in flight as the last chain left them,
+        each token's row within its request (its seat): the same requests in the same order, each continuing
+        with the very tokens in flight that chain left and its step committed (none dropped, none restarted),
+        and no rows loaded into the buffers since. Else None: the chain loads its rows."""
+        left, runner = self._left, self.pipelined.runner
+        if left is None or left.loads != self.graphs.graphs.loads or len(left.requests) != len(requests):
+            return None
+        for request, was, kept, flight in zip(requests, left.requests, left.flights, flights):
+            held = runner.in_flight.get(request.request_id)
+            if request is not was or held is not kept or len(flight) != len(kept) or flight[0] is not kept[0]:
+                return None
+        return left.seats
+
+    def _load(self, requests: list[Request], flights: list[list[InFlight]], first: list[int], ends: list[int],
+              table: list[int], columns: int, passes: int, static: bool) -> ChainOutcome:
+        """The chain's rows built from the requests' tokens in flight (seat s of request r: row r * m + s,
+        its s-th token in flight, inactive past them) and its passes run: over the static buffers (`static`)
+        or over its own tensors."""
+        runner, m = self.pipelined.runner, self.m
         rows = [(r, flight[s] if s < len(flight) else None) for r, flight in enumerate(flights)
                 for s in range(m)]
         flat = [requests[r] for r, _ in rows]
@@ -81,36 +145,19 @@ class SpeculativeChains:
         tokens = [entry.token if entry else 0 for _, entry in rows]
         inputs = runner.decode_inputs(flat, tokens, positions)
         device = inputs.meta.slot_mapping.device
-        table, columns = self.chains.slot_table(runner.reserved_slots(batch))
         active = [entry is not None for _, entry in rows]
         loop = [entry.mid.loop if entry and entry.mid else 0 for _, entry in rows]
-        first = [r.num_computed_tokens for r in requests]
-        ends = [f + room for f, room in zip(first, batch.reserved)]
         loop_d, active_d, given, first_d, end_d, flat_table = upload(
             [loop, active, tokens, first, ends, table], torch.int64, device)
         owners = Reservations(first_d, end_d)
         table = flat_table.view(len(requests), columns)
-        depth = self.chains.depth
-        pass_rows = depth.pass_rows(inputs, [entry.mid if entry else None for _, entry in rows])
+        pass_rows = self.chains.depth.pass_rows(inputs, [entry.mid if entry else None for _, entry in rows])
         chain = ChainRows(pass_rows, loop_d, torch.zeros_like(loop_d), inputs.positions.clone(), None,
                           active_d.bool())
-        chain.slot = self._slots(chain, owners, table)
-        stats = depth.stats
-        first_pass = stats.decode_passes + 1
-        forced = runner.speculation.forced_acceptance
-        self.force.fill_(-1 if forced is None else int(bool(forced)))
-        graphs = self.graphs
-        if graphs is not None and graphs.fits(len(requests), columns, passes):
-            record, served, final, after = graphs.run(chain, given, owners, table, inputs.meta, passes)
-        else:
-            record, served, final, after = self._eager(chain, given, owners, table, inputs.meta, passes)
-        host = record.permute(2, 0, 1).tolist()  # [R][passes][FIELDS]
-        final = final.tolist()
-        stats.decode_passes += passes
-        stats.decode_loops += int(served.sum())
-        for r, request in enumerate(requests):
-            self._replay(r, request, flights[r], host[r], final, after, first_pass, result)
-            stats.decode_tokens += len(result.tokens[r] or [])
+        chain.slot = self.slots(chain, owners, table)
+        if static:
+            return self.graphs.run(chain, given, owners, table, inputs.meta, passes)
+        return self._eager(chain, given, owners, table, inputs.meta, passes)
 
     def _eager(self, chain: ChainRows, given: torch.Tensor, owners: Reservations, table: torch.Tensor,
                meta: AttentionMetadata, passes: int) -> ChainOutcome:
@@ -168,7 +215,7 @@ class SpeculativeChains:
             BLOCK_H=hidden_block(hidden_size), num_warps=4)
         count += 1
 
-    def _slots(self, chain: ChainRows, owners: Reservations, table: torch.Tensor) -> torch.Tensor:
+    def slots(self, chain: ChainRows, owners: Reservations, table: torch.Tensor) -> torch.Tensor:
         """Each row's slot: its position's in its request's reservation (the scratch slot where inactive)."""
         m = self.m
         column = (chain.position.view(-1, m) - owners.first[:, None]).clamp(0, table.shape[1] - 1)
@@ -216,13 +263,16 @@ class SpeculativeChains:
         chain.active = (alive | seat).view(-1)
         given.copy_(torch.where(seat, start_token[:, None], started).view(-1))
         self.chains.start_tokens(chain.rows, seat.view(-1), given)
-        chain.slot = self._slots(chain, owners, table)
+        chain.slot = self.slots(chain, owners, table)
 
-    def _replay(self, r: int, request: Request, flight: list[InFlight], record: list[list[int]],
-                final: list[list[int]], after: PassRows, first_pass: int, result) -> None:
+    def _replay(self, r: int, request: Request, flight: list[InFlight], seats: list[int],
+                record: list[list[int]], final: list[list[int]], after: PassRows, first_pass: int, result
+                ) -> list[int]:
         """Request r's record into its tokens, verifications (drafted, accepted), passes per token (from the
-        later of a token's start and the finish of the one before it) and tokens in flight after the step."""
-        started = {s: entry.mid.first_pass if entry.mid else first_pass for s, entry in enumerate(flight)}
+        later of a token's start and the finish of the one before it) and tokens in flight after the step;
+        seats[j]: the row within the request where flight[j] ran. Returns the seats of the tokens in flight
+        after the step, in their order."""
+        started = {s: entry.mid.first_pass if entry.mid else first_pass for s, entry in zip(seats, flight)}
         after_pass = flight[0].after_pass if flight else None
         tokens, drafts, depth = [], [], []
         for j, (ended, token, head, accepted, dropped, starts, row) in enumerate(record):
@@ -238,15 +288,17 @@ class SpeculativeChains:
         result.tokens[r] = tokens or None
         result.drafts[r] = drafts
         result.depth_tokens[r] = depth
-        in_flight = []
+        held = []  # (token in flight, seat)
         for s in range(self.m):
             i = r * self.m + s
             active, position, loop, token = (final[k][i] for k in range(4))
             if active:
                 mid = MidToken(position, request.num_preemptions, loop, started[s], after, i) \
                     if loop else None
-                in_flight.append(InFlight(position, token, request.num_preemptions, mid))
-        in_flight.sort(key=lambda entry: entry.position)
+                held.append((InFlight(position, token, request.num_preemptions, mid), s))
+        held.sort(key=lambda pair: pair[0].position)
+        in_flight = [entry for entry, _ in held]
         if in_flight:
             in_flight[0] = dataclasses.replace(in_flight[0], after_pass=after_pass)
         result.in_flight[r] = in_flight
+        return [s for _, s in held]

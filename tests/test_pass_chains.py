@@ -50,22 +50,28 @@ def chained(checkpoint, prompts, params, passes: int, static: bool = False, **en
 def static_chain_graphs(runner) -> dict[str, int]:
     """The runner's chains, plain or pipelined speculation's, through uncaptured chain graphs
     (runner/chain_graphs.py: the body a CUDA capture records, run eagerly; its one-pass steps through the pass
-    graphs' buffers, which they share); counts of the chains run, the passes they asked and the bodies run."""
+    graphs' buffers, which they share); counts of the chains run (those that went on from the buffers, a
+    pipelined chain's `resume`, among them), the passes they asked and the bodies run."""
     runner.depth.graphs = runner.pass_graphs()
     graphs, = runner.chain_graphs()
-    counts = {"runs": 0, "passes": 0, "bodies": 0}
-    run, body = graphs.run, graphs.body
+    counts = {"runs": 0, "resumed": 0, "passes": 0, "bodies": 0}
+    body = graphs.body
 
-    def counted_run(*args):  # the passes come last
-        counts["runs"] += 1
-        counts["passes"] += args[-1]
-        return run(*args)
+    def counted(run, resumed: int):
+        def counted_run(*args):  # the passes come last
+            counts["runs"] += 1
+            counts["resumed"] += resumed
+            counts["passes"] += args[-1]
+            return run(*args)
+        return counted_run
 
     def counted_body(bs, eager):
         counts["bodies"] += 1
         return body(bs, eager)
 
-    graphs.run, graphs.body = counted_run, counted_body
+    graphs.run, graphs.body = counted(graphs.run, 0), counted_body
+    if hasattr(graphs, "resume"):
+        graphs.resume = counted(graphs.resume, 1)
     return counts
 
 

@@ -8,6 +8,7 @@ The same code without the capture runs on CPU in tests/test_pass_graphs.py."""
 import pytest
 
 from engine import DEFAULT_MODEL, Engine
+from runner.chain_graphs import SpeculativeChainGraphs
 from runner.model_runner import ModelRunner
 from tests.test_depth_batching import HUGINN, HUGINN_PROMPTS, PROMPTS, assert_same_completions, greedy
 
@@ -115,13 +116,19 @@ def test_start_line_says_what_is_captured(tiny_checkpoint, capsys):
 
 
 @pytest.mark.parametrize("d", [1, 2])
-def test_replayed_pipelined_speculation_gives_plain_tokens(d):
+def test_replayed_pipelined_speculation_gives_plain_tokens(d, monkeypatch):
     """Pipelined self-speculation (runner/pipelined_speculation.py): verifying and drafting rows of one
     request replay one bucket's graph, each at its own slot offset; the trained tiny model accepts most
-    drafts. The tokens are the eager pipelined engine's and the lockstep engine's without speculation."""
-    params = greedy(max_tokens=12)
+    drafts; once the batch settles, a chain goes on from the captured graphs' buffers
+    (SpeculativeChainGraphs.resume). The tokens are the eager pipelined engine's and the lockstep engine's
+    without speculation."""
+    resumed = []
+    resume = SpeculativeChainGraphs.resume
+    monkeypatch.setattr(SpeculativeChainGraphs, "resume", lambda *args: resumed.append(1) or resume(*args))
+    params = greedy(max_tokens=40)
     spec = {"speculative": f"loops:{d}", "loops": 4}
     graphs, stats = run(DEFAULT_MODEL, FIVE_PROMPTS, params, True, False, **spec)
+    assert resumed
     eager, _ = run(DEFAULT_MODEL, FIVE_PROMPTS, params, True, True, **spec)
     plain, _ = run(DEFAULT_MODEL, FIVE_PROMPTS, params, False, False, loops=4)
     assert [c.token_ids for c in graphs] == [c.token_ids for c in eager] == [c.token_ids for c in plain]

@@ -394,6 +394,61 @@ def test_chain_graphs_body_reads_the_forced_acceptance_from_the_device(accept):
         assert out.depth.passes == (LOOPS + 2 * (tokens - 1) if accept else LOOPS * tokens)
 
 
+@pytest.mark.parametrize("accept", [None, 1])
+def test_a_chain_of_the_last_chains_requests_goes_on_from_the_buffers_as_a_loaded_one(accept):
+    """A step whose requests are the last chain's, each with the tokens in flight that chain left, goes on
+    from the static buffers (SpeculativeChainGraphs.resume: only reservations, slot and block tables are
+    written): its tokens, verifications and passes a token are those of chains that load their rows every
+    step; with the trained model's own verdicts (accept None) and every draft kept (1)."""
+    def generate(resume: bool):
+        with engine_of(TRAINED, True, 2, max_num_batched_tokens=512) as engine:
+            counts = static_chain_graphs(engine.runner)
+            if not resume:
+                engine.runner.speculative_chains._seats_left = lambda requests, flights: None
+            engine.runner.speculation.forced_acceptance = accept
+            outputs = [o.outputs[0] for o in engine.generate(PROMPTS, greedy(max_tokens=40), use_tqdm=False)]
+            stats = engine.speculative_stats
+            assert_clean(engine)
+        return outputs, (stats.num_drafted, stats.num_accepted), counts
+
+    loaded, loaded_stats, none = generate(resume=False)
+    resumed, stats, counts = generate(resume=True)
+    assert none["resumed"] == 0 < counts["resumed"] < counts["runs"]
+    assert [o.token_ids for o in resumed] == [o.token_ids for o in loaded]
+    assert [o.depth.passes for o in resumed] == [o.depth.passes for o in loaded]
+    assert stats == loaded_stats
+
+
+def test_chains_load_their_rows_again_when_the_batch_or_its_tokens_in_flight_change():
+    """Through the chain graphs' buffers, requests arrive and finish while others have tokens in flight, one
+    with logprobs (its steps run one pass through the pass graphs' buffers, no chain) and one preempted:
+    each such step's next chain loads its rows, the others go on from the buffers, and every greedy request's
+    tokens are plain decoding's."""
+    prefix = "A long prefix shared by every request, long enough to fill blocks: "
+    prompts = [prefix + p for p in PROMPTS]
+    arrivals = {0: [0, 1], 4: [2], 9: [3]}
+    params = {i: greedy(max_tokens=24) for i in range(4)}
+    params[2] = greedy(max_tokens=5, logprobs=1)
+    small = {"num_kv_blocks": 20, "block_size": 4, "admission": "greedy", "max_num_batched_tokens": 512}
+    base = {i: o.token_ids for i, o in enumerate(run(TRAINED, [params[i] for i in range(4)], False, prompts,
+                                                     **small)[0])}
+    tokens, step = {}, 0
+    with engine_of(TRAINED, True, **small) as engine:
+        counts = static_chain_graphs(engine.runner)
+        while engine.has_unfinished() or step <= max(arrivals):
+            for i in arrivals.get(step, []):
+                engine.add_request(prompts[i], params[i], request_id=str(i))
+            for out in engine.step():
+                if out.finished:
+                    tokens[int(out.request_id)] = out.outputs[0].token_ids
+            step += 1
+            assert step < 400
+        preemptions = engine.scheduler.num_preemptions
+        assert_clean(engine)
+    assert tokens == base
+    assert preemptions > 0 and 0 < counts["resumed"] < counts["runs"]
+
+
 # the hook points a decode pass reaches (a pass reads out and samples; the step's outcome is decided, applied
 # and committed; a finished request is released); tests/test_step_faults.py covers the rest of a step
 PASS_HOOKS = ["readout", "sample", "decide", "apply", "commit", "release"]
