@@ -394,15 +394,19 @@ def test_chain_graphs_body_reads_the_forced_acceptance_from_the_device(accept):
         assert out.depth.passes == (LOOPS + 2 * (tokens - 1) if accept else LOOPS * tokens)
 
 
-@pytest.mark.parametrize("accept", [None, 1])
-def test_a_chain_of_the_last_chains_requests_goes_on_from_the_buffers_as_a_loaded_one(accept):
+@pytest.mark.parametrize("accept, fused", [
+    (None, False), (1, False), pytest.param(1, True, marks=pytest.mark.interpreter)])
+def test_a_chain_of_the_last_chains_requests_goes_on_from_the_buffers_as_a_loaded_one(accept, fused):
     """A step whose requests are the last chain's, each with the tokens in flight that chain left, goes on
     from the static buffers (SpeculativeChainGraphs.resume: only reservations, slot and block tables are
     written): its tokens, verifications and passes a token are those of chains that load their rows every
-    step; with the trained model's own verdicts (accept None) and every draft kept (1)."""
+    step (with the tensor step); with the trained model's own verdicts (accept None) and every draft kept
+    (1); with the step that CUDA graphs record (fused: runner/chain_step_kernels.py, in the interpreter),
+    which leaves the next pass's lengths and slot offsets in the buffers."""
     def generate(resume: bool):
         with engine_of(TRAINED, True, 2, max_num_batched_tokens=512) as engine:
             counts = static_chain_graphs(engine.runner)
+            engine.runner.speculative_chains.graphs.fused = fused and resume
             if not resume:
                 engine.runner.speculative_chains._seats_left = lambda requests, flights: None
             engine.runner.speculation.forced_acceptance = accept
