@@ -216,8 +216,9 @@ class ChainGraphs(BucketChains):
 
 class SpeculativeChainGraphs(BucketChains):
     """Pipelined speculation's chains (runner/speculative_chains.py) per bucket of requests, m = ceil(T/d)
-    rows each, over static buffers: `run`. max_requests: the most requests a step decodes (max_num_seqs;
-    buckets whose rows outgrow the pass graphs' are left out); max_passes, columns: as ChainGraphs'."""
+    rows each, over static buffers: `run` loads a chain's rows, `resume` goes on from the last chain's.
+    max_requests: the most requests a step decodes (max_num_seqs; buckets whose rows outgrow the pass graphs'
+    are left out); max_passes, columns: as ChainGraphs'."""
 
     def __init__(self, chains: SpeculativeChains, graphs: PassGraphs, max_requests: int, max_passes: int,
                  columns: int) -> None:

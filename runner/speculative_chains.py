@@ -19,7 +19,10 @@ request: finished, token, accepted, the tokens dropped, the row a token started 
 tokens, its verifications (SpeculativeStats), passes per token (DepthStats) and its tokens in flight, which a
 later step, chained or not, continues. The speculation runs at full depth (speculation refuses exit
 policies), so no K/V is copied forward. On CUDA each pass with its step replays as one graph per bucket of
-requests (runner/chain_graphs.py: SpeculativeChainGraphs), reading the forced verdict from the device.
+requests (runner/chain_graphs.py: SpeculativeChainGraphs), reading the forced verdict from the device. A
+step of the same requests as the chain before, each with the tokens in flight it left, goes on from what that
+chain left in the graphs' buffers (resume): the host then writes only the reservations and block tables, not
+the rows.
 """
 
 from __future__ import annotations
@@ -154,7 +157,7 @@ class SpeculativeChains:
         pass_rows = self.chains.depth.pass_rows(inputs, [entry.mid if entry else None for _, entry in rows])
         chain = ChainRows(pass_rows, loop_d, torch.zeros_like(loop_d), inputs.positions.clone(), None,
                           active_d.bool())
-        chain.slot = self.slots(chain, owners, table)
+        chain.slot = self._slots(chain, owners, table)
         if static:
             return self.graphs.run(chain, given, owners, table, inputs.meta, passes)
         return self._eager(chain, given, owners, table, inputs.meta, passes)
@@ -215,7 +218,7 @@ class SpeculativeChains:
             BLOCK_H=hidden_block(hidden_size), num_warps=4)
         count += 1
 
-    def slots(self, chain: ChainRows, owners: Reservations, table: torch.Tensor) -> torch.Tensor:
+    def _slots(self, chain: ChainRows, owners: Reservations, table: torch.Tensor) -> torch.Tensor:
         """Each row's slot: its position's in its request's reservation (the scratch slot where inactive)."""
         m = self.m
         column = (chain.position.view(-1, m) - owners.first[:, None]).clamp(0, table.shape[1] - 1)
@@ -263,7 +266,7 @@ class SpeculativeChains:
         chain.active = (alive | seat).view(-1)
         given.copy_(torch.where(seat, start_token[:, None], started).view(-1))
         self.chains.start_tokens(chain.rows, seat.view(-1), given)
-        chain.slot = self.slots(chain, owners, table)
+        chain.slot = self._slots(chain, owners, table)
 
     def _replay(self, r: int, request: Request, flight: list[InFlight], seats: list[int],
                 record: list[list[int]], final: list[list[int]], after: PassRows, first_pass: int, result
