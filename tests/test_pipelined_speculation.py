@@ -426,8 +426,8 @@ def test_a_chain_of_the_last_chains_requests_goes_on_from_the_buffers_as_a_loade
 def test_chains_load_their_rows_again_when_the_batch_or_its_tokens_in_flight_change():
     """Through the chain graphs' buffers, requests arrive and finish while others have tokens in flight, one
     with logprobs (its steps run one pass through the pass graphs' buffers, no chain) and one preempted:
-    each such step's next chain loads its rows, the others go on from the buffers, and every greedy request's
-    tokens are plain decoding's."""
+    chains load their rows after such steps and go on from the buffers between them (both happen), and every
+    request's tokens are plain decoding's."""
     prefix = "A long prefix shared by every request, long enough to fill blocks: "
     prompts = [prefix + p for p in PROMPTS]
     arrivals = {0: [0, 1], 4: [2], 9: [3]}
