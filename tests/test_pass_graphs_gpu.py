@@ -120,12 +120,12 @@ def test_replayed_pipelined_speculation_gives_plain_tokens(d, monkeypatch):
     """Pipelined self-speculation (runner/pipelined_speculation.py): verifying and drafting rows of one
     request replay one bucket's graph, each at its own slot offset; the trained tiny model accepts most
     drafts; once the batch settles, a chain goes on from the captured graphs' buffers
-    (SpeculativeChainGraphs.resume). The tokens are the eager pipelined engine's and the lockstep engine's
-    without speculation."""
+    (SpeculativeChainGraphs.resume; no logprobs, which would keep each step to one pass). The tokens are the
+    eager pipelined engine's and the lockstep engine's without speculation."""
     resumed = []
     resume = SpeculativeChainGraphs.resume
     monkeypatch.setattr(SpeculativeChainGraphs, "resume", lambda *args: resumed.append(1) or resume(*args))
-    params = greedy(max_tokens=40)
+    params = greedy(max_tokens=40, logprobs=None)
     spec = {"speculative": f"loops:{d}", "loops": 4}
     graphs, stats = run(DEFAULT_MODEL, FIVE_PROMPTS, params, True, False, **spec)
     assert resumed
