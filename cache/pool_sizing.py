@@ -149,8 +149,11 @@ def available_memory_bytes() -> int | None:
 
 
 def device_memory_available(device: torch.device) -> int | None:
-    """Bytes a new allocation may take on the device now: CUDA's free memory, or the host's available
-    memory (available_memory_bytes); None where the OS does not say."""
+    """Bytes a new allocation may take on the device now: CUDA's free memory and the blocks this process's
+    caching allocator holds unused (tensors freed before the engine was built: CUDA counts them as used, the
+    allocator hands them out first, and the sizing rule counts them as this process's), or the host's
+    available memory (available_memory_bytes); None where the OS does not say."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     return available_memory_bytes()

@@ -1,10 +1,13 @@
 """How big the KV pool is (cache/pool_sizing.py: PoolSizer): on CPU from max_model_len, max_num_seqs and the
-memory available; kv_cache_gib or num_kv_blocks when given. A pool smaller than max_model_len warns, and a
+memory available; on CUDA by vLLM's rule, which its own check before allocating agrees with (the CUDA memory
+calls stood in for); kv_cache_gib or num_kv_blocks when given. A pool smaller than max_model_len warns, and a
 sequence that fills it says so (finish_reason "length", stop_reason "kv_pool_full")."""
 
+import types
 import warnings
 
 import pytest
+import torch
 
 from cache import pool_sizing
 from cache.pool_sizing import CPU_KV_BYTES, CPU_KV_MEMORY_FRACTION
@@ -42,6 +45,25 @@ def test_cpu_pool_is_capped_by_available_memory_and_warns_below_max_model_len(ti
     expected = int(CPU_KV_MEMORY_FRACTION * 20)  # blocks of the capped budget, the scratch block aside
     with pytest.warns(UserWarning, match=f"holds {expected * 16} tokens, less than max_model_len 4096"):
         assert blocks(tiny_checkpoint) == expected
+
+
+def test_cuda_pool_sized_beside_cached_blocks_passes_its_own_check(monkeypatch):
+    """On CUDA the budget is vLLM's rule, in which every byte this process's allocator reserves is its own
+    (what else is used belongs to others), so blocks it caches unused (tensors freed in a notebook before an
+    Engine) are in the budget: the check before allocating counts them as available too, as the allocator
+    hands them out first. (80 GiB card, 10 free; 30 reserved, 5 of them allocated; an 8 GiB peak.)"""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 5 * gib)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 8 * gib)
+    sizer = pool_sizing.PoolSizer(None, None, torch.device("cuda"), None, None, 0.9, 4096)
+    probe = types.SimpleNamespace(bytes_per_block=gib // 64)
+    blocks = sizer.blocks_for_memory(probe, 0, profile=lambda: None)
+    assert blocks == int(0.9 * 80 - 8 - (80 - 10 - 30)) * 64 - 1  # the scratch block aside
+    assert pool_sizing.device_memory_available(torch.device("cuda")) == (10 + 25) * gib
+    sizer.check_fits(probe, blocks + 1, 0, "loops or block_size")  # raised before cached blocks counted
 
 
 def test_kv_cache_gib_sizes_the_pool(tiny_checkpoint):
