@@ -1,7 +1,8 @@
 """Compiles every Triton kernel variant the backend launches for Hopper (sm_90), without a GPU, and checks
 in the PTX of each Programmatic Dependent Launch variant that a program reads only step inputs before
 `griddepcontrol.wait`, writes nothing to global memory before it, and reaches it on every path
-(tests/pdl_ptx.py). Prints each variant's registers and stack bytes a thread (ptxas spills to the stack).
+(tests/pdl_ptx.py). Prints each variant's registers and stack bytes a thread (ptxas spills to the stack),
+the GEMMs compiled as a launch at Ouro's and Huginn-0125's shapes specializes them (SHAPE_INTS).
 
 The interpreter accepts code that the compiler rejects (a non-constexpr global, a type that changes
 across a branch), so CPU-only CI runs this as a script in a process without TRITON_INTERPRET:
@@ -60,6 +61,11 @@ PDL_EARLY_READS.update({kernel.__name__: WEIGHTS for kernel in (
     skinny_gemm_kernel, skinny_gemm_rope_kernel, skinny_gemm_silu_mul_kernel, skinny_gemm_add_norms_kernel,
     rmsnorm_kernel, silu_mul_kernel, rope_qkv_kernel)})
 FLOATS = {"scale", "eps"}
+# The GEMMs' shapes and strides: Ouro's and Huginn-0125's are multiples of 16, which a launch passes as
+# such (Triton specializes an int divisible by 16); compiled without it, their loads are not vectorized and
+# the registers printed are not a launch's.
+SHAPE_INTS = {"N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_normed", "stride_residual",
+              "stride_out"}
 
 
 # The KVarN kernels' pointers (attention/triton_kvarn.py launches them with fp32 queries and outputs).
@@ -85,6 +91,8 @@ def compile_for_hopper(fn, dtype: str, constexprs: dict, num_warps: int,
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name in FLOATS else "i64" if name in WIDE_INTS else "i32"
+            if name in SHAPE_INTS:
+                attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn, signature, constexprs, attrs)
     options = {"num_warps": num_warps, "num_stages": 2, **({} if maxnreg is None else {"maxnreg": maxnreg})}
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
