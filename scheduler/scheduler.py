@@ -121,26 +121,32 @@ class Decision:
 
 class _Ahead:
     """A request as it would be with `tokens` appended (and `text` its output text): what deciding the next
-    token of a speculative row reads, before anything is applied."""
+    token of a multi-token row reads, before anything is applied. The counts cost nothing; the token lists,
+    read only where the row ends or its decoder is rebuilt, are copied then (not once a token: a step's
+    tokens would each copy the whole sequence)."""
 
     def __init__(self, request: Request, tokens: list[int], text: str) -> None:
         self.request_id, self.params = request.request_id, request.params
         self.eos_token_ids = request.eos_token_ids
-        self.token_ids = request.token_ids + tokens
         self.num_prompt_tokens = request.num_prompt_tokens
         self.output_text = text
+        self._request, self._tokens = request, tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return self._request.num_tokens + len(self._tokens)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._request.token_ids + self._tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self._request.token_ids[self.num_prompt_tokens:] + self._tokens
 
 
 class Scheduler:

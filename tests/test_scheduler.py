@@ -435,6 +435,28 @@ def test_ignore_eos_runs_to_max_tokens():
     )
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_row_of_several_tokens_ends_where_the_same_tokens_one_a_step_do(seed):
+    """A speculative or chained row's tokens are decided at once, each against the request as the tokens
+    before it would leave it: the row ends at the same token, for the same reason, with the same text, as
+    the same tokens decided one a step (stop tokens, EOS, stop strings kept or cut, max_tokens)."""
+    rng = random.Random(seed)
+    for _ in range(20):
+        params = {"max_tokens": rng.randint(1, 30), "ignore_eos": rng.random() < 0.3,
+                  "include_stop_str_in_output": rng.random() < 0.5}
+        if rng.random() < 0.6:
+            params["stop"] = ["".join(rng.choices("abcdef", k=2)) for _ in range(rng.randint(1, 2))]
+        if rng.random() < 0.3:
+            params["stop_token_ids"] = [rng.randrange(1, VOCAB)]
+        script = [rng.randrange(1 if rng.random() < 0.7 else 0, 7) for _ in range(32)]
+        one_a_step = run_scripted(script, **params)
+        scheduler, _ = make_scheduler()
+        outcome = scheduler._decide_tokens(make_request("s", [1, 2, 3], **params), 1, script)
+        assert outcome.tokens == one_a_step.output_token_ids
+        assert outcome.finish[:2] == (one_a_step.finish_reason, one_a_step.stop_reason)
+        assert outcome.text == one_a_step.output_text
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_token_id_stops_with_that_token_as_reason(include):
     request = run_scripted([6, 7, 8], max_tokens=20, stop_token_ids=[7], include_stop_str_in_output=include)
