@@ -144,10 +144,10 @@ def split_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters, spl
                             eviction_policy="evict_last")
             return tl.sum(w_all.to(tl.float32) * x_all.to(tl.float32), axis=1)[None, :]
         # Two rows (MAX_FMA_M): each row's sum is the one-row sum, on the same registers of weight. Both rows'
-        # x are loaded before either reduces, and both reduce in one tl.reduce: a reduction's barriers hold
-        # back a load after them, so rows reduced one after the other pay two L2 round trips and two
-        # reductions after the PDL wait (their PTX, compiled as tests/hopper_compile.py does; 168 registers
-        # a thread either way with Triton 3.8).
+        # x are loaded before either reduces and both reduce in one tl.reduce: reduced one after the other,
+        # the second row's load waited behind the first row's reduction barriers, two L2 round trips and two
+        # reductions after the PDL wait (PTX of a launch's specialization, tests/hopper_compile.py; 168
+        # registers a thread either way with Triton 3.8).
         x_0 = tl.load(x_ptr + (k0 + offs_all)[None, :], mask=in_k[None, :], other=0.0,
                       eviction_policy="evict_last")
         x_1 = tl.load(x_ptr + stride_xm + (k0 + offs_all)[None, :], mask=in_k[None, :] & (M > 1), other=0.0,
