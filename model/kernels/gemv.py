@@ -114,12 +114,6 @@ def dot_into(acc, w, x, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def add_pairs(a_0, a_1, b_0, b_1):
-    """Two sums at once (tl.reduce over a pair of tensors), each in the order tl.sum adds one."""
-    return a_0 + b_0, a_1 + b_1
-
-
-@triton.jit
 def split_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters, split,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                   USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
@@ -143,18 +137,15 @@ def split_product(x_ptr, w_ptr, w_rows, M, K, stride_xm, stride_wn, k_iters, spl
             x_all = tl.load(x_ptr + (k0 + offs_all)[None, :], mask=in_k[None, :], other=0.0,
                             eviction_policy="evict_last")
             return tl.sum(w_all.to(tl.float32) * x_all.to(tl.float32), axis=1)[None, :]
-        # Two rows (MAX_FMA_M): each row's sum is the one-row sum, on the same registers of weight. Both rows'
-        # x are loaded before either reduces and both reduce in one tl.reduce: reduced one after the other,
-        # the second row's load waited behind the first row's reduction barriers, two L2 round trips and two
-        # reductions after the PDL wait (PTX of a launch's specialization, tests/hopper_compile.py; 168
-        # registers a thread either way with Triton 3.8).
-        x_0 = tl.load(x_ptr + (k0 + offs_all)[None, :], mask=in_k[None, :], other=0.0,
-                      eviction_policy="evict_last")
-        x_1 = tl.load(x_ptr + stride_xm + (k0 + offs_all)[None, :], mask=in_k[None, :] & (M > 1), other=0.0,
-                      eviction_policy="evict_last")
-        w_f = w_all.to(tl.float32)
-        row_0, row_1 = tl.reduce((w_f * x_0.to(tl.float32), w_f * x_1.to(tl.float32)), 1, add_pairs)
-        return tl.where(tl.arange(0, BLOCK_M)[:, None] == 0, row_0[None, :], row_1[None, :])
+        # A few rows (MAX_FMA_M): each row's sum is the one-row sum, on the same registers of weight.
+        offs_m = tl.arange(0, BLOCK_M)
+        rows = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for r in tl.static_range(BLOCK_M):
+            x_r = tl.load(x_ptr + r * stride_xm + (k0 + offs_all)[None, :], mask=in_k[None, :] & (r < M),
+                          other=0.0, eviction_policy="evict_last")
+            row = tl.sum(w_all.to(tl.float32) * x_r.to(tl.float32), axis=1)
+            rows = tl.where(offs_m[:, None] == r, row[None, :], rows)
+        return rows
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     iters = tl.minimum(k_iters, tl.cdiv(K, BLOCK_K) - first)
