@@ -61,9 +61,9 @@ PDL_EARLY_READS.update({kernel.__name__: WEIGHTS for kernel in (
     skinny_gemm_kernel, skinny_gemm_rope_kernel, skinny_gemm_silu_mul_kernel, skinny_gemm_add_norms_kernel,
     rmsnorm_kernel, silu_mul_kernel, rope_qkv_kernel)})
 FLOATS = {"scale", "eps"}
-# The GEMMs' shapes and strides: Ouro's and Huginn-0125's are multiples of 16, which a launch passes as
-# such (Triton specializes an int divisible by 16); compiled without it, their loads are not vectorized and
-# the registers printed are not a launch's.
+# The GEMMs' shapes and strides (three of the names are also rmsnorm_kernel's row strides): Ouro's and
+# Huginn-0125's are multiples of 16, which a launch passes as such (Triton specializes an int divisible by
+# 16); compiled without it, their loads are not vectorized and the registers printed are not a launch's.
 SHAPE_INTS = {"N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_normed", "stride_residual",
               "stride_out"}
 
